@@ -1,0 +1,28 @@
+"""Slipstream: fast, survivable distributed training on PyTorch.
+
+Public API::
+
+    import slipstream
+    rt = slipstream.init()                                   # process group, device
+    run = slipstream.accelerate(model, optimizer, precision="bf16")
+    for x, y in loader:
+        loss = loss_fn(run.model(x), y)
+        run.backward(loss)
+        run.step()
+"""
+
+from .config import TrainConfig
+from .errors import ConfigError, SlipstreamError
+from .runtime import Runtime, init, shutdown
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError",
+    "Runtime",
+    "SlipstreamError",
+    "TrainConfig",
+    "__version__",
+    "init",
+    "shutdown",
+]

@@ -1,0 +1,165 @@
+"""Typed training configuration, validated when built.
+
+Values come from three layers, the later winning:
+
+1. built-in defaults (the dataclass fields below);
+2. ``SLIPSTREAM_*`` environment variables, which ``slipstream run --sync ...
+   --precision ...`` sets for its workers so a strategy can be switched
+   without editing the script;
+3. keyword arguments given in code to :func:`slipstream.accelerate`.
+
+Example::
+
+    cfg = TrainConfig(precision="bf16", accumulate_steps=4)
+    TrainConfig(accumulate_steps=0)   # ConfigError: accumulate_steps must be >= 1, got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ENV_PREFIX = "SLIPSTREAM_"
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How :func:`slipstream.accelerate` wraps a model and optimizer.
+
+    Fields carry their units in their names. Every field can be given in code
+    or through ``SLIPSTREAM_<FIELD>`` (upper case) in the environment.
+    """
+
+    # --- gradient synchronisation -------------------------------------------------
+    sync: str = "allreduce"
+    """Strategy name (see ``slipstream.sync.available()``)."""
+    bucket_cap_mb: float = 25.0
+    """DDP bucket size in MiB: gradients are fused into buckets of this size and
+    each bucket is reduced as soon as its gradients are ready (overlap with backward)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into the communication buckets: no extra copy."""
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+
+    # --- numerics -----------------------------------------------------------------
+    precision: str = "fp32"
+    """fp32, bf16 (autocast) or fp16 (autocast + dynamic gradient scaler)."""
+    accumulate_steps: int = 1
+    """Micro-steps per optimizer step; gradients synchronise on the last one only."""
+    grad_clip_norm: float | None = None
+    """Clip the global gradient 2-norm to this value (None: no clipping)."""
+    activation_checkpointing: tuple[str, ...] = ()
+    """Class names of modules whose activations are recomputed in backward."""
+
+    # --- bookkeeping --------------------------------------------------------------
+    run_dir: str | None = None
+    """Where per-rank metrics (JSONL) and run artefacts go; None: runs/<timestamp>."""
+    log_every_steps: int = 10
+    """Loss is read back to the host (one sync) only every this many steps."""
+    progress: bool = True
+    """Show a progress bar on rank 0 when the console is a terminal."""
+    total_steps: int | None = None
+    """Known length of the run, for the progress bar and ETA."""
+
+    def __post_init__(self) -> None:
+        from . import sync as _sync  # late: sync imports config
+
+        _require(isinstance(self.sync, str) and self.sync != "", f"sync must be a strategy name, got {self.sync!r}")
+        known = _sync.available()
+        _require(self.sync in known, f"sync must be one of {', '.join(known)}, got {self.sync!r}")
+        _require(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        _require(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        _require(
+            isinstance(self.accumulate_steps, int) and self.accumulate_steps >= 1,
+            f"accumulate_steps must be >= 1, got {self.accumulate_steps}",
+        )
+        _require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}",
+        )
+        _require(self.log_every_steps >= 1, f"log_every_steps must be >= 1, got {self.log_every_steps}")
+        _require(
+            self.total_steps is None or self.total_steps >= 0,
+            f"total_steps must be >= 0 or None, got {self.total_steps}",
+        )
+        if isinstance(self.activation_checkpointing, str):
+            object.__setattr__(self, "activation_checkpointing", _split_names(self.activation_checkpointing))
+        else:
+            object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "TrainConfig":
+        """Built-in defaults, then ``SLIPSTREAM_*`` variables, then ``overrides``.
+
+        Example::
+
+            os.environ["SLIPSTREAM_PRECISION"] = "bf16"
+            TrainConfig.from_env(accumulate_steps=2).precision  # "bf16"
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is not None and raw != "":
+                values[f.name] = _parse_env(f, raw)
+        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+        if unknown:
+            raise ConfigError(f"unknown training option(s): {', '.join(unknown)}; known: {', '.join(f.name for f in fields(cls))}")
+        values.update(overrides)
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        """The ``SLIPSTREAM_*`` variables that reproduce the non-default fields."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default and not (f.name == "activation_checkpointing" and value == ()):
+                if isinstance(value, tuple):
+                    value = ",".join(value)
+                out[ENV_PREFIX + f.name.upper()] = str(value)
+        return out
+
+
+def _split_names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    name = ENV_PREFIX + f.name.upper()
+    kind = str(f.type)
+    if raw.strip().lower() == "none" and "None" in kind:
+        return None
+    try:
+        if kind.startswith("bool"):
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind.startswith("int"):
+            return int(raw)
+        if kind.startswith("float"):
+            return float(raw)
+        if kind.startswith("tuple"):
+            return _split_names(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be a {kind.split(' ')[0]}, got {raw!r}") from None
+    return raw
+
+
+__all__ = ["TrainConfig", "PRECISIONS"]

@@ -1,0 +1,36 @@
+"""Errors and process exit codes shared by the library and the CLI.
+
+Exit codes (documented in README.md, matched by Kubernetes podFailurePolicy):
+
+* 0   success
+* 1   training failed (a worker failed and the restart budget is spent)
+* 2   usage or configuration error (bad flag, missing file, invalid spec)
+* 130 interrupted by the user (Ctrl-C)
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_TRAINING_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class SlipstreamError(Exception):
+    """Base class for errors Slipstream reports to the user without a traceback."""
+
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(SlipstreamError, ValueError):
+    """A configuration value is invalid; the message names the field, rule and value."""
+
+
+class UsageError(SlipstreamError):
+    """The command line or environment is unusable (missing script, busy port, ...)."""
+
+
+class TrainingFailed(SlipstreamError):
+    """Workers failed and no restarts remain."""
+
+    exit_code = EXIT_TRAINING_FAILED

@@ -1,0 +1,206 @@
+"""Launch workers through torch's elastic agent (``torch.distributed.launcher.api``).
+
+Workers get the torchrun environment (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT,
+TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_RUN_ID, ...), so an unmodified
+torchrun script runs unchanged, restarts included.
+
+What differs from torchrun, and why:
+
+* Every attempt bootstraps from a fresh TCP store. torchrun shares the agent's
+  rendezvous store with the workers across restarts; under gloo a restarted
+  rank can then read the address its peer published in the previous attempt
+  and fail with "Connection refused" in connectFullMesh (seen in 4 of 10
+  trials on our CI machine). We opt out of that sharing
+  (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): each rendezvous round then picks a
+  new port and rank 0 of the attempt hosts a new store, so no key survives
+  from an earlier attempt.
+* Clear errors before anything starts (missing script, bad counts, busy port)
+  and exit codes that tell success (0), training failure (1) and usage
+  errors (2) apart.
+* OMP_NUM_THREADS defaults to cores / local workers rather than 1.
+
+Example::
+
+    from slipstream.launch import LaunchOptions, launch
+    code = launch(LaunchOptions("train.py", ["--steps", "10"], nproc_per_node=2, max_restarts=1))
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+
+
+@dataclass
+class LaunchOptions:
+    """What to start and how; validated by :meth:`validate`."""
+
+    entrypoint: str
+    """Path of the training script, or a module name when ``module`` is true."""
+    args: list[str] = field(default_factory=list)
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    max_nodes: int = 1
+    node_rank: int | None = None
+    """This node's rank; 0 hosts the rendezvous store. None: decided from the endpoint."""
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the rendezvous store; None on one node: a free local port."""
+    rdzv_id: str | None = None
+    max_restarts: int = 0
+    monitor_interval_s: float = 0.1
+    module: bool = False
+    local_addr: str | None = None
+    """Address this node publishes to the others (default: its host name)."""
+    join_timeout_s: float = 600.0
+    worker_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for workers (e.g. SLIPSTREAM_SYNC set by --sync)."""
+
+    def validate(self) -> None:
+        """Raise :class:`UsageError` with a readable message for anything unusable."""
+        if self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.min_nodes < 1:
+            raise UsageError(f"--nnodes minimum must be >= 1, got {self.min_nodes}")
+        if self.max_nodes < self.min_nodes:
+            raise UsageError(f"--nnodes maximum ({self.max_nodes}) must be >= minimum ({self.min_nodes})")
+        if self.max_restarts < 0:
+            raise UsageError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.node_rank is not None and not 0 <= self.node_rank < self.max_nodes:
+            raise UsageError(f"--node-rank must be in [0, {self.max_nodes}), got {self.node_rank}")
+        if self.join_timeout_s <= 0:
+            raise UsageError(f"join timeout must be > 0 s, got {self.join_timeout_s}")
+        if not self.module:
+            if not os.path.exists(self.entrypoint):
+                raise UsageError(f"training script not found: {self.entrypoint}")
+            if os.path.isdir(self.entrypoint):
+                raise UsageError(f"training script is a directory, not a file: {self.entrypoint}")
+        if self.max_nodes > 1 and not self.rdzv_endpoint:
+            raise UsageError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the store every node joins)")
+        if self.rdzv_endpoint:
+            parse_endpoint(self.rdzv_endpoint)
+
+    @property
+    def is_rdzv_host(self) -> bool | None:
+        """True/False when known from --node-rank or a single-node run, None to let torch decide."""
+        if self.node_rank is not None:
+            return self.node_rank == 0
+        if self.max_nodes == 1:
+            return True
+        return None
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """``"host:29400"`` -> ``("host", 29400)``; a clear error otherwise."""
+    host, sep, port_text = endpoint.rpartition(":")
+    if not sep or not host:
+        raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise UsageError(f"--rdzv-endpoint port must be a number, got {port_text!r} in {endpoint!r}") from None
+    if not 0 <= port < 65536:
+        raise UsageError(f"--rdzv-endpoint port must be in [0, 65535], got {port}")
+    return host.strip("[]"), port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail early, with a readable message, when the store port is taken."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("" if family == socket.AF_INET else "::", port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"rendezvous port {port} is already in use on this machine; "
+                    f"choose another with --rdzv-endpoint {host}:PORT or stop the process holding it"
+                ) from None
+            raise
+
+
+def _default_threads(nproc_per_node: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // nproc_per_node)
+
+
+def launch(opts: LaunchOptions) -> int:
+    """Run the workers to completion; returns the process exit code.
+
+    0 when every worker succeeded, 1 when they failed with no restart left,
+    130 when interrupted.
+    """
+    opts.validate()
+    endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
+    host, port = parse_endpoint(endpoint)
+    if opts.is_rdzv_host:
+        check_port_free(host, port)
+
+    # Imported late: importing the launcher costs a second and the checks above
+    # should answer at once.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", str(_default_threads(opts.nproc_per_node)))
+    os.environ.setdefault("LOGLEVEL", "WARNING")
+    os.environ.update(opts.worker_env)
+
+    rdzv_configs: dict[str, object] = {"join_timeout": int(opts.join_timeout_s)}
+    if opts.is_rdzv_host is not None:
+        rdzv_configs["is_host"] = opts.is_rdzv_host
+    config = LaunchConfig(
+        min_nodes=opts.min_nodes,
+        max_nodes=opts.max_nodes,
+        nproc_per_node=opts.nproc_per_node,
+        run_id=opts.rdzv_id or f"slipstream-{uuid.uuid4().hex[:12]}",
+        role="worker",
+        rdzv_endpoint=endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs=rdzv_configs,
+        max_restarts=opts.max_restarts,
+        monitor_interval=opts.monitor_interval_s,
+        start_method="spawn",
+        local_addr=opts.local_addr,
+    )
+    cmd_args = ["-u", "-m", opts.entrypoint, *opts.args] if opts.module else ["-u", opts.entrypoint, *opts.args]
+    started = time.monotonic()
+    try:
+        elastic_launch(config, sys.executable)(*cmd_args)
+    except ChildFailedError as exc:
+        _report_failure(exc, opts, time.monotonic() - started)
+        return EXIT_TRAINING_FAILED
+    except RendezvousError as exc:
+        print(f"slipstream run: rendezvous failed at {endpoint}: {exc}", file=sys.stderr)
+        return EXIT_TRAINING_FAILED
+    except KeyboardInterrupt:
+        print("slipstream run: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return EXIT_OK
+
+
+def _report_failure(exc: "Exception", opts: LaunchOptions, elapsed_s: float) -> None:
+    failures = getattr(exc, "failures", {})
+    lines = [
+        f"slipstream run: training failed after {elapsed_s:.1f} s "
+        f"({opts.max_restarts} restart(s) allowed, all spent)."
+    ]
+    for global_rank, failure in sorted(failures.items()):
+        reason = failure.message if isinstance(failure.message, str) else str(failure.message)
+        reason = reason.strip().splitlines()[-1] if reason and reason.strip() else "no error record"
+        lines.append(
+            f"  rank {global_rank} (local {failure.local_rank}, pid {failure.pid}): "
+            f"exit code {failure.exitcode}: {reason}"
+        )
+    print("\n".join(lines), file=sys.stderr)
+

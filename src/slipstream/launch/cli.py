@@ -1,0 +1,95 @@
+"""``slipstream run``: argument parsing for the launcher."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import TrainConfig
+from ..errors import ConfigError, UsageError
+from .api import LaunchOptions, launch
+
+# Flags that feed defaults into the training config of every worker.
+_TRAIN_FLAGS = (
+    ("--sync", "sync", str, "gradient sync strategy (allreduce, bf16, fp16, ...)"),
+    ("--precision", "precision", str, "fp32, bf16 or fp16"),
+    ("--accumulate-steps", "accumulate_steps", int, "micro-steps per optimizer step"),
+    ("--bucket-cap-mb", "bucket_cap_mb", float, "DDP bucket size in MiB"),
+    ("--grad-clip-norm", "grad_clip_norm", float, "clip the gradient 2-norm to this value"),
+    ("--run-dir", "run_dir", str, "directory for metrics and run artefacts"),
+    ("--log-every-steps", "log_every_steps", int, "read the loss back and log every N steps"),
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="launch a training script on this node (torchrun-compatible)",
+        description="Launch SCRIPT in N worker processes through torch's elastic agent. "
+        "An unmodified torchrun script runs unchanged.",
+    )
+    p.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
+    p.add_argument("--nnodes", default="1", metavar="MIN[:MAX]", help="number of nodes, or an elastic range (default 1)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="R", help="rank of this node; 0 hosts the store")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous store every node joins")
+    p.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes of one run")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart the workers up to K times")
+    p.add_argument("--local-addr", default=None, help="address this node publishes to the others")
+    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module name (python -m)")
+    for flag, dest, kind, text in _TRAIN_FLAGS:
+        p.add_argument(flag, dest=f"train_{dest}", type=kind, default=None, help=text)
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
+    p.set_defaults(func=main)
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2); ``"1:4"`` -> (1, 4)."""
+    parts = text.split(":")
+    try:
+        values = [int(x) for x in parts]
+    except ValueError:
+        raise UsageError(f"--nnodes must be N or MIN:MAX with whole numbers, got {text!r}") from None
+    if len(values) == 1:
+        return values[0], values[0]
+    if len(values) == 2:
+        return values[0], values[1]
+    raise UsageError(f"--nnodes must be N or MIN:MAX, got {text!r}")
+
+
+def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """The SLIPSTREAM_* variables for the training flags given, checked now."""
+    overrides = {
+        dest: getattr(args, f"train_{dest}")
+        for _, dest, _, _ in _TRAIN_FLAGS
+        if getattr(args, f"train_{dest}") is not None
+    }
+    try:
+        cfg = TrainConfig.from_env(environ={}, **overrides)
+    except ConfigError as exc:
+        raise UsageError(f"invalid training flag: {exc}") from None
+    env = cfg.to_env()
+    if cfg.run_dir is not None:
+        env["SLIPSTREAM_RUN_DIR"] = cfg.run_dir
+    return env
+
+
+def main(args: argparse.Namespace) -> int:
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    opts = LaunchOptions(
+        entrypoint=args.script,
+        args=script_args,
+        nproc_per_node=args.nproc_per_node,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+        module=args.module,
+        local_addr=args.local_addr,
+        worker_env=worker_env_from_args(args),
+    )
+    return launch(opts)

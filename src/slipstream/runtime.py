@@ -1,0 +1,217 @@
+"""Process-group start-up: who am I, which device, which backend.
+
+``init()`` recognises how the process was started, from its environment:
+
+* ``slipstream run`` / ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT);
+* Slurm's ``srun`` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, ...);
+* ``mpirun`` of Open MPI (OMPI_COMM_WORLD_*) or MPICH/Intel MPI (PMI_RANK, PMI_SIZE);
+* nothing: a single process, which still gets a one-member process group so the
+  same script runs unchanged.
+
+Example::
+
+    import slipstream
+    rt = slipstream.init()
+    print(rt.rank, rt.world_size, rt.device, rt.backend)
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .errors import ConfigError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Where this process sits in the job, as read from its environment."""
+
+    launcher: str  # "torchrun", "slurm", "mpi" or "single"
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // max(1, self.local_world_size)
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, -(-self.world_size // max(1, self.local_world_size)))
+
+
+def _int(env: Mapping[str, str], key: str) -> int:
+    raw = env[key]
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {key} must be an integer, got {raw!r}") from None
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm nodelist such as ``gpu[003-005,009],cpu01`` -> ``gpu003``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        return "127.0.0.1"
+    prefix, ranges = match.group(1), match.group(2)
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
+    """Read rank, world size and rendezvous address from the environment.
+
+    Example::
+
+        detect_launch_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+                           "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_NODELIST": "n[1-2]"}).rank  # 1
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int(env, "WORLD_SIZE")
+        return LaunchEnv(
+            launcher="torchrun",
+            rank=_int(env, "RANK"),
+            world_size=world,
+            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world,
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
+        )
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = _int(env, "SLURM_NTASKS")
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        local_world = int(per_node) if per_node.isdigit() else world
+        job_id = env.get("SLURM_JOB_ID", "0")
+        # A port derived from the job id, so concurrent jobs on shared nodes differ.
+        default_port = 20000 + int(hashlib.sha1(job_id.encode()).hexdigest(), 16) % 20000
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return LaunchEnv(
+            launcher="slurm",
+            rank=_int(env, "SLURM_PROCID"),
+            world_size=world,
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_world_size=local_world,
+            master_addr=addr,
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else default_port,
+        )
+    for rank_key, size_key, lrank_key, lsize_key in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ):
+        if rank_key in env and size_key in env:
+            world = _int(env, size_key)
+            local_world = _int(env, lsize_key) if lsize_key in env else world
+            if "MASTER_ADDR" not in env and local_world != world:
+                raise ConfigError(
+                    f"started by mpirun across nodes ({world} ranks, {local_world} per node): "
+                    "set MASTER_ADDR (and MASTER_PORT) to the address of rank 0's node"
+                )
+            return LaunchEnv(
+                launcher="mpi",
+                rank=_int(env, rank_key),
+                world_size=world,
+                local_rank=_int(env, lrank_key) if lrank_key in env else 0,
+                local_world_size=local_world,
+                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
+            )
+    return LaunchEnv("single", 0, 1, 0, 1, "127.0.0.1", 0)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """The initialised process: rank, world, device and backend.
+
+    ``node_rank``/``num_nodes`` assume the launcher places ``local_world_size``
+    consecutive ranks on each node, as torchrun, srun and mpirun do by default.
+    """
+
+    launch: LaunchEnv
+    backend: str
+    device: torch.device
+
+    rank = property(lambda self: self.launch.rank)
+    world_size = property(lambda self: self.launch.world_size)
+    local_rank = property(lambda self: self.launch.local_rank)
+    local_world_size = property(lambda self: self.launch.local_world_size)
+    node_rank = property(lambda self: self.launch.node_rank)
+    num_nodes = property(lambda self: self.launch.num_nodes)
+    is_main = property(lambda self: self.launch.rank == 0)
+
+
+_RUNTIME: Runtime | None = None
+
+
+def init(backend: str | None = None, timeout_s: float = 600.0) -> Runtime:
+    """Start (or return the already started) process group.
+
+    backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
+    timeout_s: how long a collective may wait before it fails (hang detection).
+
+    Example::
+
+        rt = slipstream.init()
+        if rt.is_main:
+            print(f"{rt.world_size} ranks on {rt.num_nodes} node(s), backend {rt.backend}")
+    """
+    global _RUNTIME
+    if _RUNTIME is not None and dist.is_initialized():
+        return _RUNTIME
+    if timeout_s <= 0:
+        raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+    launch = detect_launch_env()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ConfigError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("backend 'nccl' needs CUDA, and no CUDA device is visible; use 'gloo'")
+    if launch.rank < 0 or launch.rank >= launch.world_size:
+        raise ConfigError(f"rank must be in [0, {launch.world_size}), got {launch.rank}")
+
+    if torch.cuda.is_available() and backend == "nccl":
+        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not dist.is_initialized():
+        if launch.launcher == "single":
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        elif launch.launcher == "torchrun":
+            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        else:
+            init_method = f"tcp://{launch.master_addr}:{launch.master_port}"
+            dist.init_process_group(
+                backend, init_method=init_method, rank=launch.rank, world_size=launch.world_size, timeout=timeout
+            )
+    _RUNTIME = Runtime(launch=launch, backend=backend, device=device)
+    return _RUNTIME
+
+
+def current() -> Runtime:
+    """The runtime started by :func:`init` (starting a default one if needed)."""
+    return _RUNTIME if _RUNTIME is not None and dist.is_initialized() else init()
+
+
+def shutdown() -> None:
+    """Destroy the process group (idempotent)."""
+    global _RUNTIME
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _RUNTIME = None
