@@ -14,15 +14,21 @@ Public API::
 from .config import TrainConfig
 from .errors import ConfigError, SlipstreamError
 from .runtime import Runtime, init, shutdown
+from .train import LAMB, Accelerated, accelerate, scaled_lr, warmup_schedule
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "LAMB",
+    "Accelerated",
     "ConfigError",
     "Runtime",
     "SlipstreamError",
     "TrainConfig",
     "__version__",
+    "accelerate",
     "init",
+    "scaled_lr",
     "shutdown",
+    "warmup_schedule",
 ]

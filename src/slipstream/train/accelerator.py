@@ -1,0 +1,234 @@
+"""``accelerate()``: a plain model and optimizer in, a distributed one out.
+
+What it does, in this order (each step one function, like torchtitan's
+parallelisms): activation checkpointing of chosen module types -> move to the
+device -> DDP (fused buckets overlapping backward, gradients as bucket views)
+-> gradient-sync strategy -> precision (autocast, fp16 scaler) -> accumulation
+and clipping at step time -> metrics.
+
+Example::
+
+    rt = slipstream.init()
+    run = slipstream.accelerate(model, optimizer, precision="bf16", accumulate_steps=4)
+    for x, y in loader:
+        loss = F.cross_entropy(run.model(x), y)
+        run.backward(loss)      # scaled, divided by accumulate_steps, syncs on the last micro-step only
+        run.step()              # clip + optimizer step + zero_grad on the boundary, else nothing
+    run.finish()
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import sync
+from ..config import TrainConfig
+from ..errors import ConfigError
+from ..metrics import StepRecorder
+from ..runtime import Runtime, current
+from .activation_checkpointing import apply_activation_checkpointing
+from .precision import autocast, grad_scaler, outputs_to_fp32
+
+
+class _MicroSteps:
+    """Which micro-step we are in; decides whether this backward synchronises."""
+
+    def __init__(self, accumulate_steps: int) -> None:
+        self.accumulate_steps = accumulate_steps
+        self.index = 0  # micro-steps done since the last optimizer step
+
+    @property
+    def syncs(self) -> bool:
+        # Only the last micro-step of an accumulation window all-reduces: the
+        # earlier ones just add into the local gradient, which is exact
+        # because the all-reduce is linear.
+        return self.index == self.accumulate_steps - 1
+
+
+class SlipstreamDDP(DistributedDataParallel):
+    """DDP whose forward runs under autocast, counts samples, and arms or
+    disarms gradient synchronisation for the coming backward."""
+
+    def _slipstream_setup(self, micro: _MicroSteps, precision: str, device: torch.device, recorder: StepRecorder):
+        self._sl_micro = micro
+        self._sl_precision = precision
+        self._sl_device = device
+        self._sl_recorder = recorder
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # DDP reads this flag in forward to decide whether the next backward
+        # reduces gradients (the same mechanism as its no_sync() context).
+        self.require_backward_grad_sync = self._sl_micro.syncs
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if isinstance(first, torch.Tensor) and first.dim() >= 1:
+            self._sl_recorder.add_samples(first.shape[0])
+            if first.dim() >= 2 and not first.is_floating_point():
+                self._sl_recorder.add_tokens(first.numel())  # token ids: (batch, seq)
+        with autocast(self._sl_precision, self._sl_device):
+            out = super().forward(*args, **kwargs)
+        return outputs_to_fp32(out)
+
+
+class Accelerated:
+    """The wrapped model and optimizer, and the step logic around them."""
+
+    def __init__(
+        self,
+        model: SlipstreamDDP,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: TrainConfig,
+        runtime: Runtime,
+        recorder: StepRecorder,
+        scheduler: Any = None,
+        sync_state: Any = None,
+    ) -> None:
+        self.model = model
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.runtime = runtime
+        self.recorder = recorder
+        self.scheduler = scheduler
+        self.sync_state = sync_state
+        self.scaler = grad_scaler(config.precision, runtime.device)
+        self._micro = model._sl_micro
+        self.step_count = 0
+        self.last_grad_norm: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def is_sync_step(self) -> bool:
+        """True when the coming backward synchronises gradients (last micro-step)."""
+        return self._micro.syncs
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-step's loss (averaged over the accumulation window)."""
+        self.recorder.add_loss(loss)
+        if self._micro.accumulate_steps > 1:
+            loss = loss / self._micro.accumulate_steps
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def step(self) -> bool:
+        """End a micro-step; on the last one clip, step, zero the gradients.
+
+        Returns True when the optimizer stepped.
+        """
+        if not self._micro.syncs:
+            self._micro.index += 1
+            return False
+        self._micro.index = 0
+        if self.config.grad_clip_norm is not None:
+            if self.scaler is not None:
+                self.scaler.unscale_(self.optimizer)
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step_count += 1
+        if self.last_grad_norm is not None:
+            self.recorder.set("grad_norm", self.last_grad_norm)  # a tensor: read back at log time only
+        self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
+        return True
+
+    def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's state_dict (no ``module.`` prefix, no wrapper names)."""
+        return self.module.state_dict()
+
+    def finish(self) -> dict[str, Any]:
+        """Flush metrics and return a summary (steps, elapsed_s, final_loss, throughput)."""
+        self.recorder.flush()
+        summary = self.recorder.summary()
+        self.recorder.close()
+        return summary
+
+
+def _agree_run_dir(config: TrainConfig, runtime: Runtime) -> str:
+    """Every rank writes under the same run directory; rank 0 chooses it."""
+    chosen = [config.run_dir or os.environ.get("SLIPSTREAM_RUN_DIR")]
+    if chosen[0] is None and runtime.is_main:
+        chosen[0] = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if runtime.world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]  # type: ignore[return-value]
+
+
+def accelerate(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig | None = None,
+    *,
+    scheduler: Any = None,
+    **options: Any,
+) -> Accelerated:
+    """Wrap ``model`` and ``optimizer`` for distributed training.
+
+    ``config`` (a :class:`TrainConfig`) wins as a whole; otherwise the fields
+    come from ``SLIPSTREAM_*`` environment variables (set by ``slipstream run
+    --sync/--precision/...``) overridden by ``options``.
+    ``scheduler`` (optional) is stepped after every optimizer step.
+
+    Example::
+
+        run = slipstream.accelerate(model, opt, precision="bf16", grad_clip_norm=1.0)
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError("model is already wrapped in DistributedDataParallel; pass the plain module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if config is None:
+        config = TrainConfig.from_env(**options)
+    elif options:
+        raise ConfigError(f"give either config or keyword options, not both (got {', '.join(options)})")
+    owned = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
+    if foreign:
+        raise ConfigError(f"the optimizer holds {foreign} parameter(s) that are not in the model")
+
+    runtime = current()
+    apply_activation_checkpointing(model, config.activation_checkpointing)
+    model.to(runtime.device)
+
+    run_dir = _agree_run_dir(config, runtime)
+    recorder = StepRecorder(
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        run_dir=run_dir,
+        log_every_steps=config.log_every_steps,
+        total_steps=config.total_steps,
+        progress=config.progress,
+    )
+    micro = _MicroSteps(config.accumulate_steps)
+    ddp = SlipstreamDDP(
+        model,
+        device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+        bucket_cap_mb=config.bucket_cap_mb,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
+        find_unused_parameters=config.find_unused_parameters,
+        static_graph=config.static_graph,
+    )
+    ddp._slipstream_setup(micro, config.precision, runtime.device, recorder)
+    sync_state = sync.apply(config.sync, ddp)
+    if sync_state is not None and hasattr(sync_state, "stats"):
+        recorder.sources.append(sync_state.stats)
+    return Accelerated(ddp, model, optimizer, config, runtime, recorder, scheduler=scheduler, sync_state=sync_state)
