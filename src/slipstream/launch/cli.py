@@ -35,6 +35,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart the workers up to K times")
     p.add_argument("--local-addr", default=None, help="address this node publishes to the others")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module name (python -m)")
+    p.add_argument("--emulate", default=None, metavar="NODESxPROCS",
+                   help="run on an emulated cluster on this machine: one network namespace per node (needs root)")
+    p.add_argument("--link", default="unshaped", metavar="RATE",
+                   help="with --emulate: each node's link rate, both directions (1gbit, 200mbit, unshaped)")
     for flag, dest, kind, text in _TRAIN_FLAGS:
         p.add_argument(flag, dest=f"train_{dest}", type=kind, default=None, help=text)
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
@@ -92,4 +96,9 @@ def main(args: argparse.Namespace) -> int:
         local_addr=args.local_addr,
         worker_env=worker_env_from_args(args),
     )
+    if args.emulate:
+        from .emulate import parse_shape, run_emulated
+
+        nodes, procs = parse_shape(args.emulate)
+        return run_emulated(nodes, procs, args.link, opts)
     return launch(opts)

@@ -1,0 +1,517 @@
+"""An emulated multi-node cluster on one machine: network namespaces and shaped links.
+
+``slipstream run --emulate 2x2 --link 1gbit train.py`` builds, for one run:
+
+* one network namespace per node (``ss-<id>-n<i>``) and one for the switch
+  (``ss-<id>-sw``), so nothing is added to the host's own network;
+* in the switch namespace a bridge, and per node a veth pair whose node end
+  (``ssn<i>``, address ``198.18.<k>.<i+1>/24``, from the benchmarking range of
+  RFC 2544) sits in the node's namespace and whose other end (``ssp<i>``) is a
+  port of the bridge;
+* a ``tbf`` qdisc on both ends of every veth: on the node end it limits what
+  the node sends, on the switch end what it receives. Shaping the egress of
+  the bridge-side veth does the job of an ``ifb`` ingress device with one qdisc
+  less, and ``netem`` does not exist in every kernel (it does not on our CI);
+* one elastic agent per node, started with ``ip netns exec`` and
+  ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the node's interface,
+  joined by c10d rendezvous at node 0's address.
+
+Ranks of one node share its namespace. Gloo binds every rank to the address of
+``GLOO_SOCKET_IFNAME``; a connection between two ranks of the same node goes to
+an address that is local to the namespace, so the kernel routes it over the
+namespace's loopback and it never touches the shaped link (measured: the node
+interface's ``tx_bytes`` stays flat for intra-node traffic, see docs/cluster.md).
+
+Everything is deleted when the run ends: on success, on failure, on Ctrl-C and
+on SIGTERM. Names carry a random id, so two runs can coexist. Without root (or
+CAP_NET_ADMIN + CAP_SYS_ADMIN) and the ``ip``/``tc`` tools, it refuses with a
+:class:`~slipstream.errors.UsageError`.
+
+Example::
+
+    from slipstream.launch import LaunchOptions
+    from slipstream.launch.emulate import EmulatedCluster, run_emulated
+
+    code = run_emulated(2, 2, "1gbit", LaunchOptions("train.py", ["--steps", "50"]))
+
+    with EmulatedCluster(2, link="200mbit") as cluster:   # for tests and benchmarks
+        cluster.run(LaunchOptions("train.py"), procs_per_node=1)
+        cluster.cut_link(1)        # node 1 is partitioned away (packets vanish)
+        cluster.restore_link(1)
+        cluster.tx_bytes(0)        # bytes node 0 has sent on its shaped link
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from .api import LaunchOptions
+
+NS_PREFIX = "ss-"
+"""Every namespace this module creates starts with this."""
+RDZV_PORT = 29400
+"""Rendezvous port on node 0; free by construction, the namespace is new."""
+ADDR_PREFIX = "198.18"
+"""RFC 2544 benchmarking range; each cluster uses one /24 inside its own namespaces."""
+
+_CAP_NET_ADMIN = 12
+_CAP_SYS_ADMIN = 21
+
+_UNSHAPED = ("unshaped", "none", "off", "inf", "unlimited", "0")
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(?:/s)?\s*$", re.IGNORECASE)
+_RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+# ---------------------------------------------------------------------------
+# Pure helpers (no side effects; unit-tested without root)
+# ---------------------------------------------------------------------------
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"2x2"`` -> ``(2, 2)``: NODES x PROCS_PER_NODE.
+
+    Example::
+
+        parse_shape("4x1")   # (4, 1)
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*[xX*]\s*(\d+)\s*", text or "")
+    if not match:
+        raise UsageError(f"--emulate must be NODESxPROCS, e.g. 2x2, got {text!r}")
+    nodes, procs = int(match.group(1)), int(match.group(2))
+    if nodes < 1 or procs < 1:
+        raise UsageError(f"--emulate needs at least 1 node and 1 process per node, got {text!r}")
+    if nodes > 64:
+        raise UsageError(f"--emulate supports at most 64 nodes on one machine, got {nodes}")
+    return nodes, procs
+
+
+def parse_rate(text: str | None) -> int | None:
+    """A link rate in bits per second, or None for an unshaped link.
+
+    Accepts tc-style (``1gbit``, ``200mbit``, ``5gbit``), short (``1g``,
+    ``200m``) and ``unshaped``. Bytes per second are not accepted: ``mbps`` is
+    read as megabits, the way network people write it.
+
+    Example::
+
+        parse_rate("200mbit")    # 200_000_000
+        parse_rate("unshaped")   # None
+    """
+    if text is None or text.strip().lower() in _UNSHAPED:
+        return None
+    match = _RATE_RE.match(text)
+    if not match:
+        raise UsageError(f"--link must be a rate such as 1gbit, 200mbit or unshaped, got {text!r}")
+    bits = float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
+    if bits < 10_000:
+        raise UsageError(f"--link rate must be at least 10kbit, got {text!r}")
+    if bits > 400e9:
+        raise UsageError(f"--link rate above 400gbit is not shaped meaningfully by tbf, got {text!r}")
+    return int(bits)
+
+
+def format_rate(bits_per_s: int | None) -> str:
+    """``1_000_000_000`` -> ``"1gbit"``; None -> ``"unshaped"``."""
+    if bits_per_s is None:
+        return "unshaped"
+    for unit, scale in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits_per_s >= scale and bits_per_s % scale == 0:
+            return f"{bits_per_s // scale}{unit}"
+    return f"{bits_per_s}bit"
+
+
+def tbf_args(bits_per_s: int) -> list[str]:
+    """``tc qdisc ... tbf`` parameters for a rate.
+
+    burst: 4 ms of traffic at the rate, at least 128 KiB, so that one 64 KiB GSO
+    segment always fits (a tbf burst smaller than a packet drops it).
+    latency: 100 ms of queue before tbf drops, generous on purpose: a dropped
+    packet costs TCP a retransmit timeout and would measure the loss-recovery of
+    TCP rather than the bandwidth.
+
+    Example::
+
+        tbf_args(1_000_000_000)   # ['rate', '1000000000bit', 'burst', '500000', 'latency', '100ms']
+    """
+    burst_bytes = max(128 * 1024, int(bits_per_s / 8 * 0.004))
+    return ["rate", f"{bits_per_s}bit", "burst", str(burst_bytes), "latency", "100ms"]
+
+
+def missing_privileges() -> str | None:
+    """Why this process cannot build namespaces, or None when it can (as far as we can tell)."""
+    if sys.platform != "linux":
+        return f"network namespaces need Linux, this is {sys.platform}"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command (iproute2) is not installed"
+    if os.geteuid() == 0:
+        return None
+    try:
+        with open("/proc/self/status") as fh:
+            caps = next((int(line.split()[1], 16) for line in fh if line.startswith("CapEff:")), 0)
+    except OSError:
+        caps = 0
+    needed = (1 << _CAP_NET_ADMIN) | (1 << _CAP_SYS_ADMIN)
+    if caps & needed != needed:
+        return "it needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN (ip netns add mounts a namespace)"
+    return None
+
+
+def list_namespaces(prefix: str = NS_PREFIX) -> list[str]:
+    """Names of network namespaces starting with ``prefix`` (``ip netns list``)."""
+    try:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.split()[0] for line in out.splitlines() if line.strip() and line.split()[0].startswith(prefix)]
+
+
+# ---------------------------------------------------------------------------
+# The cluster
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    """One emulated node: its namespace, interface and address."""
+
+    rank: int
+    netns: str
+    ifname: str
+    addr: str
+    port: str
+    """The bridge port (in the switch namespace) its veth is plugged into."""
+
+
+@dataclass
+class EmulatedCluster:
+    """Namespaces, bridge and shaped links for ``nodes`` nodes; a context manager.
+
+    ``up()`` builds it, ``down()`` deletes it (idempotent; also called by
+    ``__exit__``). ``run()`` starts one elastic agent per node and waits.
+    """
+
+    nodes: int
+    link: str | None = "unshaped"
+    run_id: str = field(default_factory=lambda: secrets.token_hex(3))
+    verbose: bool = False
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise UsageError(f"an emulated cluster needs at least 1 node, got {self.nodes}")
+        if not re.fullmatch(r"[0-9a-z]{1,8}", self.run_id):
+            raise UsageError(f"run id must be 1-8 lower-case letters or digits, got {self.run_id!r}")
+        self.link_bits_per_s = parse_rate(self.link)
+        subnet = int(self.run_id, 36) % 250 + 1
+        self.switch_ns = f"{NS_PREFIX}{self.run_id}-sw"
+        self.bridge = "ssbr"
+        self.node_list = [
+            Node(
+                rank=i,
+                netns=f"{NS_PREFIX}{self.run_id}-n{i}",
+                ifname=f"ssn{i}",
+                addr=f"{ADDR_PREFIX}.{subnet}.{i + 1}",
+                port=f"ssp{i}",
+            )
+            for i in range(self.nodes)
+        ]
+        self._created: list[str] = []
+        self._cut: set[int] = set()
+
+    # -- building and deleting ---------------------------------------------------
+
+    def _ip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        cmd = list(args)
+        if self.verbose:
+            print("+ " + " ".join(cmd), file=sys.stderr)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        if check and proc.returncode != 0:
+            msg = (proc.stderr or proc.stdout).strip()
+            if "Operation not permitted" in msg or "Permission denied" in msg:
+                raise UsageError(
+                    f"emulated cluster: '{' '.join(cmd)}' was refused ({msg}); "
+                    "it needs root or CAP_NET_ADMIN + CAP_SYS_ADMIN"
+                )
+            raise UsageError(f"emulated cluster: '{' '.join(cmd)}' failed: {msg}")
+        return proc
+
+    def up(self) -> "EmulatedCluster":
+        """Create namespaces, bridge, veths, addresses and qdiscs. Cleans up if any step fails."""
+        why = missing_privileges()
+        if why:
+            raise UsageError(f"--emulate cannot build a cluster here: {why}")
+        try:
+            self._add_netns(self.switch_ns)
+            sw = self.switch_ns
+            self._ip("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
+            self._ip("ip", "-n", sw, "link", "set", self.bridge, "up")
+            self._ip("ip", "-n", sw, "link", "set", "lo", "up")
+            for node in self.node_list:
+                self._add_netns(node.netns)
+                self._ip("ip", "-n", node.netns, "link", "set", "lo", "up")
+                self._ip(
+                    "ip", "link", "add", "name", node.ifname, "netns", node.netns,
+                    "type", "veth", "peer", "name", node.port, "netns", sw,
+                )
+                self._ip("ip", "-n", sw, "link", "set", node.port, "master", self.bridge)
+                self._ip("ip", "-n", sw, "link", "set", node.port, "up")
+                self._ip("ip", "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.ifname)
+                self._ip("ip", "-n", node.netns, "link", "set", node.ifname, "up")
+            self.set_link(self.link)
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _add_netns(self, name: str) -> None:
+        self._ip("ip", "netns", "add", name)
+        self._created.append(name)
+
+    def down(self) -> None:
+        """Stop every process left in the namespaces and delete them; safe to call twice."""
+        for name in reversed(self._created):
+            self._kill_netns_pids(name)
+        for name in reversed(self._created):
+            self._ip("ip", "netns", "del", name, check=False)
+        self._created.clear()
+
+    def _kill_netns_pids(self, name: str) -> None:
+        # Only processes inside a namespace this object created: ours by construction.
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            pids = self._ip("ip", "netns", "pids", name, check=False).stdout.split()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(int(pid), sig)
+                except (ProcessLookupError, ValueError):
+                    pass
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and self._ip("ip", "netns", "pids", name, check=False).stdout.strip():
+                time.sleep(0.05)
+
+    def __enter__(self) -> "EmulatedCluster":
+        return self.up()
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    @property
+    def namespaces(self) -> list[str]:
+        """Names of this cluster's namespaces (switch first)."""
+        return [self.switch_ns] + [n.netns for n in self.node_list]
+
+    # -- links -------------------------------------------------------------------
+
+    def set_link(self, link: str | None) -> None:
+        """Shape every node's link to ``link`` in both directions (``unshaped`` removes shaping)."""
+        bits = parse_rate(link)
+        for node in self.node_list:
+            for ns, dev in ((node.netns, node.ifname), (self.switch_ns, node.port)):
+                self._ip("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+                if bits is not None:
+                    self._ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_args(bits))
+        self.link, self.link_bits_per_s = format_rate(bits), bits
+
+    def cut_link(self, node: int) -> None:
+        """Partition node ``node`` away: its bridge port stops forwarding, its packets vanish.
+
+        The node's own interface stays up (no carrier loss), as when a switch or
+        a route fails: the node's TCP connections see silence, not an error.
+        """
+        port = self.node_list[node].port
+        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "type", "bridge_slave", "state", "0")
+        self._cut.add(node)
+
+    def restore_link(self, node: int) -> None:
+        """Undo :meth:`cut_link`: the bridge port forwards again."""
+        port = self.node_list[node].port
+        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "type", "bridge_slave", "state", "3")
+        self._cut.discard(node)
+
+    def tx_bytes(self, node: int, ifname: str | None = None) -> int:
+        """Bytes sent so far by ``node`` on its shaped interface (or ``ifname``, e.g. ``lo``)."""
+        n = self.node_list[node]
+        out = self._ip("ip", "netns", "exec", n.netns, "cat", f"/sys/class/net/{ifname or n.ifname}/statistics/tx_bytes")
+        return int(out.stdout.strip())
+
+    def exec_argv(self, node: int, argv: list[str]) -> list[str]:
+        """``argv`` wrapped to run inside node ``node``'s namespace."""
+        return ["ip", "netns", "exec", self.node_list[node].netns, *argv]
+
+    def node_env(self, node: int, base: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment for a process of node ``node``: socket interface for gloo/NCCL, threads."""
+        env = dict(os.environ if base is None else base)
+        ifname = self.node_list[node].ifname
+        env["GLOO_SOCKET_IFNAME"] = ifname
+        env["NCCL_SOCKET_IFNAME"] = ifname
+        env["SLIPSTREAM_EMULATED_NODE"] = str(node)
+        env["SLIPSTREAM_EMULATED_IFNAME"] = ifname
+        return env
+
+    # -- running -----------------------------------------------------------------
+
+    @property
+    def rdzv_endpoint(self) -> str:
+        return f"{self.node_list[0].addr}:{RDZV_PORT}"
+
+    def agent_argv(self, node: int, base: LaunchOptions, procs_per_node: int) -> list[str]:
+        """The ``slipstream run`` command line of node ``node``'s elastic agent."""
+        n = self.node_list[node]
+        argv = [
+            sys.executable, "-m", "slipstream", "run",
+            "--nnodes", str(self.nodes),
+            "--node-rank", str(node),
+            "--rdzv-endpoint", self.rdzv_endpoint,
+            "--rdzv-id", base.rdzv_id or f"emu-{self.run_id}",
+            "--local-addr", n.addr,
+            "-n", str(procs_per_node),
+            "--max-restarts", str(base.max_restarts),
+        ]
+        if base.module:
+            argv.append("-m")
+        argv.append(base.entrypoint)
+        if base.args and base.args[0].startswith("-"):
+            argv.append("--")
+        argv.extend(base.args)
+        return argv
+
+    def run(self, base: LaunchOptions, procs_per_node: int, timeout_s: float | None = None,
+            failure_grace_s: float = 30.0) -> int:
+        """Start one agent per node, wait for all; the job's exit code.
+
+        0 when every node succeeded; otherwise the first non-zero code (1 for a
+        training failure). When one node fails, the others get
+        ``failure_grace_s`` to notice and exit before they are stopped.
+        ``timeout_s``: stop everything after this long and return 1.
+        """
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        procs: list[subprocess.Popen] = []
+        try:
+            for i in range(self.nodes):
+                env = self.node_env(i)
+                env.update(base.worker_env)
+                # All nodes share this machine's cores: split them over every worker.
+                env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (self.nodes * procs_per_node))))
+                procs.append(
+                    subprocess.Popen(self.exec_argv(i, self.agent_argv(i, base, procs_per_node)),
+                                     env=env, start_new_session=True)
+                )
+            return self._wait(procs, timeout_s, failure_grace_s)
+        finally:
+            _stop(procs)
+
+    def _wait(self, procs: list[subprocess.Popen], timeout_s: float | None, grace_s: float) -> int:
+        started = time.monotonic()
+        first_failure: int | None = None
+        failed_at: float | None = None
+        while True:
+            codes = [p.poll() for p in procs]
+            if all(c is not None for c in codes):
+                return first_failure if first_failure is not None else EXIT_OK
+            for c in codes:
+                if c not in (None, 0) and first_failure is None:
+                    first_failure, failed_at = (c if c > 0 else EXIT_TRAINING_FAILED), time.monotonic()
+            now = time.monotonic()
+            if failed_at is not None and now - failed_at > grace_s:
+                print(f"slipstream run: a node failed (exit {first_failure}); stopping the others", file=sys.stderr)
+                return first_failure
+            if timeout_s is not None and now - started > timeout_s:
+                print(f"slipstream run: emulated job ran past {timeout_s:.0f} s; stopping it", file=sys.stderr)
+                return EXIT_TRAINING_FAILED
+            time.sleep(0.1)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each agent's process group, then SIGKILL what is left."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions) -> int:
+    """Run ``base`` on an emulated cluster of ``nodes`` x ``procs_per_node`` with ``link`` per node.
+
+    Builds the namespaces and shaped links, runs one elastic agent per node,
+    deletes everything afterwards (success, failure, Ctrl-C, SIGTERM) and
+    returns the job's exit code: 0, 1 (training failed) or 130 (interrupted).
+    Raises :class:`UsageError` without root/CAP_NET_ADMIN or on bad arguments.
+
+    Example::
+
+        run_emulated(2, 1, "200mbit", LaunchOptions("train.py", ["--steps", "20"]))
+    """
+    if nodes < 1 or procs_per_node < 1:
+        raise UsageError(f"--emulate needs at least 1 node and 1 process per node, got {nodes}x{procs_per_node}")
+    parse_rate(link)
+    # Same checks as a real launch (script exists, restarts >= 0, ...), for this shape.
+    dataclasses.replace(
+        base, nproc_per_node=procs_per_node, min_nodes=nodes, max_nodes=nodes, node_rank=0,
+        rdzv_endpoint=f"127.0.0.1:{RDZV_PORT}",
+    ).validate()
+    why = missing_privileges()
+    if why:
+        raise UsageError(f"--emulate cannot build a cluster here: {why}")
+
+    cluster = EmulatedCluster(nodes, link=link)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
+    try:
+        cluster.up()
+        print(
+            f"slipstream run: emulated cluster {nodes}x{procs_per_node}, link {cluster.link} each way per node, "
+            f"namespaces {cluster.node_list[0].netns}..{cluster.node_list[-1].netns}, "
+            f"rendezvous {cluster.rdzv_endpoint}",
+            file=sys.stderr,
+        )
+        return cluster.run(base, procs_per_node)
+    except (KeyboardInterrupt, _Terminated):
+        print("slipstream run: interrupted; emulated cluster removed", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        # A second Ctrl-C must not leave namespaces behind: hold it off while deleting.
+        held = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+        try:
+            cluster.down()
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, held if held is not None else signal.default_int_handler)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
