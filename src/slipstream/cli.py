@@ -14,6 +14,7 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE, SlipstreamError
 
 _COMMAND_MODULES = (
     "slipstream.launch.cli",
+    "slipstream.data.cli",
 )
 
 

@@ -1,0 +1,49 @@
+"""Data pipeline: sharded memory-mapped datasets, a node cache for object stores, resumable loading.
+
+Example::
+
+    from slipstream.data import ShardCache, ShardedDataset, SlipstreamLoader, pack_text, prewarm
+
+    pack_text("corpus/", "s3://bucket/tokens", tokens_per_sample=1025)      # once
+    cache = ShardCache("/nvme/cache", max_bytes=100 << 30)
+    prewarm("s3://bucket/tokens", cache, workers=16)                       # optional, ahead of time
+    ds = ShardedDataset("s3://bucket/tokens", cache=cache)
+    loader = SlipstreamLoader(ds, batch_size=8, seed=0, num_workers=2)     # rank/world from torch.distributed
+    for batch in loader:
+        ...                                   # loader.last_wait_s: data wait of this step
+    state = loader.state_dict()               # (epoch, position): save with the checkpoint
+
+See docs/data.md.
+"""
+
+from .cache import CacheStats, PrewarmReport, ShardCache, load_index, prewarm
+from .dataset import ShardedDataset, SkippedSample, verify_dataset
+from .format import DataIntegrityError, Field, Index, ShardInfo, ShardReader, ShardWriter
+from .loader import SlipstreamLoader
+from .pack import pack, pack_arrays, pack_files, pack_text
+from .sampler import ResumableSampler
+from .source import Source
+
+__all__ = [
+    "CacheStats",
+    "DataIntegrityError",
+    "Field",
+    "Index",
+    "PrewarmReport",
+    "ResumableSampler",
+    "ShardCache",
+    "ShardInfo",
+    "ShardReader",
+    "ShardWriter",
+    "ShardedDataset",
+    "SkippedSample",
+    "SlipstreamLoader",
+    "Source",
+    "load_index",
+    "pack",
+    "pack_arrays",
+    "pack_files",
+    "pack_text",
+    "prewarm",
+    "verify_dataset",
+]

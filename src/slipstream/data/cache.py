@@ -1,0 +1,348 @@
+"""Node-local shard cache: content-addressed, safe under many processes, LRU-limited.
+
+Layout under the cache directory::
+
+    blobs/<sha256>.slp      complete, verified shards (named by their SHA-256)
+    tmp/<sha256>.<pid>.<n>  downloads in progress
+    locks/<sha256>.lock     one file lock per shard: one downloader, the rest wait
+    cache.lock              taken while evicting
+
+Rules that make it safe when several processes and data-loader workers share it:
+
+* a blob appears only by ``os.replace`` of a fully downloaded file whose size
+  and SHA-256 match the index, so a reader sees a whole verified shard or none;
+* naming by hash means a changed source shard is a different blob: stale bytes
+  are never served;
+* eviction deletes least-recently-used blobs (mtime, bumped on every open)
+  until the new shard fits under ``max_bytes``. A process that has a shard
+  mapped keeps reading it after eviction (POSIX keeps unlinked files alive
+  while mapped); one that loses the race between lookup and open downloads it
+  again;
+* temporary files of processes that died are removed on the next eviction pass.
+
+Example::
+
+    cache = ShardCache("/local/cache", max_bytes=50 << 30)
+    report = prewarm("s3://bucket/tokens", cache, workers=16)
+    ds = ShardedDataset("s3://bucket/tokens", cache=cache)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from filelock import FileLock
+
+from ..errors import ConfigError
+from .format import INDEX_NAME, DataIntegrityError, Index, ShardInfo, ShardReader
+from .source import Source
+
+_counter = itertools.count()
+
+
+@dataclass
+class CacheStats:
+    """Counters of one ShardCache object (per process: each loader worker has its own)."""
+
+    hits: int = 0
+    downloads: int = 0
+    bytes_downloaded: int = 0
+    evictions: int = 0
+    bytes_evicted: int = 0
+    checksum_failures: int = 0
+    download_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **kw: float) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def as_dict(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+
+
+class ShardCache:
+    """A directory of verified shards shared by every process on the node.
+
+    ``max_bytes`` limits the blobs kept (None: no limit). ``retries`` is how
+    many times a download whose checksum fails is tried again before the
+    DataIntegrityError is raised.
+    """
+
+    def __init__(self, cache_dir: str | os.PathLike, max_bytes: int | None = None, *, retries: int = 2):
+        if max_bytes is not None and max_bytes <= 0:
+            raise ConfigError(f"max_bytes must be positive or None, got {max_bytes}")
+        self.dir = os.path.abspath(os.path.expanduser(str(cache_dir)))
+        self.max_bytes = max_bytes
+        self.retries = int(retries)
+        for sub in ("blobs", "tmp", "locks"):
+            os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+        self.stats = CacheStats()
+
+    def __getstate__(self) -> dict:
+        d = dict(self.__dict__)
+        d["stats"] = CacheStats()  # a worker counts its own
+        return d
+
+    def blob_path(self, sha256: str) -> str:
+        return os.path.join(self.dir, "blobs", f"{sha256}.slp")
+
+    def contains(self, info: ShardInfo) -> bool:
+        return os.path.exists(self.blob_path(info.sha256))
+
+    def used_bytes(self) -> int:
+        return sum(size for _, size, _ in self._blobs())
+
+    # ----------------------------------------------------------------- fetch
+    def fetch(self, source: Source, info: ShardInfo, on_bytes: Callable[[int], None] | None = None) -> str:
+        """Local path of a verified copy of shard ``info`` from ``source``; downloads on a miss."""
+        path = self.blob_path(info.sha256)
+        if self._touch(path):
+            self.stats.add(hits=1)
+            return path
+        with FileLock(os.path.join(self.dir, "locks", f"{info.sha256}.lock")):
+            if self._touch(path):  # another process fetched it while we waited
+                self.stats.add(hits=1)
+                return path
+            self._make_room(info.size_bytes, keep=path)
+            url = source.join(info.file)
+            problem = ""
+            for _ in range(self.retries + 1):
+                tmp = os.path.join(self.dir, "tmp", f"{info.sha256}.{os.getpid()}.{next(_counter)}")
+                t0 = time.perf_counter()
+                try:
+                    source.get_file(info.file, tmp)
+                    size = os.path.getsize(tmp)
+                    digest = _sha256_file(tmp) if size == info.size_bytes else None
+                except BaseException:
+                    _remove(tmp)
+                    raise
+                self.stats.add(download_s=time.perf_counter() - t0, bytes_downloaded=size)
+                if size == info.size_bytes and digest == info.sha256:
+                    os.replace(tmp, path)
+                    self.stats.add(downloads=1)
+                    if on_bytes is not None:
+                        on_bytes(size)
+                    return path
+                _remove(tmp)
+                self.stats.add(checksum_failures=1)
+                if size != info.size_bytes:
+                    problem = f"{size} bytes arrived, the index says {info.size_bytes} (truncated at byte offset {min(size, info.size_bytes)})"
+                else:
+                    problem = f"sha256 of the bytes that arrived is {digest}, the index says {info.sha256}"
+            raise DataIntegrityError(
+                f"{url}: checksum failure on arrival after {self.retries + 1} tries: {problem}",
+                shard=url,
+                offset=None,
+            )
+
+    def open(self, source: Source, info: ShardInfo) -> ShardReader:
+        """A memory-mapped reader of the cached shard (fetching it if needed)."""
+        for _ in range(3):
+            path = self.fetch(source, info)
+            try:
+                return ShardReader(path, info, name=f"{source.join(info.file)} (cached as {path})")
+            except FileNotFoundError:
+                continue  # evicted by another process between fetch and open: fetch again
+        raise DataIntegrityError(f"{source.join(info.file)}: evicted three times while opening; raise max_bytes", shard=source.join(info.file))
+
+    # ------------------------------------------------------------- eviction
+    def _blobs(self) -> list[tuple[float, int, str]]:
+        out = []
+        bdir = os.path.join(self.dir, "blobs")
+        for name in os.listdir(bdir):
+            p = os.path.join(bdir, name)
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                continue
+            out.append((st.st_mtime, st.st_size, p))
+        return out
+
+    def _make_room(self, need: int, keep: str) -> None:
+        if self.max_bytes is None:
+            return
+        if need > self.max_bytes:
+            raise ConfigError(f"a shard of {need} bytes does not fit in a cache limited to max_bytes={self.max_bytes}")
+        with FileLock(os.path.join(self.dir, "cache.lock")):
+            self._remove_dead_tmp()
+            blobs = sorted(self._blobs())  # oldest first
+            total = sum(size for _, size, _ in blobs)
+            for _, size, p in blobs:
+                if total + need <= self.max_bytes:
+                    break
+                if p == keep:
+                    continue
+                _remove(p)
+                total -= size
+                self.stats.add(evictions=1, bytes_evicted=size)
+
+    def evict_to(self, max_bytes: int) -> int:
+        """Delete least-recently-used blobs until at most ``max_bytes`` remain; returns bytes freed."""
+        freed = 0
+        with FileLock(os.path.join(self.dir, "cache.lock")):
+            blobs = sorted(self._blobs())
+            total = sum(size for _, size, _ in blobs)
+            for _, size, p in blobs:
+                if total <= max_bytes:
+                    break
+                _remove(p)
+                total -= size
+                freed += size
+                self.stats.add(evictions=1, bytes_evicted=size)
+        return freed
+
+    def _remove_dead_tmp(self) -> None:
+        tdir = os.path.join(self.dir, "tmp")
+        for name in os.listdir(tdir):
+            try:
+                pid = int(name.split(".")[1])
+            except (IndexError, ValueError):
+                continue
+            if pid != os.getpid() and not _pid_alive(pid):
+                _remove(os.path.join(tdir, name))
+
+    @staticmethod
+    def _touch(path: str) -> bool:
+        try:
+            os.utime(path)  # LRU clock: mtime = last use
+            return True
+        except FileNotFoundError:
+            return False
+
+    def __repr__(self) -> str:
+        return f"ShardCache({self.dir!r}, max_bytes={self.max_bytes})"
+
+
+# ----------------------------------------------------------------- prewarm
+
+
+@dataclass
+class PrewarmReport:
+    url: str
+    shards: int
+    already_cached: int
+    downloaded: int
+    bytes_downloaded: int
+    seconds: float
+
+    @property
+    def throughput_mb_s(self) -> float:
+        return self.bytes_downloaded / 1e6 / self.seconds if self.seconds > 0 else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"{self.url}: {self.shards} shards, {self.already_cached} already cached, "
+            f"{self.downloaded} downloaded ({self.bytes_downloaded / 1e6:.1f} MB in {self.seconds:.2f} s, "
+            f"{self.throughput_mb_s:.1f} MB/s)"
+        )
+
+
+def load_index(source: Source) -> Index:
+    return Index.loads(source.read_bytes(INDEX_NAME), where=source.join(INDEX_NAME))
+
+
+def prewarm(
+    url: str,
+    cache: ShardCache,
+    *,
+    workers: int = 8,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: bool = True,
+) -> PrewarmReport:
+    """Download every shard of the dataset at ``url`` into ``cache``, ``workers`` at a time.
+
+    Shards already cached are skipped; each download is verified before it
+    becomes visible. A rich progress bar (bytes, speed) goes to stderr.
+
+    Example::
+
+        report = prewarm("s3://bucket/tokens", ShardCache("/nvme/cache"), workers=16)
+        print(report.summary())
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
+    source = Source(url, storage_options)
+    index = load_index(source)
+    todo = [s for s in index.shards if not cache.contains(s)]
+    cached = len(index.shards) - len(todo)
+    todo_bytes = sum(s.size_bytes for s in todo)
+    t0 = time.perf_counter()
+    before = cache.stats.downloads, cache.stats.bytes_downloaded
+
+    def run(advance: Callable[[int], None]) -> None:
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slipstream-prewarm") as pool:
+            futures = [pool.submit(cache.fetch, source, s, advance) for s in todo]
+            for f in futures:
+                f.result()
+
+    if progress and todo:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+
+        with Progress(
+            TextColumn("prewarm"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        ) as bar:
+            task = bar.add_task("prewarm", total=todo_bytes)
+            lock = threading.Lock()
+
+            def advance(n: int) -> None:
+                with lock:
+                    bar.advance(task, n)
+
+            run(advance)
+    else:
+        run(lambda n: None)
+    return PrewarmReport(
+        url=source.url,
+        shards=len(index.shards),
+        already_cached=cached,
+        downloaded=cache.stats.downloads - before[0],
+        bytes_downloaded=cache.stats.bytes_downloaded - before[1],
+        seconds=time.perf_counter() - t0,
+    )
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _sha256_file(path: str, chunk_bytes: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk_bytes)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,289 @@
+"""SlipstreamLoader: DataLoader + resumable sampler + background prefetch + wait timing.
+
+Reading overlaps compute twice over: ``num_workers`` processes read and
+collate batches ahead (torch's DataLoader, ``prefetch_factor`` each), and a
+background thread keeps ``prefetch_batches`` finished batches queued (with
+``num_workers=0`` that thread is the only overlap; with ``pin_memory`` it also
+hides the pinning). The time the training loop blocks in ``next()`` is the
+data wait: ``last_wait_s`` for the last step, ``wait_s_total`` since creation,
+and ``stats()`` for the metrics recorder (``recorder.sources.append(loader.stats)``).
+
+Resume: ``state_dict()`` is (epoch, global position) of the samples handed to
+the training loop, not of what the workers have read ahead, so saving it with
+the model after a step and loading it later gives exactly the batches that
+would have come next, with any ``num_workers``. A batch counts as consumed once
+``next()`` returned it.
+
+Example::
+
+    ds = ShardedDataset("s3://bucket/tokens", cache="/nvme/cache")
+    loader = SlipstreamLoader(ds, batch_size=8, seed=0, num_workers=2)
+    loader.load_state_dict(ckpt["data"])          # optional: resume mid-epoch
+    for epoch in range(loader.epoch, epochs):
+        loader.set_epoch(epoch)                     # no-op when resuming inside it
+        for batch in loader:
+            step(batch)
+            recorder.add("data_wait_s", loader.last_wait_s)
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import torch.utils.data
+from torch.utils.data import default_collate
+
+from ..errors import ConfigError
+from .dataset import SkippedSample
+from .sampler import ResumableSampler
+
+_KEEP_ERRORS = 8
+
+
+class _Collated:
+    """A collated batch plus how many samples it stood for and how many were skipped."""
+
+    __slots__ = ("data", "n", "skipped", "errors")
+
+    def __init__(self, data: Any, n: int, skipped: int, errors: list[str]):
+        self.data, self.n, self.skipped, self.errors = data, n, skipped, errors
+
+    def pin_memory(self, device: Any = None) -> "_Collated":  # called by DataLoader's pin thread
+        from torch.utils.data._utils.pin_memory import pin_memory
+
+        return _Collated(pin_memory(self.data, device) if self.data is not None else None, self.n, self.skipped, self.errors)
+
+
+class _CountingCollate:
+    """Drops SkippedSample stand-ins, counts them, collates the rest (runs in workers)."""
+
+    def __init__(self, collate_fn: Callable[[list], Any]):
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: list) -> _Collated:
+        good = [s for s in samples if not isinstance(s, SkippedSample)]
+        errors = [s.error for s in samples if isinstance(s, SkippedSample)][:_KEEP_ERRORS]
+        data = self.collate_fn(good) if good else None
+        return _Collated(data, len(samples), len(samples) - len(good), errors)
+
+
+class SlipstreamLoader:
+    """Batches of a dataset for this rank, prefetched, timed and resumable.
+
+    Arguments not listed below go to ``torch.utils.data.DataLoader``.
+
+    * ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``: the
+      sampler (see ResumableSampler; rank/world size default to torch.distributed).
+    * ``prefetch_batches``: finished batches the background thread keeps
+      ready (0: no thread, read on demand).
+    * ``on_skip``: called with each skipped sample's error text when the
+      dataset was opened with ``on_error="skip"``; batches then hold fewer samples.
+    """
+
+    def __init__(
+        self,
+        dataset: torch.utils.data.Dataset,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        num_workers: int = 0,
+        prefetch_batches: int = 2,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool | None = None,
+        pin_memory: bool = False,
+        collate_fn: Callable[[list], Any] | None = None,
+        multiprocessing_context: Any = None,
+        timeout_s: float = 0,
+        on_skip: Callable[[str], None] | None = None,
+    ):
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
+        if prefetch_batches < 0:
+            raise ConfigError(f"prefetch_batches must be >= 0, got {prefetch_batches}")
+        if num_workers < 0:
+            raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.prefetch_batches = int(prefetch_batches)
+        self.sampler = ResumableSampler(
+            len(dataset), seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size
+        )
+        extra: dict[str, Any] = {}
+        if num_workers > 0:
+            extra["persistent_workers"] = True if persistent_workers is None else persistent_workers
+            if prefetch_factor is not None:
+                extra["prefetch_factor"] = prefetch_factor
+            if multiprocessing_context is not None:
+                extra["multiprocessing_context"] = multiprocessing_context
+        self.dataloader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            sampler=self.sampler,
+            num_workers=num_workers,
+            collate_fn=_CountingCollate(collate_fn or default_collate),
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout_s,
+            **extra,
+        )
+        self.on_skip = on_skip
+        self.last_wait_s = 0.0
+        self.wait_s_total = 0.0
+        self.batches_total = 0
+        self.samples_total = 0
+        self.skipped_total = 0
+        self.skipped_errors: list[str] = []
+        self._active: _LoaderIter | None = None
+
+    # ------------------------------------------------------------- iteration
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the start of ``epoch``; a no-op when already in it (so resume keeps its position)."""
+        self._stop_active()
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Batches left in the current epoch for this rank."""
+        n = self.sampler.local_len()
+        return n // self.batch_size if self.dataloader.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> "_LoaderIter":
+        self._stop_active()
+        if self.sampler.epoch_done:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+        self._active = _LoaderIter(self)
+        return self._active
+
+    def _stop_active(self) -> None:
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+
+    def close(self) -> None:
+        """Stop the prefetch thread (workers stop when the loader is collected)."""
+        self._stop_active()
+
+    # ------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """(epoch, global position) of what the training loop consumed, plus the seed and sizes."""
+        s = self.sampler.state_dict()
+        if self.sampler.epoch_done:
+            s["epoch"], s["position"] = s["epoch"] + 1, 0
+        return s
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a saved (epoch, position); the world size may differ (see ResumableSampler)."""
+        self._stop_active()
+        self.sampler.load_state_dict(state)
+
+    def stats(self) -> dict[str, float]:
+        """For the metrics recorder: data wait of the last step and in total, skips."""
+        return {
+            "data_wait_s": self.last_wait_s,
+            "data_wait_s_total": self.wait_s_total,
+            "data_batches_total": self.batches_total,
+            "data_skipped_total": self.skipped_total,
+        }
+
+    # called by _LoaderIter in the training thread
+    def _consumed(self, item: _Collated, wait_s: float) -> None:
+        self.sampler.advance(item.n)
+        self.last_wait_s = wait_s
+        self.wait_s_total += wait_s
+        self.samples_total += item.n - item.skipped
+        if item.skipped:
+            self.skipped_total += item.skipped
+            for e in item.errors:
+                if len(self.skipped_errors) < 100:
+                    self.skipped_errors.append(e)
+                if self.on_skip is not None:
+                    self.on_skip(e)
+
+
+_BATCH, _END, _ERROR = 0, 1, 2
+
+
+class _LoaderIter:
+    def __init__(self, loader: SlipstreamLoader):
+        self.loader = loader
+        self._done = False
+        self._it = iter(loader.dataloader)
+        self._thread: threading.Thread | None = None
+        if loader.prefetch_batches > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_batches)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._produce, name="slipstream-prefetch", daemon=True)
+            self._thread.start()
+
+    def _produce(self) -> None:
+        try:
+            for item in self._it:
+                if not self._put((_BATCH, item)):
+                    return
+            self._put((_END, None))
+        except BaseException as exc:  # handed to the training thread
+            self._put((_ERROR, exc))
+
+    def _put(self, msg: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(msg, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _get(self) -> tuple:
+        if self._thread is None:
+            try:
+                return (_BATCH, next(self._it))
+            except StopIteration:
+                return (_END, None)
+        return self._queue.get()
+
+    def __iter__(self) -> "_LoaderIter":
+        return self
+
+    def __next__(self) -> Any:
+        if self._done:
+            raise StopIteration
+        wait = 0.0
+        while True:
+            t0 = time.perf_counter()
+            kind, item = self._get()
+            wait += time.perf_counter() - t0
+            if kind == _ERROR:
+                self.close()
+                raise item
+            if kind == _END:
+                sampler = self.loader.sampler
+                sampler.start = sampler.end_position()  # also past a dropped partial batch
+                self.loader.last_wait_s = wait
+                self.loader.wait_s_total += wait
+                self.close()
+                raise StopIteration
+            self.loader._consumed(item, wait)
+            if item.data is None:  # every sample of the batch was skipped
+                wait = 0.0
+                continue
+            self.loader.batches_total += 1
+            return item.data
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        self._it = None
