@@ -1,0 +1,88 @@
+"""Run a function in N gloo processes on this machine and collect what each returns.
+
+The function is called as ``fn(rank, world_size, *args)`` after the torchrun
+environment is set, so ``slipstream.init()`` inside it joins the group.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world_size, port, extra_env, args, results) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    os.environ.update(extra_env)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = fn(rank, world_size, *args)
+        # Serialised to bytes: a tensor put on the queue directly would be
+        # shared through a file descriptor that dies with this process.
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, env: dict[str, str] | None = None, timeout_s: float = 180
+) -> list[Any]:
+    """Return ``[fn's result on rank 0, rank 1, ...]``; raise if any rank failed."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, env or {}, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    errors = []
+    try:
+        for _ in range(world_size):
+            rank, status, value = results.get(timeout=timeout_s)
+            if status == "ok":
+                import torch
+
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+                break
+    except queue.Empty:
+        errors.append(f"timed out after {timeout_s} s waiting for ranks {sorted(set(range(world_size)) - set(out))}")
+    finally:
+        for p in procs:
+            p.join(timeout=10 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [out[r] for r in range(world_size)]
