@@ -15,6 +15,7 @@ from .errors import EXIT_INTERRUPTED, EXIT_USAGE, SlipstreamError
 _COMMAND_MODULES = (
     "slipstream.launch.cli",
     "slipstream.data.cli",
+    "slipstream.job.cli",
 )
 
 

@@ -78,6 +78,10 @@ def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.script.lower().endswith((".yaml", ".yml")):
+        from ..job.runner import run_job_file
+
+        return run_job_file(args.script, args)
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:

@@ -1,0 +1,158 @@
+"""``slipstream validate | render | submit JOB.yaml`` (``slipstream run JOB.yaml`` lives in launch/cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+from ..errors import SlipstreamError, UsageError
+from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
+from .spec import JobSpec, load_spec
+
+
+class SubmitFailed(SlipstreamError):
+    """kubectl reached the cluster and the cluster refused the manifests."""
+
+    exit_code = 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "validate", help="check a job spec and the manifests it renders, offline",
+        description="Check JOB.yaml, then render it for every target and check the manifests offline "
+        "(kubernetes-validate --strict for core kinds, strict JSON schema for the CRDs, and our own checks).",
+    )
+    p.add_argument("spec", metavar="JOB.yaml")
+    p.add_argument("--target", choices=TARGETS, default=None, help="check only this target (default: all)")
+    p.add_argument("--spec-only", action="store_true", help="check the spec file only, not the manifests")
+    p.set_defaults(func=validate_main)
+
+    p = subparsers.add_parser(
+        "render", help="write the Kubernetes manifests for a job spec",
+        description="Render JOB.yaml into Kubernetes manifests (checked offline before they are written).",
+    )
+    p.add_argument("spec", metavar="JOB.yaml")
+    p.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help=f"manifest flavour (default {DEFAULT_TARGET})")
+    p.add_argument("--out", metavar="DIR", default=None, help="write one file per object into DIR (default: stdout)")
+    p.add_argument("--skip-validation", action="store_true", help="do not check the manifests (no kubernetes-validate needed)")
+    p.set_defaults(func=render_main)
+
+    p = subparsers.add_parser(
+        "submit", help="render a job spec and kubectl apply it",
+        description="Render JOB.yaml, check the manifests offline, and apply them with kubectl.",
+    )
+    p.add_argument("spec", metavar="JOB.yaml")
+    p.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help=f"manifest flavour (default {DEFAULT_TARGET})")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the manifests and the kubectl command instead of running it (needs no kubectl or cluster)")
+    p.add_argument("--kubectl", default="kubectl", metavar="PATH", help="kubectl to use (default: kubectl on PATH)")
+    p.set_defaults(func=submit_main)
+
+
+def _describe(spec: JobSpec) -> str:
+    if spec.kind == "inference":
+        return f"inference service {spec.name!r}: {spec.replicas} replica(s), port {spec.serve.port}"
+    gpus = f"{spec.gpu_count} x {spec.gpu_resource}" if spec.gpu_resource else "no GPU"
+    return (f"training job {spec.name!r}: {spec.nnodes} replica(s) x {spec.procs_per_replica} process(es), "
+            f"{gpus} per replica")
+
+
+def _checked(spec: JobSpec, target: str) -> list[dict]:
+    from .validate import validate_manifests
+
+    objs = render(spec, target)
+    validate_manifests(objs)
+    return objs
+
+
+def validate_main(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    print(f"{args.spec}: valid {_describe(spec)}")
+    if args.spec_only:
+        return 0
+    targets = [args.target] if args.target else (list(TARGETS) if spec.kind == "training" else [DEFAULT_TARGET])
+    for target in targets:
+        try:
+            objs = _checked(spec, target)
+        except TargetUnsupported as exc:
+            # Reported, not fatal, when all targets are checked; a manifest
+            # that fails validation is always fatal.
+            if args.target is not None:
+                raise
+            print(f"  {target}: not available: {exc}")
+            continue
+        kinds = ", ".join(o["kind"] for o in objs)
+        label = "deployment" if spec.kind == "inference" else target
+        print(f"  {label}: {kinds}: pass offline validation")
+    return 0
+
+
+def _file_name(obj: dict) -> str:
+    return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+
+
+def render_main(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    objs = render(spec, args.target) if args.skip_validation else _checked(spec, args.target)
+    if args.out is None:
+        sys.stdout.write(to_yaml(objs))
+        return 0
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot create directory {args.out}: {exc.strerror}") from None
+    for obj in objs:
+        path = os.path.join(args.out, _file_name(obj))
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(to_yaml([obj]))
+        print(f"wrote {path}")
+    return 0
+
+
+_NO_CLUSTER_HINTS = (
+    "connection refused", "unable to connect to the server", "no configuration has been provided",
+    "couldn't get current server api group list", "dial tcp", "i/o timeout", "no such host",
+    "the server could not find the requested resource", "context deadline exceeded",
+)
+
+
+def submit_main(args: argparse.Namespace) -> int:
+    spec = load_spec(args.spec)
+    objs = _checked(spec, args.target)
+    text = to_yaml(objs)
+    cmd = [args.kubectl, "apply", "-f", "-"]
+    if args.dry_run:
+        print(f"# would run: {' '.join(cmd)}  (manifests below, {len(objs)} object(s), validated offline)")
+        sys.stdout.write(text)
+        return 0
+    exe = shutil.which(args.kubectl)
+    if exe is None:
+        raise UsageError(
+            f"kubectl not found ({args.kubectl!r} is not on PATH): install kubectl, or write the manifests with "
+            f"`slipstream render {args.spec} --target {args.target} --out DIR` and apply them yourself"
+        )
+    try:
+        proc = subprocess.run([exe, *cmd[1:]], input=text, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise UsageError("kubectl apply did not answer within 300 s: is the cluster reachable?") from None
+    if proc.returncode != 0:
+        err = (proc.stderr or proc.stdout).strip()
+        low = err.lower()
+        if "no matches for kind" in low or "ensure crds are installed" in low:
+            raise UsageError(
+                f"the cluster does not know the {objs[-1]['kind']} kind (its CRD is not installed); install "
+                f"it or use --target indexed-job, which needs no CRD. kubectl said: {err}"
+            )
+        if any(h in low for h in _NO_CLUSTER_HINTS):
+            raise UsageError(f"no Kubernetes cluster reachable through kubectl (check your kubeconfig/context). kubectl said: {err}")
+        raise SubmitFailed(f"kubectl apply failed (exit {proc.returncode}): {err}")
+    sys.stdout.write(proc.stdout)
+    ns = f" -n {spec.namespace}" if spec.namespace else ""
+    print(f"submitted {spec.name}; follow it with: kubectl get pods{ns} -l slipstream.dev/job={spec.name}")
+    return 0
+
+
+__all__ = ["register", "validate_main", "render_main", "submit_main", "SubmitFailed"]

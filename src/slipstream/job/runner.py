@@ -1,0 +1,269 @@
+"""``slipstream run JOB.yaml``: the job spec on this machine.
+
+How replicas map to processes here (chosen so a local run exercises the same
+path as a cluster run):
+
+* Each replica is its own elastic agent (one ``slipstream run`` subprocess per
+  replica) with ``--nnodes R[:MAX] --node-rank i --rdzv-endpoint 127.0.0.1:PORT
+  --rdzv-id ID``, exactly the flags a pod gets, so GROUP_RANK, LOCAL_WORLD_SIZE
+  and the c10d rendezvous behave as on R machines. One replica runs in-process.
+* Processes per replica = processes_per_replica, else gpu_count, else 1. With
+  enough GPUs each replica sees its own (CUDA_VISIBLE_DEVICES); with none the
+  processes run on CPU (gloo); with too few they share and a note says so.
+* ``--emulate`` hands the same shape to ``slipstream.launch.emulate.run_emulated``
+  (one network namespace per replica, shaped links).
+* Training options reach the workers as SLIPSTREAM_* variables; ``--sync``,
+  ``--precision`` and the other training flags of ``slipstream run`` override
+  the spec's values.
+
+If one replica fails, the others are stopped (SIGTERM, then SIGKILL after a
+grace period) and the run exits with the failing replica's code (1 for a
+training failure, 143 for preemption).
+
+Example::
+
+    slipstream run examples/jobs/local-2x1.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from .render import entry_argv, launcher_flags
+from .spec import JobSpec, load_spec
+
+STOP_GRACE_S = 10.0
+"""How long the other replicas get to exit after one failed, before SIGTERM."""
+KILL_GRACE_S = 5.0
+
+# Flags of `slipstream run` that the spec decides; giving them with a spec is an error.
+_TOPOLOGY_FLAGS = (
+    ("nnodes", "1", "--nnodes", "replicas / elastic"),
+    ("nproc_per_node", 1, "--nproc-per-node", "gpu_count / processes_per_replica"),
+    ("node_rank", None, "--node-rank", "replicas (every replica is started here)"),
+    ("rdzv_endpoint", None, "--rdzv-endpoint", "nothing: a free local port is used"),
+    ("module", False, "-m", "command: [python, -m, MODULE]"),
+)
+
+
+def run_job_file(path: str, args: argparse.Namespace | None = None) -> int:
+    """Run the job spec at ``path`` locally (or emulated); returns the exit code."""
+    args = args if args is not None else argparse.Namespace()
+    spec = load_spec(path)
+    for dest, default, flag, where in _TOPOLOGY_FLAGS:
+        if getattr(args, dest, default) != default:
+            raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")
+    extra = list(getattr(args, "script_args", []) or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    env = spec.worker_env()
+    env.update(_flag_env(args))
+    if spec.kind == "inference":
+        return _run_inference(spec, env, extra)
+    _check_entrypoint(spec, path)
+    max_restarts = getattr(args, "max_restarts", 0) or spec.restarts.max_restarts
+    emulate = getattr(args, "emulate", None)
+    if emulate:
+        return _run_emulated(spec, args, env, extra, max_restarts)
+    return run_local(spec, env=env, extra_args=extra, max_restarts=max_restarts)
+
+
+def _flag_env(args: argparse.Namespace) -> dict[str, str]:
+    if not any(k.startswith("train_") and v is not None for k, v in vars(args).items()):
+        return {}
+    from ..launch.cli import worker_env_from_args
+
+    return worker_env_from_args(args)
+
+
+def _check_entrypoint(spec: JobSpec, path: str) -> None:
+    ep = spec.entrypoint
+    if ep.module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(ep.target) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise UsageError(f"command: module {ep.target!r} is not importable here (from {path})")
+    elif not os.path.isfile(ep.target):
+        raise UsageError(
+            f"command: training script not found: {ep.target} (relative to the current directory "
+            f"{os.getcwd()}, as in the container's working directory)"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (the rendezvous store binds it next)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _gpu_plan(spec: JobSpec) -> tuple[list[str | None], str | None]:
+    """CUDA_VISIBLE_DEVICES per replica (None: leave as is) and a note for the user."""
+    if spec.gpu_count == 0:
+        return [None] * spec.replicas, None
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    procs = spec.procs_per_replica
+    if have == 0:
+        return [None] * spec.replicas, (
+            f"no GPU here: running {spec.replicas} replica(s) x {procs} CPU process(es) with gloo"
+        )
+    need = spec.replicas * spec.gpu_count
+    if have < need:
+        return [None] * spec.replicas, (
+            f"{have} GPU(s) here for {need} requested ({spec.replicas} x gpu_count {spec.gpu_count}): replicas share them"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(have)]
+    return [",".join(ids[i * spec.gpu_count:(i + 1) * spec.gpu_count]) for i in range(spec.replicas)], None
+
+
+def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+              max_restarts: int | None = None, rdzv_id: str | None = None) -> int:
+    """Start every replica as an elastic agent on this machine and wait for all of them.
+
+    Example::
+
+        run_local(load_spec("examples/jobs/local-2x1.yaml"))   # 0 on success
+    """
+    env = spec.worker_env() if env is None else env
+    extra_args = extra_args or []
+    rdzv_id = rdzv_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    devices, note = _gpu_plan(spec)
+    if note:
+        print(f"slipstream run: {note}", file=sys.stderr)
+    if max_restarts is not None and max_restarts != spec.restarts.max_restarts:
+        from dataclasses import replace
+
+        spec = replace(spec, restarts=replace(spec.restarts, max_restarts=max_restarts))
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen] = []
+    base_env = dict(os.environ)
+    base_env.update(env)
+    try:
+        for i in range(spec.replicas):
+            argv = [sys.executable, "-m", "slipstream", "run",
+                    *launcher_flags(spec, spec.nnodes, endpoint, str(i), rdzv_id),
+                    "--local-addr", "127.0.0.1", *entry_argv(spec, extra_args)]
+            child_env = dict(base_env)
+            if devices[i] is not None:
+                child_env["CUDA_VISIBLE_DEVICES"] = devices[i]
+            procs.append(subprocess.Popen(argv, env=child_env))
+        return _wait_all(procs)
+    except KeyboardInterrupt:
+        _stop(procs)
+        print("slipstream run: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        _stop(procs)
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> int:
+    first_failure: tuple[int, int] | None = None  # (replica, code)
+    failed_at = 0.0
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        for i, c in enumerate(codes):
+            if c not in (None, 0) and first_failure is None:
+                first_failure, failed_at = (i, c), time.monotonic()
+                print(f"slipstream run: replica {i} exited with code {c}; stopping the others", file=sys.stderr)
+        if first_failure is not None and time.monotonic() - failed_at > STOP_GRACE_S:
+            _stop(procs)
+        time.sleep(0.1)
+    if first_failure is None:
+        bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
+        if not bad:
+            return EXIT_OK
+        first_failure = bad[0]
+    code = first_failure[1]
+    if code < 0:  # killed by a signal
+        return 128 - code if -code == signal.SIGTERM else EXIT_TRAINING_FAILED
+    return code
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + KILL_GRACE_S
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _run_inference(spec: JobSpec, env: dict[str, str], extra: list[str]) -> int:
+    """A serving spec runs its command once, in the foreground, with the spec's env."""
+    child_env = dict(os.environ)
+    child_env.update(env)
+    cmd = spec.full_command + extra
+    print(f"slipstream run: serving {spec.name} on port {spec.serve.port}: {' '.join(cmd)}", file=sys.stderr)
+    try:
+        proc = subprocess.Popen(cmd, env=child_env)
+    except FileNotFoundError:
+        raise UsageError(f"command: {cmd[0]!r} not found on PATH") from None
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        return EXIT_INTERRUPTED
+
+
+def parse_emulate(value: Any, spec: JobSpec) -> None:
+    """``--emulate`` with a spec: True/"spec" use the spec's shape; NxP must match it."""
+    if value is True or value in ("", "spec", "auto"):
+        return
+    text = str(value).lower()
+    try:
+        nodes, procs = (int(x) for x in text.split("x"))
+    except ValueError:
+        raise UsageError(f"--emulate must be NODESxPROCS (e.g. 2x1) or 'spec', got {value!r}") from None
+    if (nodes, procs) != (spec.replicas, spec.procs_per_replica):
+        raise UsageError(
+            f"--emulate {value} does not match the job spec ({spec.replicas} replicas x "
+            f"{spec.procs_per_replica} processes); use --emulate {spec.replicas}x{spec.procs_per_replica}"
+        )
+
+
+def _run_emulated(spec: JobSpec, args: argparse.Namespace, env: dict[str, str], extra: list[str],
+                  max_restarts: int) -> int:
+    parse_emulate(getattr(args, "emulate"), spec)
+    try:
+        from ..launch.emulate import run_emulated
+    except ImportError as exc:
+        raise UsageError(f"--emulate is not available in this installation (slipstream.launch.emulate: {exc})") from None
+    from ..launch.api import LaunchOptions
+
+    ep_argv = entry_argv(spec, extra)
+    module = ep_argv[0] == "-m"
+    entry = ep_argv[1] if module else ep_argv[0]
+    rest = ep_argv[2:] if module else ep_argv[1:]
+    base = LaunchOptions(
+        entrypoint=entry, args=rest, nproc_per_node=spec.procs_per_replica,
+        min_nodes=spec.min_replicas, max_nodes=spec.max_replicas,
+        rdzv_id=f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
+        module=module, worker_env=env,
+    )
+    return run_emulated(spec.replicas, spec.procs_per_replica, getattr(args, "link", None), base)
+
+
+__all__ = ["run_job_file", "run_local", "free_port", "parse_emulate"]
