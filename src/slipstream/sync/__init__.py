@@ -1,28 +1,56 @@
 """Gradient synchronisation strategies, selected by name.
 
 A strategy is applied to a DistributedDataParallel model once, after wrapping:
-``apply(name, ddp_model)``. ``allreduce`` keeps DDP's own C++ reducer (fused
-buckets that overlap the backward pass); the others register a DDP comm hook.
+``state = apply(name, ddp_model)``. Names:
+
+=====================  ==================================================================
+``allreduce``          DDP's own C++ reducer (fused buckets overlapping backward), untouched
+``bf16`` / ``fp16``    16-bit cast, one all-reduce per bucket
+``powersgd``           rank-r PowerSGD, error feedback, warm start (options: rank, min_compression)
+``topk``               top-k sparsification + error feedback (option: density)
+``sign``               scaled 1-bit sign + error feedback (option: chunk_numel)
+``hierarchical``       intra-node reduce-scatter, inter-node all-reduce, intra-node all-gather
+``hierarchical+X``     the same with codec X on the inter-node step only (X: any codec above)
+``auto``               probes the link, observes backward, picks per bucket from an alpha-beta model
+=====================  ==================================================================
+
+Every strategy but ``allreduce`` runs through :mod:`.hooks`, which keeps one
+global collective order (see there). The returned state has ``stats()``,
+``state_dict()``/``load_state_dict()``, and (hook strategies) ``observe_loss()``
+and ``request_probe()``.
 
 Example::
 
     from slipstream import sync
-    sync.available()                 # ('allreduce', 'bf16', 'fp16')
-    sync.apply("bf16", ddp_model)
+    sync.is_valid("hierarchical+powersgd")     # True
+    state = sync.apply("powersgd", ddp_model, rank=8)
+    state.stats()["sync_compression_ratio"]
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
+import torch
 from torch.nn.parallel import DistributedDataParallel
 
-_Strategy = Callable[[DistributedDataParallel], object]
+from .compress import CODECS, make_codec
+
+_Strategy = Callable[..., object]
 _REGISTRY: dict[str, _Strategy] = {}
+
+# Options each strategy understands, besides the guard's (guard, max_error_ratio, check_every_steps,
+# loss_window, loss_tolerance).
+_CODEC_OPTIONS = {
+    "powersgd": ("rank", "min_compression", "error_feedback", "warm_start", "seed"),
+    "topk": ("density",),
+    "sign": ("chunk_numel",),
+}
+_GUARD_OPTIONS = ("max_error_ratio", "check_every_steps", "loss_window", "loss_tolerance")
 
 
 def register(name: str) -> Callable[[_Strategy], _Strategy]:
-    """Register ``fn(ddp_model) -> state`` under ``name``."""
+    """Register ``fn(ddp_model, **options) -> state`` under ``name``."""
 
     def deco(fn: _Strategy) -> _Strategy:
         _REGISTRY[name] = fn
@@ -32,31 +60,161 @@ def register(name: str) -> Callable[[_Strategy], _Strategy]:
 
 
 def available() -> tuple[str, ...]:
-    return tuple(_REGISTRY)
+    """Every valid strategy name, combinations (``hierarchical+powersgd``) included."""
+    combos = tuple(f"hierarchical+{c}" for c in CODECS if c != "allreduce")
+    return tuple(_REGISTRY) + combos
 
 
-def apply(name: str, ddp_model: DistributedDataParallel) -> object:
-    """Install strategy ``name`` on ``ddp_model``; returns its state object (or None)."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown sync strategy {name!r}; known: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name](ddp_model)
+def is_valid(name: str) -> bool:
+    """Whether ``name`` is a strategy :func:`apply` accepts."""
+    return name in available()
+
+
+def apply(name: str, ddp_model: DistributedDataParallel, **options: Any) -> object:
+    """Install strategy ``name`` on ``ddp_model``; returns its state object (or None).
+
+    Collective: every rank calls it, right after wrapping the model in DDP and
+    before the first forward.
+    """
+    if name in _REGISTRY:
+        return _REGISTRY[name](ddp_model, **options)
+    if name.startswith("hierarchical+") and name.split("+", 1)[1] in CODECS:
+        return _hook_strategy(name, ddp_model, name.split("+", 1)[1], hierarchical=True, **options)
+    raise KeyError(f"unknown sync strategy {name!r}; known: {', '.join(available())}")
+
+
+class AllreduceState:
+    """Accounting for DDP's built-in reducer (no hook: nothing is added to its hot path).
+
+    Bytes per step are the ring all-reduce payload of all gradients, 2(n-1)/n * S,
+    counted once per synchronising backward.
+    """
+
+    def __init__(self, ddp_model: DistributedDataParallel):
+        import torch.distributed as dist
+
+        n = dist.get_world_size(ddp_model.process_group) if ddp_model.process_group is not None else 1
+        params = [p for p in ddp_model.module.parameters() if p.requires_grad]
+        grad_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.bytes_per_step = 2 * (n - 1) / n * grad_bytes
+        self.steps = 0
+        self._ddp = ddp_model
+        if params:
+            # Fires once per backward; counts only backwards that synchronise.
+            params[0].register_post_accumulate_grad_hook(self._count)
+
+    def _count(self, _param: torch.Tensor) -> None:
+        if self._ddp.require_backward_grad_sync:
+            self.steps += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "sync_strategy": "allreduce",
+            "sync_mode": "run",
+            "sync_steps": self.steps,
+            "sync_bytes_sent": self.bytes_per_step,
+            "sync_uncompressed_bytes": self.bytes_per_step,
+            "sync_compression_ratio": 1.0,
+            "sync_bytes_sent_total": self.bytes_per_step * self.steps,
+            "sync_decision": "allreduce (DDP reducer)",
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": "allreduce", "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
+
+
+def _split_options(codec: str, options: dict[str, Any]) -> tuple[dict, dict, dict]:
+    mine = set(_CODEC_OPTIONS.get(codec, ()))
+    codec_opts = {k: v for k, v in options.items() if k in mine}
+    guard_opts = {k: v for k, v in options.items() if k in _GUARD_OPTIONS}
+    rest = {k: v for k, v in options.items() if k not in mine and k not in _GUARD_OPTIONS}
+    return codec_opts, guard_opts, rest
+
+
+def _make_guard(enabled: bool, guard_opts: dict[str, Any]):
+    from .guard import ConvergenceGuard
+
+    return ConvergenceGuard(**guard_opts) if enabled else None
+
+
+def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hierarchical: bool = False,
+                   **options: Any):
+    from .hierarchical import FlatReducer, Hierarchical
+    from .hooks import HookSync
+    from .topology import groups
+
+    codec_opts, guard_opts, rest = _split_options(codec, options)
+    guard_on = rest.pop("guard", True)
+    if rest:
+        raise TypeError(f"sync strategy {name!r} got unknown options: {', '.join(sorted(rest))}")
+    g = groups()
+    reducer = Hierarchical(g) if hierarchical else FlatReducer(g.flat)
+    c = make_codec(codec, **codec_opts)
+    guard = _make_guard(guard_on and c.error_feedback, guard_opts)
+    return HookSync(name, reducer, {codec: c}, codec, control_group=g.flat, guard=guard).install(ddp_model)
 
 
 @register("allreduce")
-def _allreduce(ddp_model: DistributedDataParallel) -> None:
-    # DDP's built-in reducer: bucketed all-reduce overlapping backward, averaged.
-    return None
+def _allreduce(ddp_model: DistributedDataParallel, **options: Any) -> AllreduceState:
+    if options:
+        raise TypeError(f"sync strategy 'allreduce' takes no options, got {', '.join(sorted(options))}")
+    return AllreduceState(ddp_model)
 
 
-@register("bf16")
-def _bf16(ddp_model: DistributedDataParallel) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+def _codec_strategy(codec: str) -> _Strategy:
+    def strategy(ddp_model: DistributedDataParallel, **options: Any):
+        return _hook_strategy(codec, ddp_model, codec, **options)
 
-    ddp_model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    strategy.__name__ = f"_{codec}"
+    return strategy
 
 
-@register("fp16")
-def _fp16(ddp_model: DistributedDataParallel) -> None:
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+for _c in ("bf16", "fp16", "powersgd", "topk", "sign"):
+    register(_c)(_codec_strategy(_c))
 
-    ddp_model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+@register("hierarchical")
+def _hierarchical(ddp_model: DistributedDataParallel, **options: Any):
+    return _hook_strategy("hierarchical", ddp_model, "allreduce", hierarchical=True, **options)
+
+
+@register("auto")
+def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("allreduce", "bf16", "powersgd"),
+          observe_steps: int = 3, hidden_tolerance: float = 0.05, **options: Any):
+    """Probe the link now; observe ``observe_steps`` uncompressed steps; decide per bucket."""
+    from .guard import ConvergenceGuard
+    from .hierarchical import FlatReducer
+    from .hooks import HookSync
+    from .probe import probe_link
+    from .topology import groups
+
+    guard_on = options.pop("guard", True)
+    guard_opts = {k: options.pop(k) for k in list(options) if k in _GUARD_OPTIONS}
+    per_codec: dict[str, dict[str, Any]] = {c: {} for c in candidates}
+    for c in candidates:
+        for k in _CODEC_OPTIONS.get(c, ()):
+            if k in options:
+                per_codec[c][k] = options[k]
+    used = {k for opts in per_codec.values() for k in opts}
+    unknown = set(options) - used
+    if unknown:
+        raise TypeError(f"sync strategy 'auto' got unknown options: {', '.join(sorted(unknown))}")
+    if "allreduce" not in candidates:
+        candidates = ("allreduce", *candidates)
+    g = groups()
+    link = probe_link(g.flat)
+    codecs = {c: make_codec(c, **per_codec.get(c, {})) for c in candidates}
+    guard = ConvergenceGuard(**guard_opts) if guard_on else None
+    policy = {"candidates": candidates, "observe_steps": observe_steps, "hidden_tolerance": hidden_tolerance,
+              "options": per_codec}
+    state = HookSync("auto", FlatReducer(g.flat), codecs, "allreduce", control_group=g.flat, guard=guard,
+                     policy=policy, link=link)
+    import logging
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        logging.getLogger("slipstream.sync").info("sync auto: probed link: %s", link.summary())
+    return state.install(ddp_model)

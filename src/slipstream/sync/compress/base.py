@@ -1,0 +1,223 @@
+"""The contract every gradient codec follows, and the accounted collectives it uses.
+
+A codec turns one flat gradient vector (a DDP bucket, or the shard of one that a
+hierarchical reducer hands over) into the *average* of that vector over the
+ranks of a :class:`Wire`, sending as few bytes as it can::
+
+    out = codec.reduce(flat, wire, key, layout)   # blocking; may modify flat in place
+
+``key`` names the bucket so the codec can keep per-bucket state (error-feedback
+residuals, warm-start factors). ``layout`` says where each parameter's gradient
+lies in ``flat`` (offset, shape), for codecs that use matrix structure
+(PowerSGD). Codecs are called from exactly one thread (the sync engine's
+ordered queue), in the same bucket order on every rank, so they may launch
+several dependent collectives without breaking the global order.
+
+Every codec has ``state_dict()/load_state_dict()`` (what a checkpoint must keep)
+and reports, per call, the squared norms of the fresh gradient and of the
+residual it carries (``residual_sq``/``grad_sq``): the convergence guard's signal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A parameter gradient (or the part of one) inside a flat vector."""
+
+    offset: int
+    numel: int
+    rows: int  # matrix view: rows x cols == numel (cols == numel for 1-D)
+    cols: int
+
+    @property
+    def is_matrix(self) -> bool:
+        return self.rows > 1 and self.cols > 1
+
+
+Layout = Sequence[Piece]
+
+
+def layout_from_shapes(shapes: Sequence[torch.Size]) -> list[Piece]:
+    """Pieces of tensors laid end to end, each viewed as (shape[0], rest)."""
+    out, off = [], 0
+    for s in shapes:
+        n = int(math.prod(s)) if len(s) else 1
+        rows = int(s[0]) if len(s) >= 2 else 1
+        out.append(Piece(off, n, rows, n // rows if rows else n))
+        off += n
+    return out
+
+
+def sub_layout(layout: Layout | None, start: int, length: int) -> list[Piece] | None:
+    """The part of ``layout`` inside [start, start+length), offsets relative to start.
+
+    A matrix cut by the window keeps its whole rows as a matrix; the ragged
+    ends become 1-D pieces (sent uncompressed by matrix codecs).
+    """
+    if layout is None:
+        return None
+    out: list[Piece] = []
+    end = start + length
+    for p in layout:
+        a, b = max(p.offset, start), min(p.offset + p.numel, end)
+        if a >= b:
+            continue
+        if not p.is_matrix:
+            out.append(Piece(a - start, b - a, 1, b - a))
+            continue
+        # Row-aligned middle part stays a matrix.
+        ra = p.offset + -(-(a - p.offset) // p.cols) * p.cols
+        rb = p.offset + ((b - p.offset) // p.cols) * p.cols
+        if rb <= ra:
+            out.append(Piece(a - start, b - a, 1, b - a))
+            continue
+        if a < ra:
+            out.append(Piece(a - start, ra - a, 1, ra - a))
+        out.append(Piece(ra - start, rb - ra, (rb - ra) // p.cols, p.cols))
+        if rb < b:
+            out.append(Piece(rb - start, b - rb, 1, b - rb))
+    return out
+
+
+class Wire:
+    """Collectives on one process group that count the bytes this rank sends.
+
+    Byte counts are the payload a bandwidth-optimal algorithm sends per rank:
+    all-reduce 2(n-1)/n * S, all-gather (n-1) * S_local, reduce-scatter
+    (n-1)/n * S. Protocol headers (TCP/IP) come on top; the accounting test
+    compares these figures with the interface counters.
+    """
+
+    def __init__(self, group: Any, size: int | None = None):
+        self.group = group
+        self.size = dist.get_world_size(group) if size is None else size
+        self.bytes_sent = 0.0
+        self.collectives = 0
+
+    def _count(self, nbytes: float) -> None:
+        self.bytes_sent += nbytes
+        self.collectives += 1
+
+    def allreduce(self, t: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """In-place sum (or ``op``) over the group; returns ``t``."""
+        if self.size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
+            self._count(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+        return t
+
+    def allgather(self, t: torch.Tensor) -> torch.Tensor:
+        """Concatenation of every rank's ``t`` (same shape on all ranks), rank order."""
+        t = t.contiguous()
+        if self.size == 1:
+            return t.reshape(1, *t.shape).clone()
+        out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
+        _all_gather_single(out.view(-1), t.view(-1), self.group)
+        self._count((self.size - 1) * t.numel() * t.element_size())
+        return out
+
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the group of ``t`` (numel divisible by size); returns this rank's 1/size chunk."""
+        if self.size == 1:
+            return t
+        out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
+        _reduce_scatter_single(out, t.view(-1), self.group)
+        self._count((self.size - 1) / self.size * t.numel() * t.element_size())
+        return out
+
+
+def _all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "all_gather_single", None)
+    if fn is not None:
+        fn(out, inp, group=group)
+    else:  # torch < 2.13
+        dist.all_gather_into_tensor(out, inp, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    fn = getattr(dist, "reduce_scatter_single", None)
+    if fn is not None:
+        fn(out, inp, group=group)
+    else:  # torch < 2.13
+        dist.reduce_scatter_tensor(out, inp, group=group)
+
+
+class Codec:
+    """Base class: plain fp32 all-reduce, no state. Subclasses override :meth:`reduce`."""
+
+    name = "allreduce"
+    collectives_per_call = 1  # for the alpha-beta model
+    error_feedback = False
+
+    def __init__(self) -> None:
+        # Sums since reset_signal() of ||residual||^2 and ||fresh gradient||^2 (tensors
+        # once used, so the hot path never syncs with the host).
+        self.residual_sq: Any = 0.0
+        self.grad_sq: Any = 0.0
+
+    def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
+        wire.allreduce(flat)
+        return flat.div_(wire.size)
+
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
+        """Bytes one rank sends to reduce ``numel`` fp32 values over ``n`` ranks."""
+        return 2 * (n - 1) / n * numel * 4
+
+    def reset_signal(self) -> None:
+        self.residual_sq = 0.0
+        self.grad_sq = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class ErrorFeedback(Codec):
+    """Keeps, per bucket key, what compression left out last time and adds it back.
+
+    Subclasses call ``c = self._compensate(key, flat)`` before compressing and
+    ``self._store(key, residual)`` after; residuals live in ``self.residuals``.
+    """
+
+    error_feedback = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.residuals: dict[Hashable, torch.Tensor] = {}
+
+    def _compensate(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
+        self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))  # stays a tensor: no host sync
+        e = self.residuals.get(key)
+        if e is not None and e.shape == flat.shape and e.device == flat.device:
+            flat.add_(e)
+        return flat
+
+    def _store(self, key: Hashable, residual: torch.Tensor) -> None:
+        r = residual.view(-1)
+        self.residual_sq = self.residual_sq + torch.dot(r, r)
+        self.residuals[key] = residual
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"residuals": {_key_str(k): v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residuals = {_key_parse(k): v.clone() for k, v in state.get("residuals", {}).items()}
+
+
+def _key_str(key: Hashable) -> str:
+    return repr(key)
+
+
+def _key_parse(s: str) -> Hashable:
+    import ast
+
+    return ast.literal_eval(s)

@@ -1,0 +1,163 @@
+"""PowerSGD (Vogels et al., 2019): rank-r gradient approximation with error feedback.
+
+For each matrix M (a parameter gradient viewed as shape[0] x rest) one power
+iteration gives M ~= P Q^T with P = orth(sum_i M_i Q) and Q = mean_i M_i^T P.
+The Ps of all matrices travel in one all-reduce, together with the tensors
+that are not worth compressing (1-D tensors, and matrices where rank r would
+save less than ``min_compression``x); the Qs travel in a second one. So each
+bucket costs exactly two collectives, launched from one thread, in bucket
+order: the ordering bug of torch's hook (callbacks launching the second
+collective in completion order) cannot happen.
+
+Tune: ``rank`` (bytes vs. accuracy), ``min_compression``.
+Leave on: ``error_feedback`` (without it the bias stalls training),
+``warm_start`` (reusing last step's Q makes one power iteration per step
+enough). Internal: ``residuals`` (per bucket), ``q`` (per bucket and matrix).
+
+Example::
+
+    PowerSGD(rank=4).reduce(flat, wire, key=0, layout=layout_from_shapes(shapes))
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Hashable
+
+import torch
+
+from .base import ErrorFeedback, Layout, Piece, Wire
+
+
+def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
+    """Columns of p made orthonormal (reduced QR); zero columns stay finite."""
+    q, _ = torch.linalg.qr(p, mode="reduced")
+    p.copy_(q)
+    return p
+
+
+class PowerSGD(ErrorFeedback):
+    name = "powersgd"
+    collectives_per_call = 2
+
+    def __init__(
+        self,
+        rank: int = 4,
+        min_compression: float = 2.0,
+        error_feedback: bool = True,
+        warm_start: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        if min_compression < 1.0:
+            raise ValueError(f"min_compression must be >= 1, got {min_compression}")
+        self.rank = rank
+        self.min_compression = min_compression
+        self.use_error_feedback = error_feedback
+        self.warm_start = warm_start
+        self.seed = seed
+        self.q: dict[Hashable, list[torch.Tensor]] = {}
+
+    # -- pure helpers -------------------------------------------------------------
+    def split(self, numel: int, layout: Layout | None) -> tuple[list[Piece], list[Piece]]:
+        """(matrices to compress, pieces to send as they are)."""
+        if layout is None or sum(p.numel for p in layout) != numel:
+            return [], [Piece(0, numel, 1, numel)]
+        mats, rest = [], []
+        for p in layout:
+            r = min(self.rank, p.rows, p.cols)
+            if p.is_matrix and p.numel >= self.min_compression * r * (p.rows + p.cols):
+                mats.append(p)
+            else:
+                rest.append(p)
+        return mats, rest
+
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
+        mats, rest = self.split(numel, layout)
+        values = sum(p.numel for p in rest) + sum(min(self.rank, p.rows, p.cols) * (p.rows + p.cols) for p in mats)
+        return 2 * (n - 1) / n * values * 4
+
+    def _initial_q(self, key: Hashable, i: int, p: Piece, like: torch.Tensor) -> torch.Tensor:
+        # Same on every rank without a broadcast: seeded by (seed, bucket, matrix).
+        g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, key, i)).encode()))
+        q = torch.randn(p.cols, min(self.rank, p.rows, p.cols), generator=g, dtype=like.dtype)
+        return q.to(like.device)
+
+    # -- communication -------------------------------------------------------------
+    def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
+        n = wire.size
+        mats, rest = self.split(flat.numel(), layout)
+        if self.use_error_feedback and mats:
+            self._compensate(key, flat)
+        elif mats:
+            self.grad_sq = self.grad_sq + torch.dot(flat, flat)
+        ms = [flat[p.offset : p.offset + p.numel].view(p.rows, p.cols) for p in mats]
+        qs = self.q.get(key)
+        if not self.warm_start or qs is None or [q.shape for q in qs] != [
+            (p.cols, min(self.rank, p.rows, p.cols)) for p in mats
+        ]:
+            qs = [self._initial_q(key, i, p, flat) for i, p in enumerate(mats)]
+        # Collective 1: the Ps and the uncompressed pieces, in one buffer.
+        rest_numel = sum(p.numel for p in rest)
+        p_sizes = [m.shape[0] * q.shape[1] for m, q in zip(ms, qs)]
+        buf1 = torch.empty(rest_numel + sum(p_sizes), dtype=flat.dtype, device=flat.device)
+        off = 0
+        for p in rest:
+            buf1[off : off + p.numel].copy_(flat[p.offset : p.offset + p.numel])
+            off += p.numel
+        ps = []
+        for m, q, size in zip(ms, qs, p_sizes):
+            out = buf1[off : off + size].view(m.shape[0], q.shape[1])
+            torch.matmul(m, q, out=out)
+            ps.append(out)
+            off += size
+        wire.allreduce(buf1)
+        off = 0
+        for p in rest:
+            flat[p.offset : p.offset + p.numel].copy_(buf1[off : off + p.numel]).div_(n)
+            off += p.numel
+        if not ms:
+            return flat
+        for p in ps:
+            orthonormalize_(p)
+        # Collective 2: the Qs.
+        buf2 = torch.empty(sum(q.numel() for q in qs), dtype=flat.dtype, device=flat.device)
+        new_qs, off = [], 0
+        for m, p, q in zip(ms, ps, qs):
+            out = buf2[off : off + q.numel()].view(q.shape)
+            torch.matmul(m.t(), p, out=out)
+            new_qs.append(out)
+            off += q.numel()
+        wire.allreduce(buf2)
+        buf2.div_(n)
+        residual = torch.zeros_like(flat) if self.use_error_feedback else None
+        for piece, m, p, q in zip(mats, ms, ps, new_qs):
+            if residual is not None:
+                e = residual[piece.offset : piece.offset + piece.numel].view(m.shape)
+                e.copy_(m)
+                torch.matmul(p, q.t(), out=m)
+                e.sub_(m)
+            else:
+                torch.matmul(p, q.t(), out=m)
+        if residual is not None:
+            self._store(key, residual)
+        self.q[key] = [q.clone() for q in new_qs]
+        return flat
+
+    def state_dict(self) -> dict[str, Any]:
+        from .base import _key_str
+
+        return {
+            **super().state_dict(),
+            "rank": self.rank,
+            "q": {_key_str(k): [q.clone() for q in v] for k, v in self.q.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from .base import _key_parse
+
+        super().load_state_dict(state)
+        self.rank = int(state.get("rank", self.rank))
+        self.q = {_key_parse(k): [q.clone() for q in v] for k, v in state.get("q", {}).items()}

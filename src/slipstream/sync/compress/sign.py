@@ -1,0 +1,84 @@
+"""Scaled sign (1 bit per value) with error feedback.
+
+The error-compensated gradient is cut into chunks of ``chunk_numel`` values;
+each chunk is sent as its signs, packed 8 to a byte, and one fp32 scale (the
+chunk's mean absolute value, which makes scale*sign the best 1-bit
+approximation in L2 for a fixed sign pattern). Signs and scales are
+all-gathered (1-bit data cannot be summed on the wire) and every rank
+averages the decoded vectors. What the 1-bit form left out is kept and added
+to the next step's gradient (EF-SignSGD, Karimireddy et al. 2019).
+
+Bytes per rank: (n-1) * (numel/8 + 4*numel/chunk_numel): about 1/31 of fp32 (n=2).
+
+Example::
+
+    ScaledSign(chunk_numel=1024).reduce(flat, wire, key=0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+
+from .base import ErrorFeedback, Layout, Wire
+
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def pack_signs(x: torch.Tensor) -> torch.Tensor:
+    """1 where x >= 0, packed little-endian 8 per uint8; x.numel() must divide by 8."""
+    bits = (x >= 0).to(torch.uint8).view(-1, 8)
+    return (bits << _SHIFTS.to(x.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_signs(packed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of :func:`pack_signs`: +1/-1 values, 8 per byte."""
+    bits = (packed.view(-1, 1) >> _SHIFTS.to(packed.device)) & 1
+    return bits.view(-1).to(dtype).mul_(2).sub_(1)
+
+
+class ScaledSign(ErrorFeedback):
+    name = "sign"
+    collectives_per_call = 2
+
+    def __init__(self, chunk_numel: int = 1024):
+        super().__init__()
+        if chunk_numel < 8 or chunk_numel % 8:
+            raise ValueError(f"chunk_numel must be a positive multiple of 8, got {chunk_numel}")
+        self.chunk_numel = chunk_numel
+
+    def _chunks(self, numel: int) -> int:
+        return -(-numel // self.chunk_numel)
+
+    def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
+        c = self._compensate(key, flat)
+        numel, chunks = c.numel(), self._chunks(c.numel())
+        padded = torch.zeros(chunks * self.chunk_numel, dtype=c.dtype, device=c.device)
+        padded[:numel] = c
+        view = padded.view(chunks, self.chunk_numel)
+        # Mean |x| over the real values of each chunk (the last one may be short).
+        counts = torch.full((chunks,), float(self.chunk_numel), device=c.device)
+        counts[-1] = numel - (chunks - 1) * self.chunk_numel
+        scales = view.abs().sum(dim=1).div_(counts)
+        packed = pack_signs(padded)
+        local = unpack_signs(packed, c.dtype).view(chunks, -1).mul_(scales.view(-1, 1)).view(-1)[:numel]
+        self._store(key, c - local)
+        all_packed = wire.allgather(packed)
+        all_scales = wire.allgather(scales)
+        out = torch.zeros_like(view)
+        for r in range(wire.size):
+            out.addcmul_(unpack_signs(all_packed[r], c.dtype).view(chunks, -1), all_scales[r].view(-1, 1))
+        c.copy_(out.view(-1)[:numel])
+        return c.div_(wire.size)
+
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
+        chunks = self._chunks(numel)
+        return (n - 1) * (chunks * self.chunk_numel / 8 + 4 * chunks)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "chunk_numel": self.chunk_numel}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.chunk_numel = int(state.get("chunk_numel", self.chunk_numel))

@@ -1,0 +1,61 @@
+"""Top-k sparsification with error feedback.
+
+Each rank keeps the ``density`` fraction of its (error-compensated) gradient
+with the largest magnitudes, sends their values and int32 indices with one
+all-gather each, and adds what it left out to next step's gradient. Ranks pick
+different coordinates, so an all-reduce cannot combine them; an all-gather of
+(values, indices) and a local scatter-add can.
+
+Bytes per rank: (n-1) * k * 8 for k = density * numel, against 2(n-1)/n * 4 * numel
+for fp32 all-reduce: density 0.01 sends 1/25 (n=2).
+
+Example::
+
+    TopK(density=0.01).reduce(flat, wire, key=3)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+import torch
+
+from .base import ErrorFeedback, Layout, Wire
+
+
+class TopK(ErrorFeedback):
+    name = "topk"
+    collectives_per_call = 2
+
+    def __init__(self, density: float = 0.01):
+        super().__init__()
+        if not 0.0 < density <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {density}")
+        self.density = density
+
+    def k_of(self, numel: int) -> int:
+        return max(1, min(numel, int(round(self.density * numel))))
+
+    def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
+        c = self._compensate(key, flat)
+        k = self.k_of(c.numel())
+        _, idx = torch.topk(c.abs(), k, sorted=False)
+        vals = c[idx]
+        residual = c.clone()
+        residual[idx] = 0.0
+        self._store(key, residual)
+        all_vals = wire.allgather(vals).view(-1)
+        all_idx = wire.allgather(idx.to(torch.int32)).view(-1)
+        c.zero_()
+        c.index_add_(0, all_idx.long(), all_vals)
+        return c.div_(wire.size)
+
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
+        return (n - 1) * self.k_of(numel) * 8
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "density": self.density}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.density = float(state.get("density", self.density))

@@ -1,0 +1,85 @@
+"""Two-level reduction: fast links inside a node, slow links between nodes.
+
+For a bucket of S bytes on nodes of k ranks:
+
+1. reduce-scatter inside the node (each local rank gets the node's sum of 1/k of S);
+2. the codec averages that 1/k shard across nodes, over the inter-node group of
+   ranks that share a local rank: only S/k per rank crosses the slow link, and
+   compression (if any) applies to this step only;
+3. all-gather inside the node rebuilds the whole averaged bucket.
+
+With one rank per node, steps 1 and 3 vanish; with one node, step 2 does.
+
+Example::
+
+    h = Hierarchical(groups(topology))
+    out = h.reduce(flat, PowerSGD(rank=4), key=0, layout=layout)
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from .compress.base import Codec, Layout, Wire, sub_layout
+from .topology import Groups
+
+
+class FlatReducer:
+    """One level: the codec runs over all ranks."""
+
+    def __init__(self, group: object):
+        self.wire = Wire(group)
+
+    @property
+    def bytes_sent(self) -> float:
+        return self.wire.bytes_sent
+
+    def reduce(self, flat: torch.Tensor, codec: Codec, key: Hashable, layout: Layout | None) -> torch.Tensor:
+        return codec.reduce(flat, self.wire, key, layout)
+
+    def uncompressed_bytes(self, numel: int, itemsize: int = 4) -> float:
+        n = self.wire.size
+        return 2 * (n - 1) / n * numel * itemsize
+
+
+class Hierarchical:
+    def __init__(self, groups: Groups):
+        self.topology = groups.topology
+        self.intra = Wire(groups.intra, groups.topology.local_world_size)
+        self.inter = Wire(groups.inter, groups.topology.num_nodes)
+
+    @property
+    def bytes_sent(self) -> float:
+        return self.intra.bytes_sent + self.inter.bytes_sent
+
+    def reduce(self, flat: torch.Tensor, codec: Codec, key: Hashable, layout: Layout | None) -> torch.Tensor:
+        k = self.intra.size
+        numel = flat.numel()
+        if k == 1:
+            return codec.reduce(flat, self.inter, key, layout)
+        shard_numel = -(-numel // k)
+        if shard_numel * k != numel:
+            padded = torch.zeros(shard_numel * k, dtype=flat.dtype, device=flat.device)
+            padded[:numel] = flat
+        else:
+            padded = flat
+        shard = self.intra.reduce_scatter(padded).div_(k)
+        start = self.topology.local_rank * shard_numel
+        shard_layout = sub_layout(layout, start, min(shard_numel, max(0, numel - start)))
+        if self.inter.size > 1 and numel > start:
+            real = max(0, min(shard_numel, numel - start))
+            head = shard[:real]
+            # The padded tail (zeros) need not cross the slow link.
+            head_out = codec.reduce(head, self.inter, (key, "h"), shard_layout)
+            if head_out.data_ptr() != head.data_ptr():
+                head.copy_(head_out)
+        full = self.intra.allgather(shard).view(-1)
+        flat.copy_(full[:numel])
+        return flat
+
+    def uncompressed_bytes(self, numel: int, itemsize: int = 4) -> float:
+        """Bytes per rank for a plain (flat, fp32) all-reduce of ``numel`` values."""
+        n = self.topology.world_size
+        return 2 * (n - 1) / n * numel * itemsize

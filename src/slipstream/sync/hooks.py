@@ -1,0 +1,427 @@
+"""The sync engine: strategies as DDP comm hooks that keep one global collective order.
+
+DDP hands buckets to a comm hook in bucket order, the same on every rank. The
+danger is work that launches a *second* collective for a bucket from a
+``fut.then()`` callback: callbacks run when a collective completes, and
+completion order differs between ranks, so ranks can post collectives in
+different orders and gloo fails ("Received data size doesn't match expected
+size", as torch's powerSGD_hook does with several buckets). Here every
+collective is launched either
+
+* from the hook itself, for strategies with one collective per bucket (fp32,
+  bf16, fp16: the "direct" path; callbacks only decode locally), or
+* from one comm thread per model that runs the buckets' jobs first-in,
+  first-out (:class:`OrderedQueue`): multi-collective codecs (PowerSGD, top-k,
+  sign), hierarchical reduction, and the engine's own control collectives
+  (guard checks, policy agreement) all go through it, so they reach every rank
+  in the same order while backward carries on computing the next buckets.
+
+:class:`HookSync` is the state object ``sync.apply`` returns: ``stats()`` for
+the metrics recorder, ``state_dict()/load_state_dict()`` for checkpoints,
+``observe_loss()`` for the convergence guard, ``request_probe()`` to re-measure.
+
+Example::
+
+    state = HookSync("powersgd", FlatReducer(groups().flat), {"powersgd": PowerSGD(rank=4)}, "powersgd")
+    state.install(ddp_model)
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from .compress.base import Codec, Layout, Wire, layout_from_shapes
+from .compress.cast import Cast
+from .guard import ConvergenceGuard
+from .policy import BucketInfo, Decision, decide
+from .probe import LinkFigures, probe_link
+
+log = logging.getLogger("slipstream.sync")
+
+
+class OrderedQueue:
+    """One daemon thread running submitted jobs first-in, first-out.
+
+    ``submit(fn)`` returns a ``torch.futures.Future`` completed with ``fn()``'s
+    result (or its exception). Jobs run one at a time, so collectives they
+    launch keep submission order.
+    """
+
+    def __init__(self, name: str = "slipstream-sync"):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._q.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fn, fut = self._q.get()
+            if fn is None:
+                return
+            try:
+                result = fn()
+            except BaseException as exc:  # delivered to DDP's wait(), which raises it
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+    def close(self) -> None:
+        self._q.put((None, None))
+
+
+@dataclass
+class _Step:
+    """Accounting of one synchronising backward."""
+
+    t_backward_start: float | None
+    ready: dict[int, float] = field(default_factory=dict)
+    numel: dict[int, int] = field(default_factory=dict)
+    bytes_sent: float = 0.0
+    uncompressed_bytes: float = 0.0
+    comm_s: float = 0.0
+    t_last_ready: float = 0.0
+    t_done: float = 0.0
+
+    @property
+    def exposed_s(self) -> float:
+        return max(0.0, self.t_done - self.t_last_ready)
+
+
+class HookSync:
+    """State of a hook-based strategy (see module docstring).
+
+    reducer: FlatReducer or Hierarchical (how a codec's collectives are laid out).
+    codecs: codec objects by name; ``default`` is used for every bucket until a
+      policy decides otherwise. ``"allreduce"`` is added if missing (fallback).
+    policy: for ``auto``, observe ``observe_steps`` steps uncompressed, then decide.
+    guard: convergence guard, checked while any bucket is compressed.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        reducer: Any,
+        codecs: dict[str, Codec],
+        default: str,
+        control_group: Any = None,
+        guard: ConvergenceGuard | None = None,
+        policy: dict[str, Any] | None = None,
+        link: LinkFigures | None = None,
+    ):
+        self.name = name
+        self.reducer = reducer
+        self.codecs = dict(codecs)
+        self.codecs.setdefault("allreduce", Codec())
+        if default not in self.codecs:
+            raise KeyError(f"default codec {default!r} not in {sorted(self.codecs)}")
+        self.default = default
+        self.control = Wire(control_group)
+        self.guard = guard
+        self.policy = policy  # None, or options of policy.decide plus observe_steps
+        self.link = link
+        self.world_size = self.control.size
+        self.decisions: dict[int, str] = {}
+        self.decision: Decision | None = None
+        self.mode = "observe" if policy is not None else "run"
+        self.fallback_reason: str | None = None
+        self.steps = 0
+        self.bytes_sent_total = 0.0
+        self.uncompressed_bytes_total = 0.0
+        self.last: _Step | None = None
+        self._open: _Step | None = None
+        self._layouts: dict[tuple[int, int], Layout | None] = {}
+        self._observed: list[_Step] = []
+        self._probe_requested = False
+        self._t_forward_end: float | None = None
+        self._lock = threading.Lock()
+        self._param_index: dict[int, int] = {}
+        self._queue: OrderedQueue | None = None
+        if guard is not None:
+            guard.compressing = self._compressing()
+
+    # -- installation ------------------------------------------------------------------
+    def install(self, ddp: DistributedDataParallel) -> "HookSync":
+        def on_forward(module: Any, args: Any, output: Any) -> None:
+            self._t_forward_end = time.perf_counter()
+
+        self._param_index = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+        ddp.module.register_forward_hook(on_forward)
+        ddp.register_comm_hook(self, _hook)
+        return self
+
+    # -- public API ----------------------------------------------------------------------
+    def observe_loss(self, loss: float | torch.Tensor) -> None:
+        """Feed this step's loss to the convergence guard (optional; reads the tensor)."""
+        if self.guard is not None:
+            self.guard.observe_loss(loss)
+
+    def request_probe(self) -> None:
+        """Re-measure the link (and, for auto, re-observe and re-decide) at the next step.
+
+        Call it on every rank at the same step."""
+        self._probe_requested = True
+
+    def stats(self) -> dict[str, Any]:
+        """Per-step accounting for the metrics recorder (last synchronising step)."""
+        last = self.last
+        out: dict[str, Any] = {
+            "sync_strategy": self.name,
+            "sync_mode": self.mode,
+            "sync_steps": self.steps,
+            "sync_bytes_sent_total": self.bytes_sent_total,
+        }
+        if last is not None:
+            out["sync_bytes_sent"] = last.bytes_sent
+            out["sync_uncompressed_bytes"] = last.uncompressed_bytes
+            out["sync_compression_ratio"] = last.uncompressed_bytes / last.bytes_sent if last.bytes_sent else 1.0
+            out["sync_exposed_comm_s"] = last.exposed_s
+            out["sync_comm_s"] = last.comm_s
+        out["sync_decision"] = self.decision_summary()
+        if self.fallback_reason:
+            out["sync_fallback_reason"] = self.fallback_reason
+        if self.guard is not None and self.guard.last_error_ratio is not None:
+            out["sync_error_ratio"] = self.guard.last_error_ratio
+        return out
+
+    def decision_summary(self) -> str:
+        if not self.decisions:
+            return self.default if self.mode != "observe" else "allreduce (observing)"
+        counts: dict[str, int] = {}
+        for v in self.decisions.values():
+            counts[v] = counts.get(v, 0) + 1
+        return ",".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "steps": self.steps,
+            "mode": self.mode,
+            "default": self.default,
+            "decisions": dict(self.decisions),
+            "fallback_reason": self.fallback_reason,
+            "bytes_sent_total": self.bytes_sent_total,
+            "codecs": {k: c.state_dict() for k, c in self.codecs.items()},
+            "guard": self.guard.state_dict() if self.guard is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ValueError(f"sync state is for strategy {state.get('name')!r}, this run uses {self.name!r}")
+        self.steps = int(state["steps"])
+        self.mode = state["mode"]
+        self.default = state["default"]
+        self.decisions = {int(k): v for k, v in state["decisions"].items()}
+        self.fallback_reason = state.get("fallback_reason")
+        self.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
+        for k, sd in state["codecs"].items():
+            if k in self.codecs:
+                self.codecs[k].load_state_dict(sd)
+        if self.guard is not None and state.get("guard") is not None:
+            self.guard.load_state_dict(state["guard"])
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.close()
+            self._queue = None
+
+    # -- per bucket (hook thread) --------------------------------------------------------
+    def _codec_name(self, index: int) -> str:
+        if self.mode in ("observe", "fallback"):
+            return "allreduce"
+        return self.decisions.get(index, self.default)
+
+    def _compressing(self) -> bool:
+        if self.mode != "run":
+            return False
+        names = set(self.decisions.values()) if self.decisions else {self.default}
+        return any(n != "allreduce" for n in names)
+
+    def _direct(self) -> bool:
+        """True when every bucket needs one collective and the engine none of its own."""
+        if self.mode == "observe" or self._probe_requested or not hasattr(self.reducer, "wire"):
+            return False
+        if self.guard is not None and self._compressing() and any(
+            c.error_feedback for c in self.codecs.values()
+        ):
+            return False
+        names = set(self.decisions.values()) if self.decisions and self.mode == "run" else {self._codec_name(-1)}
+        return all(type(self.codecs[n]) in (Codec, Cast) for n in names)
+
+    def _layout(self, bucket: dist.GradBucket, numel: int) -> Layout | None:
+        key = (bucket.index(), numel)
+        if key not in self._layouts:
+            shapes = [g.shape for g in bucket.gradients()]
+            layout = layout_from_shapes(shapes)
+            total = sum(p.numel for p in layout)
+            self._layouts[key] = layout if total == numel else None
+        return self._layouts[key]
+
+    def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        now = time.perf_counter()
+        if self._open is None:
+            self._open = _Step(t_backward_start=self._t_forward_end)
+        step = self._open
+        index, buf, last = bucket.index(), bucket.buffer(), bucket.is_last()
+        step.ready[index] = now
+        step.numel[index] = buf.numel()
+        if last:
+            step.t_last_ready = now
+            self._open = None
+        name = self._codec_name(index)
+        step.uncompressed_bytes += self.reducer.uncompressed_bytes(buf.numel(), 4)
+        if self._direct():
+            return self._direct_reduce(buf, self.codecs[name], step, last)
+        layout = self._layout(bucket, buf.numel())
+        # Codec state follows the parameters, not DDP's bucket numbering (which a
+        # rebuild or a resumed run may change): key = the bucket's parameter indices.
+        key = tuple(self._param_index.get(id(p), -1) for p in bucket.parameters())
+        if self._queue is None:
+            self._queue = OrderedQueue()
+        return self._queue.submit(lambda: self._job(index, key, buf, name, layout, step, last))
+
+    def _direct_reduce(self, buf: torch.Tensor, codec: Codec, step: _Step, last: bool) -> torch.futures.Future:
+        wire = self.reducer.wire
+        n = wire.size
+        payload = codec.encode(buf, n) if isinstance(codec, Cast) else buf
+        t0 = time.perf_counter()
+        fut = dist.all_reduce(payload, group=wire.group, async_op=True).get_future()
+        nbytes = 2 * (n - 1) / n * payload.numel() * payload.element_size()
+        wire.bytes_sent += nbytes
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            out = f.value()[0]
+            result = codec.decode(out, buf, n) if isinstance(codec, Cast) else out.div_(n)
+            with self._lock:
+                step.bytes_sent += nbytes
+                step.comm_s += time.perf_counter() - t0
+                if last:
+                    self._finish(step)
+            return result
+
+        return fut.then(done)
+
+    # -- per bucket (comm thread) ----------------------------------------------------------
+    def _job(self, index: int, key: Hashable, buf: torch.Tensor, name: str, layout: Layout | None, step: _Step,
+             last: bool):
+        t0 = time.perf_counter()
+        before = self.reducer.bytes_sent
+        out = self.reducer.reduce(buf, self.codecs[name], key, layout)
+        step.bytes_sent += self.reducer.bytes_sent - before
+        step.comm_s += time.perf_counter() - t0
+        if last:
+            self._finish(step)
+            self._control()  # collectives of the engine, after the last bucket, same order everywhere
+        return out
+
+    def _finish(self, step: _Step) -> None:
+        step.t_done = time.perf_counter()
+        self.steps += 1
+        self.bytes_sent_total += step.bytes_sent
+        self.uncompressed_bytes_total += step.uncompressed_bytes
+        self.last = step
+
+    def _control(self) -> None:
+        if self._probe_requested:
+            self._probe_requested = False
+            self.link = probe_link(self.control.group)
+            log.info("sync: re-probed link: %s", self.link.summary())
+            if self.policy is not None and self.mode != "fallback":
+                self.mode, self.decisions, self._observed = "observe", {}, []
+                if self.guard is not None:
+                    self.guard.compressing = False
+            return
+        if self.mode == "observe":
+            self._observe(self.last)
+        elif self.guard is not None and self._compressing() and self.steps % self.guard.check_every_steps == 0:
+            reason = self.guard.check(self.control, self.codecs.values())
+            if reason is not None:
+                self.fallback(reason)
+
+    def fallback(self, reason: str) -> None:
+        """Synchronise uncompressed from the next step on (call on every rank at the same step)."""
+        self.mode = "fallback"
+        self.fallback_reason = reason
+        if self.guard is not None:
+            self.guard.compressing = False
+        if dist.get_rank() == 0:
+            log.warning("sync %s: falling back to uncompressed all-reduce: %s", self.name, reason)
+
+    # -- auto: observe, measure, decide (comm thread) -------------------------------------
+    def _observe(self, step: _Step) -> None:
+        assert self.policy is not None
+        # The first step runs with DDP's initial bucket order; it rebuilds buckets after it.
+        if self.steps > 1 and step.t_backward_start is not None:
+            self._observed.append(step)
+        if len(self._observed) < self.policy.get("observe_steps", 3):
+            return
+        last = self._observed[-1]
+        order = sorted(last.ready, key=lambda i: last.ready[i])
+        ready = [
+            statistics.median(s.ready[i] - s.t_backward_start for s in self._observed if i in s.ready) for i in order
+        ]
+        costs = self._measure_costs(order, last)
+        names = list(self.policy["candidates"])
+        vec = torch.tensor(ready + [costs[(i, nm)] for i in order for nm in names], dtype=torch.float64)
+        self.control.allreduce(vec, op=dist.ReduceOp.MAX)  # every rank decides from the same figures
+        vals = vec.tolist()
+        ready, flat_costs = vals[: len(order)], vals[len(order) :]
+        agreed = {(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order) for j, nm in enumerate(names)}
+        buckets = [
+            BucketInfo(i, last.numel[i], r, self._layouts.get((i, last.numel[i]))) for i, r in zip(order, ready)
+        ]
+        link = self.link if self.link is not None else probe_link(self.control.group)
+        self.decision = decide(
+            buckets, link, self.world_size, agreed, {nm: self.codecs[nm] for nm in names},
+            hidden_tolerance=self.policy.get("hidden_tolerance", 0.05),
+        )
+        self.decisions = dict(self.decision.choices)
+        self.mode = "run"
+        if self.guard is not None:
+            self.guard.compressing = self._compressing()
+        if dist.get_rank() == 0:
+            log.info("%s", self.decision.explain())
+
+    def _measure_costs(self, order: list[int], step: _Step) -> dict[tuple[int, str], float]:
+        """Local compute time of each candidate codec on each bucket (no communication)."""
+        from .compress import make_codec
+
+        solo = Wire(None, size=1)
+        costs: dict[tuple[int, str], float] = {}
+        for name in self.policy["candidates"]:
+            for i in order:
+                numel = step.numel[i]
+                if name == "allreduce":
+                    costs[(i, name)] = 0.0
+                    continue
+                trial = make_codec(name, **self.policy.get("options", {}).get(name, {}))
+                x = torch.randn(numel)
+                layout = self._layouts.get((i, numel))
+                times = []
+                for _ in range(2):  # the second run has warm-start state, like steady state
+                    t0 = time.perf_counter()
+                    trial.reduce(x, solo, i, layout)
+                    times.append(time.perf_counter() - t0)
+                costs[(i, name)] = times[-1]
+        return costs
+
+
+def _hook(state: HookSync, bucket: dist.GradBucket) -> torch.futures.Future:
+    return state.on_bucket(bucket)
+
+
+# DDP checks the hook's annotations as objects; this module's are strings (PEP 563).
+_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}

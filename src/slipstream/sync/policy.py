@@ -1,0 +1,137 @@
+"""Choose, per bucket, how to synchronise it: the alpha-beta model of one step.
+
+Inputs, all measured and agreed across ranks before the decision:
+
+* for each bucket, in the order DDP hands them over: its size, its layout and
+  the time after the start of backward at which it became ready (observed
+  over a few uncompressed steps);
+* the link's latency and bandwidth (:mod:`.probe`);
+* each candidate codec's compute time on each bucket (timed locally, no
+  communication).
+
+Model (one core per rank, as on the target machines, so compression compute
+adds to compute rather than hiding behind it; communication waits do hide):
+
+    core_end  = backward_s + sum(compute_i)
+    chan_i    = max(ready_i, chan_{i-1}) + compute_i + link.seconds(bytes_i, collectives_i)
+    step_end  = max(core_end, chan_last)
+
+Start from plain all-reduce everywhere. If its predicted ``step_end`` is within
+``hidden_tolerance`` of ``backward_s``, communication is already hidden: keep
+it, compress nothing. Otherwise change, one bucket at a time, whichever
+(bucket, codec) lowers the predicted step most, until nothing helps.
+
+Example::
+
+    d = decide(buckets, link, world_size=2, compute_s=costs, candidates=codecs)
+    d.choices        # {0: 'allreduce', 1: 'powersgd', ...}
+    d.explain()
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .compress.base import Codec, Layout
+from .probe import LinkFigures
+
+
+@dataclass(frozen=True)
+class BucketInfo:
+    index: int
+    numel: int
+    ready_s: float  # after the start of backward
+    layout: Layout | None = None
+
+
+@dataclass
+class Decision:
+    choices: dict[int, str]
+    predicted_s: float  # backward + exposed communication, chosen plan
+    predicted_allreduce_s: float
+    backward_s: float
+    link: LinkFigures
+    reason: str
+    alternatives: dict[str, float] = field(default_factory=dict)  # every bucket with one codec
+
+    def explain(self) -> str:
+        counts: dict[str, int] = {}
+        for name in self.choices.values():
+            counts[name] = counts.get(name, 0) + 1
+        plan = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        alts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.alternatives.items())
+        return (
+            f"sync auto: {plan}; predicted backward+exposed comm {self.predicted_s * 1e3:.1f} ms "
+            f"(all-reduce {self.predicted_allreduce_s * 1e3:.1f} ms, backward {self.backward_s * 1e3:.1f} ms; "
+            f"uniform plans: {alts}); link {self.link.summary()}; {self.reason}"
+        )
+
+
+def predict(
+    buckets: list[BucketInfo],
+    choices: Mapping[int, str],
+    link: LinkFigures,
+    world_size: int,
+    compute_s: Mapping[tuple[int, str], float],
+    codecs: Mapping[str, Codec],
+) -> float:
+    """Predicted end of backward + exposed communication, in seconds after backward starts."""
+    backward = max((b.ready_s for b in buckets), default=0.0)
+    core = backward
+    chan = 0.0
+    for b in buckets:
+        name = choices[b.index]
+        codec = codecs[name]
+        cost = compute_s.get((b.index, name), 0.0)
+        core += cost
+        comm = link.seconds(codec.wire_bytes(b.numel, world_size, b.layout), codec.collectives_per_call)
+        chan = max(b.ready_s, chan) + cost + comm
+    return max(core, chan)
+
+
+def decide(
+    buckets: list[BucketInfo],
+    link: LinkFigures,
+    world_size: int,
+    compute_s: Mapping[tuple[int, str], float],
+    candidates: Mapping[str, Codec],
+    hidden_tolerance: float = 0.05,
+    min_gain: float = 0.01,
+) -> Decision:
+    """Per-bucket codec names minimising :func:`predict`; see the module docstring."""
+    if "allreduce" not in candidates:
+        raise ValueError("candidates must include 'allreduce' (the uncompressed fallback)")
+    backward = max((b.ready_s for b in buckets), default=0.0)
+    choices = {b.index: "allreduce" for b in buckets}
+    base = predict(buckets, choices, link, world_size, compute_s, candidates)
+    alternatives = {
+        name: predict(buckets, {b.index: name for b in buckets}, link, world_size, compute_s, candidates)
+        for name in candidates
+    }
+    if base <= backward * (1 + hidden_tolerance) + 1e-4:
+        return Decision(
+            choices, base, base, backward, link, alternatives=alternatives,
+            reason="communication is hidden under backward: nothing compressed",
+        )
+    best = base
+    while True:
+        move, move_t = None, best
+        for b in buckets:
+            for name in candidates:
+                if name == choices[b.index]:
+                    continue
+                trial = {**choices, b.index: name}
+                t = predict(buckets, trial, link, world_size, compute_s, candidates)
+                if t < move_t:
+                    move, move_t = (b.index, name), t
+        if move is None or move_t > best * (1 - min_gain / max(1, len(buckets))):
+            break
+        choices[move[0]] = move[1]
+        best = move_t
+    reason = (
+        "communication exposed: compressing where it lowers the predicted step"
+        if best < base
+        else "communication exposed, but no codec is predicted to help"
+    )
+    return Decision(choices, best, base, backward, link, alternatives=alternatives, reason=reason)

@@ -1,0 +1,130 @@
+"""Where this rank sits: nodes, local ranks, and the process groups of each level.
+
+Ranks are assumed to be placed ``local_world_size`` consecutive ranks per node,
+as torchrun, srun and mpirun do by default. The groups are built once per
+default process group and cached: ``dist.new_group`` is collective and every
+rank must create groups in the same order, so :func:`groups` always builds the
+flat group, then every node's intra group (node 0 first), then every inter group
+(local index 0 first), on all ranks.
+
+Example::
+
+    topo = detect()                    # from LOCAL_WORLD_SIZE, RANK, ... or slipstream.runtime
+    g = groups(topo)
+    g.intra, g.inter                   # this rank's node group and its cross-node peer group
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, world_size={self.world_size}), got {self.rank}")
+        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ValueError(
+                f"world_size({self.world_size}) must be a multiple of local_world_size({self.local_world_size})"
+            )
+        if self.local_rank != self.rank % self.local_world_size:
+            raise ValueError(
+                f"local_rank({self.local_rank}) != rank({self.rank}) % local_world_size({self.local_world_size}):"
+                " ranks must be placed consecutively on nodes"
+            )
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.local_world_size, (node + 1) * self.local_world_size))
+
+    def peer_ranks(self, local_index: int) -> list[int]:
+        """Global ranks with local rank ``local_index``, one per node."""
+        return [n * self.local_world_size + local_index for n in range(self.num_nodes)]
+
+
+def detect(env: Mapping[str, str] | None = None) -> Topology:
+    """Topology of this process, from the launcher's environment.
+
+    Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun, ``slipstream run``)
+    when present, else asks :func:`slipstream.runtime.current` (Slurm, MPI), else
+    the initialised process group (one node).
+
+    Example::
+
+        detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).node_rank  # 1
+    """
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        rank = int(env["RANK"])
+        return Topology(rank, world, int(env.get("LOCAL_RANK", rank % local_world)), local_world)
+    if dist.is_available() and dist.is_initialized():
+        try:
+            from .. import runtime
+
+            rt = runtime._RUNTIME  # only if slipstream.init() started this process group
+        except Exception:  # pragma: no cover - runtime import problems
+            rt = None
+        if rt is not None and rt.world_size == dist.get_world_size():
+            return Topology(rt.rank, rt.world_size, rt.local_rank, rt.local_world_size)
+        world = dist.get_world_size()
+        return Topology(dist.get_rank(), world, dist.get_rank(), world)
+    return Topology(0, 1, 0, 1)
+
+
+@dataclass
+class Groups:
+    """Process groups of one topology. ``flat`` spans all ranks (a group of
+    its own, so sync collectives never interleave with the training loop's)."""
+
+    topology: Topology
+    flat: object
+    intra: object  # this node's ranks
+    inter: object  # this rank's peers (same local rank) on every node
+
+
+_CACHE: dict[tuple, Groups] = {}
+
+
+def groups(topo: Topology | None = None) -> Groups:
+    """Build (once) and return the flat, intra-node and inter-node groups."""
+    topo = detect() if topo is None else topo
+    if topo.world_size != dist.get_world_size() or topo.rank != dist.get_rank():
+        raise ValueError(
+            f"topology (rank {topo.rank} of {topo.world_size}) disagrees with the process group "
+            f"(rank {dist.get_rank()} of {dist.get_world_size()})"
+        )
+    key = (id(dist.group.WORLD), topo)
+    if key in _CACHE:
+        return _CACHE[key]
+    flat = dist.new_group(list(range(topo.world_size)))
+    intra = inter = None
+    # Same order on every rank: all node groups, then all peer groups.
+    for node in range(topo.num_nodes):
+        g = dist.new_group(topo.node_ranks(node))
+        if node == topo.node_rank:
+            intra = g
+    for local_index in range(topo.local_world_size):
+        g = dist.new_group(topo.peer_ranks(local_index))
+        if local_index == topo.local_rank:
+            inter = g
+    _CACHE[key] = Groups(topo, flat, intra, inter)
+    return _CACHE[key]

@@ -1,0 +1,197 @@
+"""Worker functions for the multi-process sync tests (spawned, so importable at top level).
+
+Each worker initialises gloo, runs a list of checks, and rank 0 writes a JSON
+result file the test process asserts on (one spawn runs many checks: starting
+torch in a process costs seconds on the shared 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def init(rank: int, world: int, port: int, local_world: int) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),
+        LOCAL_WORLD_SIZE=str(local_world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def mlp(widths: list[int], seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers[:-1])
+
+
+def batch(step: int, rank: int, n: int, width_in: int, classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, width_in, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def run(strategy: str | None, widths: list[int], steps: int, bucket_cap_mb: float = 25.0, lr: float = 0.05,
+        batch_size: int = 16, sync_state: dict | None = None, start_step: int = 0, model_state: dict | None = None,
+        opt_state: dict | None = None, **options):
+    """Train ``steps`` steps; returns (model, last grads, losses, state, optimizer)."""
+    from slipstream import sync
+
+    model = mlp(widths)
+    if model_state is not None:
+        model.load_state_dict(model_state)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    state = sync.apply(strategy, ddp, **options) if strategy is not None else None
+    if sync_state is not None:
+        state.load_state_dict(sync_state)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+    losses, grads = [], []
+    for step in range(start_step, start_step + steps):
+        x, y = batch(step, dist.get_rank(), batch_size, widths[0], widths[-1])
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        loss.backward()
+        if state is not None and hasattr(state, "observe_loss"):
+            state.observe_loss(loss.detach())
+        grads = [p.grad.detach().clone() for p in model.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return model, grads, losses, state, opt
+
+
+def same_on_all_ranks(tensors: list[torch.Tensor]) -> bool:
+    flat = torch.cat([t.reshape(-1) for t in tensors]).double()
+    lo, hi = flat.clone(), flat.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    return bool(torch.equal(lo, hi))
+
+
+def max_rel_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max() / (y.abs().max() + 1e-12)) for x, y in zip(a, b))
+
+
+def _check(results: dict, name: str, fn) -> None:
+    try:
+        results[name] = fn()
+    except Exception:
+        results[name] = {"error": traceback.format_exc()}
+    dist.barrier()
+
+
+def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> None:
+    """The 2-rank suite: equality with DDP, ordering stress, state round trip, guard, convergence."""
+    init(rank, world, port, local_world)
+    res: dict = {}
+    widths = [32, 64, 64, 8]
+
+    def equality():
+        _, ref, _, _, _ = run(None, widths, 3)
+        out = {}
+        for strat in ("allreduce", "hierarchical", "bf16", "fp16"):
+            _, g, _, st, _ = run(strat, widths, 3, bucket_cap_mb=0.005)
+            out[strat] = {"rel_diff": max_rel_diff(g, ref), "same_on_ranks": same_on_all_ranks(g),
+                          "stats": st.stats()}
+        return out
+
+    def stress():
+        # 60 layers of 512x512 (1 MiB of weights each) in 1 MiB buckets: 60+ buckets per step.
+        wide = [512] * 61 + [8]
+        out = {}
+        for strat in ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign", "hierarchical",
+                      "hierarchical+powersgd", "auto"):
+            model, g, losses, st, _ = run(strat, wide, 3, bucket_cap_mb=1.0, batch_size=4, lr=0.01)
+            buckets = len(st.last.numel) if getattr(st, "last", None) is not None else None
+            out[strat] = {"same_on_ranks": same_on_all_ranks(list(model.parameters())), "buckets": buckets,
+                          "finite": all(bool(torch.isfinite(t).all()) for t in g), "steps": st.stats()["sync_steps"]}
+        return out
+
+    def roundtrip():
+        out = {}
+        for strat, opts in (("powersgd", {"rank": 2}), ("topk", {"density": 0.05}), ("sign", {}),
+                            ("hierarchical+powersgd", {"rank": 2})):
+            m_full, _, _, st_full, _ = run(strat, widths, 6, bucket_cap_mb=0.005, **opts)
+            m_a, _, _, st_a, opt_a = run(strat, widths, 3, bucket_cap_mb=0.005, **opts)
+            saved = {k: v for k, v in st_a.state_dict().items()}
+            torch.save(saved, f"/tmp/_sync_rt_{os.getpid()}.pt")
+            loaded = torch.load(f"/tmp/_sync_rt_{os.getpid()}.pt", weights_only=False)
+            os.unlink(f"/tmp/_sync_rt_{os.getpid()}.pt")
+            m_b, _, _, st_b, _ = run(strat, widths, 3, bucket_cap_mb=0.005, sync_state=loaded, start_step=3,
+                                     model_state=m_a.state_dict(), opt_state=opt_a.state_dict(), **opts)
+            # Without the sync state, the resumed run must differ (the check can fail).
+            m_c, _, _, _, _ = run(strat, widths, 3, bucket_cap_mb=0.005, start_step=3,
+                                  model_state=m_a.state_dict(), opt_state=opt_a.state_dict(), **opts)
+            full = list(m_full.parameters())
+            out[strat] = {
+                "resumed_diff": max_rel_diff(list(m_b.parameters()), full),
+                "fresh_state_diff": max_rel_diff(list(m_c.parameters()), full),
+                "steps": st_b.stats()["sync_steps"],
+            }
+        return out
+
+    def guard():
+        _, _, _, st, _ = run("topk", widths, 12, bucket_cap_mb=0.005, density=0.001, max_error_ratio=0.5,
+                             check_every_steps=5)
+        return {"mode": st.mode, "reason": st.fallback_reason, "stats": st.stats()}
+
+    def convergence():
+        # A learnable task: a fixed random teacher labels the inputs.
+        out = {}
+        for strat, opts in (("allreduce", {}), ("bf16", {}), ("fp16", {}), ("powersgd", {"rank": 2}),
+                            ("topk", {"density": 0.05}), ("sign", {}), ("hierarchical+powersgd", {"rank": 2})):
+            _, _, losses, st, _ = run(strat, [32, 128, 128, 4], 150, bucket_cap_mb=0.02, lr=0.1, batch_size=32,
+                                      **opts)
+            s = st.stats()
+            out[strat] = {"first": sum(losses[:10]) / 10, "last": sum(losses[-20:]) / 20,
+                          "ratio": s.get("sync_compression_ratio"), "mode": s.get("sync_mode"),
+                          "error_ratio": s.get("sync_error_ratio")}
+        return out
+
+    which = os.environ.get("SYNC_TEST_CHECKS", "equality,stress,roundtrip,guard,convergence").split(",")
+    for name, fn in (("equality", equality), ("stress", stress), ("roundtrip", roundtrip), ("guard", guard),
+                     ("convergence", convergence)):
+        if name in which:
+            _check(res, name, fn)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(res, f, default=str)
+    dist.destroy_process_group()
+
+
+def hierarchy(rank: int, world: int, port: int, out_path: str, local_world: int) -> None:
+    """4 ranks as 2 nodes of 2: hierarchical == flat all-reduce; hierarchical+codec consistent."""
+    init(rank, world, port, local_world)
+    from slipstream.sync import topology
+
+    res: dict = {}
+    widths = [32, 64, 64, 8]
+
+    def equal():
+        topo = topology.detect()
+        _, ref, _, _, _ = run(None, widths, 3)
+        out = {"node_rank": topo.node_rank, "num_nodes": topo.num_nodes}
+        for strat in ("hierarchical", "hierarchical+bf16"):
+            _, g, _, st, _ = run(strat, widths, 3, bucket_cap_mb=0.005)
+            out[strat] = {"rel_diff": max_rel_diff(g, ref), "same_on_ranks": same_on_all_ranks(g),
+                          "stats": st.stats()}
+        for strat in ("hierarchical+powersgd", "hierarchical+topk", "hierarchical+sign"):
+            m, g, _, st, _ = run(strat, [512] * 12 + [8], 3, bucket_cap_mb=1.0, batch_size=4)
+            out[strat] = {"same_on_ranks": same_on_all_ranks(list(m.parameters())),
+                          "buckets": len(st.last.numel), "stats": st.stats()}
+        return out
+
+    _check(res, "hierarchy", equal)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(res, f, default=str)
+    dist.destroy_process_group()
