@@ -21,13 +21,14 @@ import datetime
 import hashlib
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from .errors import ConfigError, SlipstreamError
 
 DEFAULT_PORT = 29500
 
@@ -200,8 +201,28 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Runtime:
             dist.init_process_group(
                 backend, init_method=init_method, rank=launch.rank, world_size=launch.world_size, timeout=timeout
             )
+    _install_excepthook()  # after init_process_group, which installs a hook of its own
     _RUNTIME = Runtime(launch=launch, backend=backend, device=device)
     return _RUNTIME
+
+
+def _install_excepthook() -> None:
+    """A SlipstreamError escaping the user's script prints one line and exits 2
+    (usage error), not a traceback from inside the library."""
+    previous = sys.excepthook
+    if getattr(previous, "_slipstream", False):
+        return
+
+    def hook(kind, value, tb):
+        if isinstance(value, SlipstreamError):
+            rank = os.environ.get("RANK", "0")
+            print(f"slipstream: error (rank {rank}): {value}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(value.exit_code)
+        previous(kind, value, tb)
+
+    hook._slipstream = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def current() -> Runtime:

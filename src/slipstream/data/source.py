@@ -38,8 +38,10 @@ class Source:
         if self.is_local:
             self.root = os.path.abspath(os.path.expanduser(rest))
             self._fs = None
+            self._fs_pid = -1
         else:
             self.root = None
+            self._fs_pid = -1
             self._fs = None  # built lazily: fsspec filesystems do not survive pickling everywhere
 
     # fsspec filesystem objects are cached by fsspec per (class, options) and are
@@ -51,13 +53,16 @@ class Source:
 
     @property
     def fs(self):
-        if self._fs is None:
+        # A filesystem made before a fork (e.g. in the parent of data-loader
+        # workers) holds the parent's event loop: rebuild it in the child.
+        if self._fs is None or self._fs_pid != os.getpid():
             try:
                 import fsspec
             except ImportError:  # pragma: no cover - fsspec is a declared extra
                 raise UsageError("reading from a URL needs fsspec: pip install 'slipstream[data]'") from None
             try:
                 self._fs, self._path = fsspec.core.url_to_fs(self.url, **self.storage_options)
+                self._fs_pid = os.getpid()
             except (ImportError, ValueError) as exc:
                 raise UsageError(f"cannot open {self.url}: {exc}") from None
         return self._fs

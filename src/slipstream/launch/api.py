@@ -190,17 +190,24 @@ def launch(opts: LaunchOptions) -> int:
 
 
 def _report_failure(exc: "Exception", opts: LaunchOptions, elapsed_s: float) -> None:
+    """A short summary: the root cause first (the earliest failure), then the rest."""
     failures = getattr(exc, "failures", {})
     lines = [
-        f"slipstream run: training failed after {elapsed_s:.1f} s "
-        f"({opts.max_restarts} restart(s) allowed, all spent)."
+        f"slipstream run: training failed after {opts.max_restarts + 1} attempt(s) in {elapsed_s:.1f} s "
+        f"(--max-restarts {opts.max_restarts} spent)."
     ]
-    for global_rank, failure in sorted(failures.items()):
-        reason = failure.message if isinstance(failure.message, str) else str(failure.message)
-        reason = reason.strip().splitlines()[-1] if reason and reason.strip() else "no error record"
+    # Ranks the agent stopped with SIGTERM after the first failure come last.
+    ordered = sorted(failures.items(), key=lambda item: (item[1].exitcode == -15, item[1].timestamp, item[0]))
+    for i, (global_rank, failure) in enumerate(ordered):
+        text = failure.message if isinstance(failure.message, str) else str(failure.message)
+        text = text.strip()
+        if not text or text.startswith("To enable traceback"):
+            reason = "no error record; see the worker's output above"
+        else:
+            reason = text.splitlines()[-1]
+        role = "first failure" if i == 0 else "then"
         lines.append(
-            f"  rank {global_rank} (local {failure.local_rank}, pid {failure.pid}): "
+            f"  {role}: rank {global_rank} (local {failure.local_rank}, pid {failure.pid}): "
             f"exit code {failure.exitcode}: {reason}"
         )
     print("\n".join(lines), file=sys.stderr)
-

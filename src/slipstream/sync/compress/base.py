@@ -194,23 +194,49 @@ class ErrorFeedback(Codec):
         super().__init__()
         self.residuals: dict[Hashable, torch.Tensor] = {}
 
-    def _compensate(self, key: Hashable, flat: torch.Tensor) -> torch.Tensor:
+    def _compensate(self, key: Hashable, flat: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
         self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))  # stays a tensor: no host sync
-        e = self.residuals.get(key)
-        if e is not None and e.shape == flat.shape and e.device == flat.device:
-            flat.add_(e)
+        units = param_units(key, layout)
+        if units is None:
+            e = self.residuals.get(key)
+            if e is not None and e.shape == flat.shape and e.device == flat.device:
+                flat.add_(e)
+            return flat
+        for unit, p in zip(units, layout):
+            e = self.residuals.get(unit)
+            if e is not None and e.numel() == p.numel and e.device == flat.device:
+                flat[p.offset : p.offset + p.numel].add_(e.view(-1))
         return flat
 
-    def _store(self, key: Hashable, residual: torch.Tensor) -> None:
+    def _store(self, key: Hashable, residual: torch.Tensor, layout: Layout | None = None) -> None:
         r = residual.view(-1)
         self.residual_sq = self.residual_sq + torch.dot(r, r)
-        self.residuals[key] = residual
+        units = param_units(key, layout)
+        if units is None:
+            self.residuals[key] = residual
+            return
+        for unit, p in zip(units, layout):
+            self.residuals[unit] = r[p.offset : p.offset + p.numel]
 
     def state_dict(self) -> dict[str, Any]:
         return {"residuals": {_key_str(k): v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {_key_parse(k): v.clone() for k, v in state.get("residuals", {}).items()}
+
+
+def param_units(key: Hashable, layout: Layout | None) -> list[tuple[str, int]] | None:
+    """Per-parameter state keys when ``key`` lists the bucket's parameter indices
+    and ``layout`` has one whole piece per parameter, else None (state per bucket).
+
+    Keeping state per parameter lets it survive DDP regrouping buckets (its first
+    iteration uses another bucket assignment than later ones) and checkpoint resume.
+    """
+    if layout is None or not isinstance(key, tuple) or len(key) != len(layout):
+        return None
+    if not all(isinstance(k, int) and k >= 0 for k in key):
+        return None
+    return [("param", k) for k in key]
 
 
 def _key_str(key: Hashable) -> str:

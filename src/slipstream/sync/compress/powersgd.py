@@ -26,7 +26,7 @@ from typing import Any, Hashable
 
 import torch
 
-from .base import ErrorFeedback, Layout, Piece, Wire
+from .base import ErrorFeedback, Layout, Piece, Wire, param_units
 
 
 def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ class PowerSGD(ErrorFeedback):
         self.use_error_feedback = error_feedback
         self.warm_start = warm_start
         self.seed = seed
-        self.q: dict[Hashable, list[torch.Tensor]] = {}
+        self.q: dict[Hashable, torch.Tensor] = {}  # per parameter (or bucket+matrix)
 
     # -- pure helpers -------------------------------------------------------------
     def split(self, numel: int, layout: Layout | None) -> tuple[list[Piece], list[Piece]]:
@@ -79,9 +79,9 @@ class PowerSGD(ErrorFeedback):
         values = sum(p.numel for p in rest) + sum(min(self.rank, p.rows, p.cols) * (p.rows + p.cols) for p in mats)
         return 2 * (n - 1) / n * values * 4
 
-    def _initial_q(self, key: Hashable, i: int, p: Piece, like: torch.Tensor) -> torch.Tensor:
-        # Same on every rank without a broadcast: seeded by (seed, bucket, matrix).
-        g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, key, i)).encode()))
+    def _initial_q(self, qkey: Hashable, p: Piece, like: torch.Tensor) -> torch.Tensor:
+        # Same on every rank without a broadcast: seeded by (seed, parameter or bucket+matrix).
+        g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, qkey)).encode()))
         q = torch.randn(p.cols, min(self.rank, p.rows, p.cols), generator=g, dtype=like.dtype)
         return q.to(like.device)
 
@@ -90,15 +90,22 @@ class PowerSGD(ErrorFeedback):
         n = wire.size
         mats, rest = self.split(flat.numel(), layout)
         if self.use_error_feedback and mats:
-            self._compensate(key, flat)
+            self._compensate(key, flat, layout)
         elif mats:
-            self.grad_sq = self.grad_sq + torch.dot(flat, flat)
+            self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))
         ms = [flat[p.offset : p.offset + p.numel].view(p.rows, p.cols) for p in mats]
-        qs = self.q.get(key)
-        if not self.warm_start or qs is None or [q.shape for q in qs] != [
-            (p.cols, min(self.rank, p.rows, p.cols)) for p in mats
-        ]:
-            qs = [self._initial_q(key, i, p, flat) for i, p in enumerate(mats)]
+        units = param_units(key, layout)
+        if units is not None:
+            by_piece = dict(zip(layout, units))
+            qkeys = [by_piece[p] for p in mats]
+        else:
+            qkeys = [(key, i) for i in range(len(mats))]
+        qs = []
+        for qk, p in zip(qkeys, mats):
+            q = self.q.get(qk) if self.warm_start else None
+            if q is None or q.shape != (p.cols, min(self.rank, p.rows, p.cols)):
+                q = self._initial_q(qk, p, flat)
+            qs.append(q)
         # Collective 1: the Ps and the uncompressed pieces, in one buffer.
         rest_numel = sum(p.numel for p in rest)
         p_sizes = [m.shape[0] * q.shape[1] for m, q in zip(ms, qs)]
@@ -142,8 +149,9 @@ class PowerSGD(ErrorFeedback):
             else:
                 torch.matmul(p, q.t(), out=m)
         if residual is not None:
-            self._store(key, residual)
-        self.q[key] = [q.clone() for q in new_qs]
+            self._store(key, residual, layout)
+        for qk, q in zip(qkeys, new_qs):
+            self.q[qk] = q.clone()
         return flat
 
     def state_dict(self) -> dict[str, Any]:
@@ -152,7 +160,7 @@ class PowerSGD(ErrorFeedback):
         return {
             **super().state_dict(),
             "rank": self.rank,
-            "q": {_key_str(k): [q.clone() for q in v] for k, v in self.q.items()},
+            "q": {_key_str(k): v.clone() for k, v in self.q.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -160,4 +168,4 @@ class PowerSGD(ErrorFeedback):
 
         super().load_state_dict(state)
         self.rank = int(state.get("rank", self.rank))
-        self.q = {_key_parse(k): [q.clone() for q in v] for k, v in state.get("q", {}).items()}
+        self.q = {_key_parse(k): v.clone() for k, v in state.get("q", {}).items()}

@@ -52,7 +52,7 @@ class ScaledSign(ErrorFeedback):
         return -(-numel // self.chunk_numel)
 
     def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
-        c = self._compensate(key, flat)
+        c = self._compensate(key, flat, layout)
         numel, chunks = c.numel(), self._chunks(c.numel())
         padded = torch.zeros(chunks * self.chunk_numel, dtype=c.dtype, device=c.device)
         padded[:numel] = c
@@ -63,7 +63,7 @@ class ScaledSign(ErrorFeedback):
         scales = view.abs().sum(dim=1).div_(counts)
         packed = pack_signs(padded)
         local = unpack_signs(packed, c.dtype).view(chunks, -1).mul_(scales.view(-1, 1)).view(-1)[:numel]
-        self._store(key, c - local)
+        self._store(key, c - local, layout)
         all_packed = wire.allgather(packed)
         all_scales = wire.allgather(scales)
         out = torch.zeros_like(view)

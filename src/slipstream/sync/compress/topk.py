@@ -37,13 +37,13 @@ class TopK(ErrorFeedback):
         return max(1, min(numel, int(round(self.density * numel))))
 
     def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
-        c = self._compensate(key, flat)
+        c = self._compensate(key, flat, layout)
         k = self.k_of(c.numel())
         _, idx = torch.topk(c.abs(), k, sorted=False)
         vals = c[idx]
         residual = c.clone()
         residual[idx] = 0.0
-        self._store(key, residual)
+        self._store(key, residual, layout)
         all_vals = wire.allgather(vals).view(-1)
         all_idx = wire.allgather(idx.to(torch.int32)).view(-1)
         c.zero_()
