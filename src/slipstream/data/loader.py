@@ -31,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import torch.utils.data
@@ -140,7 +141,10 @@ class SlipstreamLoader:
         self.samples_total = 0
         self.skipped_total = 0
         self.skipped_errors: list[str] = []
-        self._active: _LoaderIter | None = None
+        # A weak reference: a cycle loader <-> iterator would leave the DataLoader's
+        # workers to the cyclic GC, which can close their queues before telling
+        # them to stop (10 s of join timeouts at exit).
+        self._active: weakref.ref[_LoaderIter] | None = None
 
     # ------------------------------------------------------------- iteration
     @property
@@ -161,17 +165,21 @@ class SlipstreamLoader:
         self._stop_active()
         if self.sampler.epoch_done:
             self.sampler.set_epoch(self.sampler.epoch + 1)
-        self._active = _LoaderIter(self)
-        return self._active
+        it = _LoaderIter(self)
+        self._active = weakref.ref(it)
+        return it
 
     def _stop_active(self) -> None:
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        it = self._active() if self._active is not None else None
+        if it is not None:
+            it.close()
+        self._active = None
 
     def close(self) -> None:
-        """Stop the prefetch thread (workers stop when the loader is collected)."""
+        """Stop the prefetch thread and the worker processes (they restart on the next iter)."""
         self._stop_active()
+        if getattr(self.dataloader, "_iterator", None) is not None:
+            self.dataloader._iterator = None  # torch shuts persistent workers down when it is freed
 
     # ------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -217,31 +225,17 @@ class _LoaderIter:
     def __init__(self, loader: SlipstreamLoader):
         self.loader = loader
         self._done = False
-        self._it = iter(loader.dataloader)
         self._thread: threading.Thread | None = None
+        self._it = iter(loader.dataloader)
         if loader.prefetch_batches > 0:
             self._queue: queue.Queue = queue.Queue(maxsize=loader.prefetch_batches)
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._produce, name="slipstream-prefetch", daemon=True)
+            # The thread gets no reference to this object, so a loop that breaks
+            # early frees the iterator, whose __del__ stops the thread.
+            self._thread = threading.Thread(
+                target=_produce, args=(self._it, self._queue, self._stop), name="slipstream-prefetch", daemon=True
+            )
             self._thread.start()
-
-    def _produce(self) -> None:
-        try:
-            for item in self._it:
-                if not self._put((_BATCH, item)):
-                    return
-            self._put((_END, None))
-        except BaseException as exc:  # handed to the training thread
-            self._put((_ERROR, exc))
-
-    def _put(self, msg: tuple) -> bool:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(msg, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
 
     def _get(self) -> tuple:
         if self._thread is None:
@@ -287,3 +281,26 @@ class _LoaderIter:
             self._stop.set()
             self._thread.join()
         self._it = None
+
+    def __del__(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+
+
+def _produce(it, q: queue.Queue, stop: threading.Event) -> None:
+    def put(msg: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(msg, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    try:
+        for item in it:
+            if stop.is_set() or not put((_BATCH, item)):
+                return
+        put((_END, None))
+    except BaseException as exc:  # handed to the training thread
+        put((_ERROR, exc))
