@@ -61,6 +61,18 @@ class TrainConfig:
     activation_checkpointing: tuple[str, ...] = ()
     """Class names of modules whose activations are recomputed in backward."""
 
+    # --- checkpoints and failures ----------------------------------------------------
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; when set, the run resumes from the newest complete one."""
+    checkpoint_every_steps: int | None = None
+    """Save every this many optimizer steps (None: only on preemption and at the end)."""
+    checkpoint_every_s: float | None = None
+    """Save when this many seconds passed since the last save (checked every step)."""
+    checkpoint_keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted."""
+    checkpoint_async: bool = False
+    """Stage to CPU memory and write in a background thread (the loop blocks only for staging)."""
+
     # --- bookkeeping --------------------------------------------------------------
     run_dir: str | None = None
     """Where per-rank metrics (JSONL) and run artefacts go; None: runs/<timestamp>."""
@@ -87,6 +99,16 @@ class TrainConfig:
             self.grad_clip_norm is None or self.grad_clip_norm > 0,
             f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}",
         )
+        _require(
+            self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
+            f"checkpoint_every_steps must be >= 1 or None, got {self.checkpoint_every_steps}",
+        )
+        _require(
+            self.checkpoint_every_s is None or self.checkpoint_every_s > 0,
+            f"checkpoint_every_s must be > 0 or None, got {self.checkpoint_every_s}",
+        )
+        _require(self.checkpoint_keep_last >= 1, f"checkpoint_keep_last must be >= 1, got {self.checkpoint_keep_last}")
+        _require(self.checkpoint_dir is None or self.checkpoint_dir != "", "checkpoint_dir must be a path or None, got ''")
         _require(self.log_every_steps >= 1, f"log_every_steps must be >= 1, got {self.log_every_steps}")
         _require(
             self.total_steps is None or self.total_steps >= 0,
