@@ -13,8 +13,10 @@ Rules that make it safe when several processes and data-loader workers share it:
   and SHA-256 match the index, so a reader sees a whole verified shard or none;
 * naming by hash means a changed source shard is a different blob: stale bytes
   are never served;
-* eviction deletes least-recently-used blobs (mtime, bumped on every open)
-  until the new shard fits under ``max_bytes``. A process that has a shard
+* before a download, room is reserved under ``cache.lock``: least-recently-used
+  blobs (mtime, bumped on every open) are deleted until the shard fits under
+  ``max_bytes`` together with the reservations of downloads in flight (marker
+  files in ``tmp/``), so parallel downloads do not overshoot the limit. A process that has a shard
   mapped keeps reading it after eviction (POSIX keeps unlinked files alive
   while mapped); one that loses the race between lookup and open downloads it
   again;
@@ -111,37 +113,43 @@ class ShardCache:
             if self._touch(path):  # another process fetched it while we waited
                 self.stats.add(hits=1)
                 return path
-            self._make_room(info.size_bytes, keep=path)
-            url = source.join(info.file)
-            problem = ""
-            for _ in range(self.retries + 1):
-                tmp = os.path.join(self.dir, "tmp", f"{info.sha256}.{os.getpid()}.{next(_counter)}")
-                t0 = time.perf_counter()
-                try:
-                    source.get_file(info.file, tmp)
-                    size = os.path.getsize(tmp)
-                    digest = _sha256_file(tmp) if size == info.size_bytes else None
-                except BaseException:
-                    _remove(tmp)
-                    raise
-                self.stats.add(download_s=time.perf_counter() - t0, bytes_downloaded=size)
-                if size == info.size_bytes and digest == info.sha256:
-                    os.replace(tmp, path)
-                    self.stats.add(downloads=1)
-                    if on_bytes is not None:
-                        on_bytes(size)
-                    return path
+            reservation = self._reserve(info.size_bytes, info.sha256)
+            try:
+                return self._download(source, info, path, on_bytes)
+            finally:
+                _remove(reservation)
+
+    def _download(self, source: Source, info: ShardInfo, path: str, on_bytes: Callable[[int], None] | None) -> str:
+        url = source.join(info.file)
+        problem = ""
+        for _ in range(self.retries + 1):
+            tmp = os.path.join(self.dir, "tmp", f"{info.sha256}.{os.getpid()}.{next(_counter)}")
+            t0 = time.perf_counter()
+            try:
+                source.get_file(info.file, tmp)
+                size = os.path.getsize(tmp)
+                digest = _sha256_file(tmp) if size == info.size_bytes else None
+            except BaseException:
                 _remove(tmp)
-                self.stats.add(checksum_failures=1)
-                if size != info.size_bytes:
-                    problem = f"{size} bytes arrived, the index says {info.size_bytes} (truncated at byte offset {min(size, info.size_bytes)})"
-                else:
-                    problem = f"sha256 of the bytes that arrived is {digest}, the index says {info.sha256}"
-            raise DataIntegrityError(
-                f"{url}: checksum failure on arrival after {self.retries + 1} tries: {problem}",
-                shard=url,
-                offset=None,
-            )
+                raise
+            self.stats.add(download_s=time.perf_counter() - t0, bytes_downloaded=size)
+            if size == info.size_bytes and digest == info.sha256:
+                os.replace(tmp, path)
+                self.stats.add(downloads=1)
+                if on_bytes is not None:
+                    on_bytes(size)
+                return path
+            _remove(tmp)
+            self.stats.add(checksum_failures=1)
+            if size != info.size_bytes:
+                problem = f"{size} bytes arrived, the index says {info.size_bytes} (truncated at byte offset {min(size, info.size_bytes)})"
+            else:
+                problem = f"sha256 of the bytes that arrived is {digest}, the index says {info.sha256}"
+        raise DataIntegrityError(
+            f"{url}: checksum failure on arrival after {self.retries + 1} tries: {problem}",
+            shard=url,
+            offset=None,
+        )
 
     def open(self, source: Source, info: ShardInfo) -> ShardReader:
         """A memory-mapped reader of the cached shard (fetching it if needed)."""
@@ -166,23 +174,48 @@ class ShardCache:
             out.append((st.st_mtime, st.st_size, p))
         return out
 
-    def _make_room(self, need: int, keep: str) -> None:
+    def _reserve(self, need: int, sha256: str, timeout_s: float = 600.0) -> str:
+        """Make room for ``need`` bytes (evicting LRU blobs) and hold it with a marker file.
+
+        Markers ``tmp/<sha>.<pid>.<n>.reserve-<bytes>`` count against the limit
+        until the download lands, so parallel downloads cannot overshoot it.
+        When in-flight downloads alone fill the cache, wait for them.
+        """
+        marker = os.path.join(self.dir, "tmp", f"{sha256}.{os.getpid()}.{next(_counter)}.reserve-{need}")
         if self.max_bytes is None:
-            return
+            return marker
         if need > self.max_bytes:
             raise ConfigError(f"a shard of {need} bytes does not fit in a cache limited to max_bytes={self.max_bytes}")
-        with FileLock(os.path.join(self.dir, "cache.lock")):
-            self._remove_dead_tmp()
-            blobs = sorted(self._blobs())  # oldest first
-            total = sum(size for _, size, _ in blobs)
-            for _, size, p in blobs:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with FileLock(os.path.join(self.dir, "cache.lock")):
+                self._remove_dead_tmp()
+                reserved = self._reserved_bytes()
+                blobs = sorted(self._blobs())  # oldest first
+                total = reserved + sum(size for _, size, _ in blobs)
+                for _, size, p in blobs:
+                    if total + need <= self.max_bytes:
+                        break
+                    _remove(p)
+                    total -= size
+                    self.stats.add(evictions=1, bytes_evicted=size)
                 if total + need <= self.max_bytes:
-                    break
-                if p == keep:
-                    continue
-                _remove(p)
-                total -= size
-                self.stats.add(evictions=1, bytes_evicted=size)
+                    open(marker, "wb").close()
+                    return marker
+            if time.monotonic() > deadline:
+                raise ConfigError(
+                    f"no room for {need} bytes in the cache (max_bytes={self.max_bytes}) after {timeout_s:.0f} s: "
+                    "downloads in flight fill it; raise max_bytes or use fewer workers"
+                )
+            time.sleep(0.05)
+
+    def _reserved_bytes(self) -> int:
+        total = 0
+        for name in os.listdir(os.path.join(self.dir, "tmp")):
+            _, sep, size = name.rpartition(".reserve-")
+            if sep and size.isdigit():
+                total += int(size)
+        return total
 
     def evict_to(self, max_bytes: int) -> int:
         """Delete least-recently-used blobs until at most ``max_bytes`` remain; returns bytes freed."""

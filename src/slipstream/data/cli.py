@@ -132,6 +132,6 @@ def main_verify(args: argparse.Namespace) -> int:
     for e in errors:
         print(f"bad: {e}", file=sys.stderr)
     if errors:
-        raise ConfigError(f"{len(errors)} bad shard(s) in {args.url}")
+        raise ConfigError(f"{len({e.shard for e in errors})} bad shard(s) in {args.url}")
     print(f"{args.url}: all shards verified")
     return 0
