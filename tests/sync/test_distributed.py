@@ -73,9 +73,12 @@ def test_hierarchical_equals_flat_allreduce_two_nodes_of_two(hierarchy_results):
         assert h[strat]["same_on_ranks"], strat
     assert h["hierarchical"]["rel_diff"] <= 1e-5, h["hierarchical"]
     assert h["hierarchical+bf16"]["rel_diff"] <= 2 ** -7, h["hierarchical+bf16"]
-    # Bytes: reduce-scatter + all-gather in the node (2 * 1/2 S) + inter all-reduce of S/2 (2 nodes: S/2).
+    # Bytes per rank, 4 ranks: flat ring 2*3/4 S = 1.5 S. Hierarchical: reduce-scatter and all-gather
+    # in the node (S/2 each) + all-reduce of S/2 between 2 nodes (S/2): 1.5 S too, but only S/2
+    # (a third) crosses the slow link, against all of the flat ring's traffic between nodes.
     st = h["hierarchical"]["stats"]
-    assert st["sync_bytes_sent"] == pytest.approx(1.5 * st["sync_uncompressed_bytes"] / 1.5, rel=0.05)
+    assert st["sync_bytes_sent"] == pytest.approx(st["sync_uncompressed_bytes"], rel=1e-6)
+    assert st["sync_inter_node_bytes_sent"] == pytest.approx(st["sync_uncompressed_bytes"] / 3, rel=1e-3)
 
 
 @pytest.mark.parametrize("strategy", ("hierarchical+powersgd", "hierarchical+topk", "hierarchical+sign"))
@@ -83,4 +86,7 @@ def test_hierarchical_compressed_consistent_across_ranks(hierarchy_results, stra
     r = _ok(hierarchy_results["hierarchy"])[strategy]
     assert r["same_on_ranks"], r
     assert r["buckets"] >= 10, r
-    assert r["stats"]["sync_compression_ratio"] > 1.5, r["stats"]
+    st = r["stats"]
+    # Only the inter-node step is compressed: fp32 would put S/2 per rank on it (a third
+    # of the 1.5 S a rank sends in all); every codec here cuts that at least tenfold.
+    assert st["sync_inter_node_bytes_sent"] <= st["sync_uncompressed_bytes"] / 3 / 10, st

@@ -90,8 +90,10 @@ class _Step:
     t_backward_start: float | None
     ready: dict[int, float] = field(default_factory=dict)
     numel: dict[int, int] = field(default_factory=dict)
+    keys: dict[int, Hashable] = field(default_factory=dict)
     bytes_sent: float = 0.0
     uncompressed_bytes: float = 0.0
+    inter_node_bytes: float | None = None  # hierarchical only: the part on the slow links
     comm_s: float = 0.0
     t_last_ready: float = 0.0
     t_done: float = 0.0
@@ -143,7 +145,7 @@ class HookSync:
         self.uncompressed_bytes_total = 0.0
         self.last: _Step | None = None
         self._open: _Step | None = None
-        self._layouts: dict[tuple[int, int], Layout | None] = {}
+        self._layouts: dict[Hashable, Layout | None] = {}
         self._observed: list[_Step] = []
         self._probe_requested = False
         self._t_forward_end: float | None = None
@@ -190,6 +192,8 @@ class HookSync:
             out["sync_compression_ratio"] = last.uncompressed_bytes / last.bytes_sent if last.bytes_sent else 1.0
             out["sync_exposed_comm_s"] = last.exposed_s
             out["sync_comm_s"] = last.comm_s
+            if last.inter_node_bytes is not None:
+                out["sync_inter_node_bytes_sent"] = last.inter_node_bytes
         out["sync_decision"] = self.decision_summary()
         if self.fallback_reason:
             out["sync_fallback_reason"] = self.fallback_reason
@@ -261,13 +265,12 @@ class HookSync:
         names = set(self.decisions.values()) if self.decisions and self.mode == "run" else {self._codec_name(-1)}
         return all(type(self.codecs[n]) in (Codec, Cast) for n in names)
 
-    def _layout(self, bucket: dist.GradBucket, numel: int) -> Layout | None:
-        key = (bucket.index(), numel)
+    def _layout(self, bucket: dist.GradBucket, key: Hashable, numel: int) -> Layout | None:
+        # Cached by the bucket's parameters: DDP's first iteration groups and orders
+        # them differently from later ones, under the same bucket index.
         if key not in self._layouts:
-            shapes = [g.shape for g in bucket.gradients()]
-            layout = layout_from_shapes(shapes)
-            total = sum(p.numel for p in layout)
-            self._layouts[key] = layout if total == numel else None
+            layout = layout_from_shapes([g.shape for g in bucket.gradients()])
+            self._layouts[key] = layout if sum(p.numel for p in layout) == numel else None
         return self._layouts[key]
 
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -285,10 +288,11 @@ class HookSync:
         step.uncompressed_bytes += self.reducer.uncompressed_bytes(buf.numel(), 4)
         if self._direct():
             return self._direct_reduce(buf, self.codecs[name], step, last)
-        layout = self._layout(bucket, buf.numel())
         # Codec state follows the parameters, not DDP's bucket numbering (which a
         # rebuild or a resumed run may change): key = the bucket's parameter indices.
         key = tuple(self._param_index.get(id(p), -1) for p in bucket.parameters())
+        layout = self._layout(bucket, key, buf.numel())
+        step.keys[index] = key
         if self._queue is None:
             self._queue = OrderedQueue()
         return self._queue.submit(lambda: self._job(index, key, buf, name, layout, step, last))
@@ -319,8 +323,12 @@ class HookSync:
              last: bool):
         t0 = time.perf_counter()
         before = self.reducer.bytes_sent
+        inter = getattr(self.reducer, "inter", None)
+        inter_before = inter.bytes_sent if inter is not None else 0.0
         out = self.reducer.reduce(buf, self.codecs[name], key, layout)
         step.bytes_sent += self.reducer.bytes_sent - before
+        if inter is not None:
+            step.inter_node_bytes = (step.inter_node_bytes or 0.0) + inter.bytes_sent - inter_before
         step.comm_s += time.perf_counter() - t0
         if last:
             self._finish(step)
@@ -381,7 +389,7 @@ class HookSync:
         ready, flat_costs = vals[: len(order)], vals[len(order) :]
         agreed = {(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order) for j, nm in enumerate(names)}
         buckets = [
-            BucketInfo(i, last.numel[i], r, self._layouts.get((i, last.numel[i]))) for i, r in zip(order, ready)
+            BucketInfo(i, last.numel[i], r, self._layouts.get(last.keys.get(i))) for i, r in zip(order, ready)
         ]
         link = self.link if self.link is not None else probe_link(self.control.group)
         self.decision = decide(
@@ -409,7 +417,7 @@ class HookSync:
                     continue
                 trial = make_codec(name, **self.policy.get("options", {}).get(name, {}))
                 x = torch.randn(numel)
-                layout = self._layouts.get((i, numel))
+                layout = self._layouts.get(step.keys.get(i))
                 times = []
                 for _ in range(2):  # the second run has warm-start state, like steady state
                     t0 = time.perf_counter()
