@@ -84,6 +84,8 @@ def test_pack_files_keys_and_contents(tmp_path):
     assert idx.keys == sorted(files)
     ds = ShardedDataset(str(tmp_path / "out"))
     assert {ds.key(i): ds[i] for i in range(len(ds))} == files
+    idx2 = pack_files(str(root), str(tmp_path / "out2"), exclude_dirs=("sub",))
+    assert idx2.keys == ["a.bin", "z.dat"]
 
 
 def test_pack_text_byte_tokens(tmp_path):

@@ -46,6 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pk.add_argument("--shard-size-mb", type=_positive(float), default=64.0, metavar="MB", help="shard size in MiB (default 64)")
     pk.add_argument("--tokens-per-sample", type=_positive(int), default=None, metavar="N", help="text: tokens per sample (default 1025)")
     pk.add_argument("--max-mb", type=_positive(float), default=None, metavar="MB", help="text: stop after this much text")
+    pk.add_argument("--exclude-dir", action="append", default=[], metavar="NAME", help="skip directories with this name (repeatable)")
     pk.add_argument("--overwrite", action="store_true", help="replace an existing dataset at OUT")
     pk.add_argument("--endpoint-url", default=None, help="object-store endpoint (S3-compatible servers)")
     pk.set_defaults(func=main_pack)
@@ -98,6 +99,8 @@ def main_pack(args: argparse.Namespace) -> int:
         kw["tokens_per_sample"] = args.tokens_per_sample
     if args.max_mb is not None:
         kw["max_bytes"] = int(args.max_mb * 1e6)
+    if args.exclude_dir:
+        kw["exclude_dirs"] = tuple(args.exclude_dir)
     index = pack(
         args.input,
         args.out,

@@ -29,11 +29,14 @@ TEXT_VOCAB_SIZE = 257
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".xml", ".c", ".h")
 
 
-def _walk(root: str, suffixes: Sequence[str] | None = None) -> list[str]:
-    """Regular files under root, sorted by relative path (so packing is deterministic)."""
+def _walk(root: str, suffixes: Sequence[str] | None = None, exclude_dirs: Sequence[str] = ()) -> list[str]:
+    """Regular files under root, sorted by relative path (so packing is deterministic).
+
+    Directories whose name is in ``exclude_dirs`` are not entered.
+    """
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
+        dirnames[:] = sorted(d for d in dirnames if d not in set(exclude_dirs))
         for name in sorted(filenames):
             if suffixes is not None and not name.endswith(tuple(suffixes)):
                 continue
@@ -44,7 +47,13 @@ def _walk(root: str, suffixes: Sequence[str] | None = None) -> list[str]:
 
 
 def pack_files(
-    input_dir: str, out: str, *, shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES, suffixes: Sequence[str] | None = None, **writer_kw
+    input_dir: str,
+    out: str,
+    *,
+    shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES,
+    suffixes: Sequence[str] | None = None,
+    exclude_dirs: Sequence[str] = (),
+    **writer_kw,
 ) -> Index:
     """One sample per file under ``input_dir`` (bytes), keys = relative paths.
 
@@ -54,7 +63,7 @@ def pack_files(
     """
     if not os.path.isdir(input_dir):
         raise ConfigError(f"{input_dir} is not a directory")
-    files = _walk(input_dir, suffixes)
+    files = _walk(input_dir, suffixes, exclude_dirs)
     if not files:
         raise ConfigError(f"{input_dir}: no files to pack")
     with ShardWriter(out, shard_size_bytes=shard_size_bytes, with_keys=True, meta={"kind": "files"}, **writer_kw) as w:
@@ -86,12 +95,14 @@ def pack_text(
     tokens_per_sample: int = 1025,
     shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES,
     suffixes: Sequence[str] | None = TEXT_SUFFIXES,
+    exclude_dirs: Sequence[str] = (),
     max_bytes: int | None = None,
     **writer_kw,
 ) -> Index:
     """Byte-level token samples from a text file or a directory of text files.
 
-    ``max_bytes`` stops after that much text (for benchmarks and smoke tests).
+    ``max_bytes`` stops after that much text (for benchmarks and smoke tests);
+    directories named in ``exclude_dirs`` are skipped (e.g. ``("site-packages", "test")``).
 
     Example::
 
@@ -100,7 +111,7 @@ def pack_text(
     if tokens_per_sample < 2:
         raise ConfigError(f"tokens_per_sample must be at least 2, got {tokens_per_sample}")
     if os.path.isdir(input_path):
-        paths = _walk(input_path, suffixes)
+        paths = _walk(input_path, suffixes, exclude_dirs)
     elif os.path.isfile(input_path):
         paths = [input_path]
     else:
@@ -174,6 +185,8 @@ def pack(input_path: str, out: str, *, kind: str = "auto", **kw) -> Index:
     if kind not in packers:
         raise ConfigError(f"kind must be one of auto, {', '.join(packers)}; got {kind!r}")
     if kind != "text":
+        if kind == "arrays" and kw.pop("exclude_dirs", None):
+            raise ConfigError("exclude_dirs applies to directories (kind 'files' or 'text')")
         for k in ("tokens_per_sample", "max_bytes"):
             if kw.pop(k, None) is not None:
                 raise ConfigError(f"{k} applies to kind='text' only")
