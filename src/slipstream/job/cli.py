@@ -113,7 +113,7 @@ def render_main(args: argparse.Namespace) -> int:
 
 
 _NO_CLUSTER_HINTS = (
-    "connection refused", "unable to connect to the server", "no configuration has been provided",
+    "connection refused", "was refused", "unable to connect to the server", "no configuration has been provided",
     "couldn't get current server api group list", "dial tcp", "i/o timeout", "no such host",
     "the server could not find the requested resource", "context deadline exceeded",
 )

@@ -1,0 +1,104 @@
+"""`slipstream run JOB.yaml` on this machine: replicas become local elastic agents."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from slipstream.errors import UsageError
+from slipstream.job.runner import parse_emulate, run_job_file
+from slipstream.job.spec import parse_spec
+
+from .conftest import EXAMPLES, REPO
+
+pytestmark = pytest.mark.distributed
+
+
+def test_two_replica_spec_runs_to_completion(tmp_path):
+    """The example spec, unchanged: 2 replicas x 1 CPU process, a gloo all_reduce, a file written."""
+    out = tmp_path / "result.txt"
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "run", str(EXAMPLES / "local-2x1.yaml"), "--", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # world size 2, ranks 0 and 1 each contributed rank+1; the spec's env and sync options arrived.
+    assert out.read_text().strip() == "world_size=2 sum=3 group_rank=0 job=allreduce-check precision=bf16"
+    print(f"2-replica local run: {elapsed:.1f} s")
+
+
+def test_a_failing_replica_stops_the_others_and_sets_the_exit_code(monkeypatch):
+    """The supervision loop, with plain processes standing in for agents (no torch start-up cost)."""
+    from slipstream.job import runner
+
+    monkeypatch.setattr(runner, "STOP_GRACE_S", 0.5)
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+             subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"])]
+    try:
+        code = runner._wait_all(procs)
+    finally:
+        runner._stop(procs)
+    assert code == 1
+    assert procs[0].returncode is not None and time.monotonic() - started < 30
+    ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
+    assert runner._wait_all(ok) == 0
+    preempted = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(143)"])]
+    assert runner._wait_all(preempted) == 143
+
+
+def _args(**kw):
+    base = dict(nnodes="1", nproc_per_node=1, node_rank=None, rdzv_endpoint=None, module=False, script_args=[],
+                max_restarts=0)
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def test_topology_flags_conflict_with_a_spec(tmp_path):
+    path = tmp_path / "j.yaml"
+    path.write_text("name: a\nimage: i\ncommand: [python, t.py]\n")
+    with pytest.raises(UsageError, match="--nnodes cannot be combined with a job spec"):
+        run_job_file(str(path), _args(nnodes="2"))
+
+
+def test_missing_script_is_a_usage_error(tmp_path):
+    path = tmp_path / "j.yaml"
+    path.write_text("name: a\nimage: i\ncommand: [python, does_not_exist.py]\n")
+    with pytest.raises(UsageError, match="training script not found: does_not_exist.py"):
+        run_job_file(str(path), _args())
+
+
+def test_emulate_shape_must_match_the_spec():
+    spec = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"], "replicas": 2, "gpu_count": 2})
+    parse_emulate(True, spec)
+    parse_emulate("2x2", spec)
+    with pytest.raises(UsageError, match="--emulate 4x1 does not match the job spec .2 replicas x 2 processes"):
+        parse_emulate("4x1", spec)
+    with pytest.raises(UsageError, match="--emulate must be NODESxPROCS"):
+        parse_emulate("lots", spec)
+
+
+def test_worker_shim_runs_script_as_main_with_args(tmp_path, monkeypatch, capsys):
+    from slipstream.job import worker
+
+    script = tmp_path / "s.py"
+    script.write_text("import sys\nif __name__ == '__main__':\n    print('ARGS', sys.argv[1:])\n")
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("SLIPSTREAM_GPU_MEMORY_FRACTION", "0.5")
+    worker.main([str(script), "--a", "1"])
+    assert "ARGS ['--a', '1']" in capsys.readouterr().out
+    import torch
+
+    applied = worker.apply_memory_fraction({"SLIPSTREAM_GPU_MEMORY_FRACTION": "0.5", "LOCAL_RANK": "0"})
+    assert applied == (0.5 if torch.cuda.is_available() else None)
+    with pytest.raises(SystemExit, match=r"must be in \(0, 1\], got '2'"):
+        worker.apply_memory_fraction({"SLIPSTREAM_GPU_MEMORY_FRACTION": "2"})
