@@ -48,32 +48,52 @@ class ScaledSign(ErrorFeedback):
             raise ValueError(f"chunk_numel must be a positive multiple of 8, got {chunk_numel}")
         self.chunk_numel = chunk_numel
 
+    def _segments(self, numel: int, layout: Layout | None) -> list[tuple[int, int]]:
+        """(offset, numel) of the runs chunked separately: one per parameter when the
+        layout is known (chunks never mix parameters, and the result does not depend
+        on how DDP orders parameters in a bucket), else the whole vector."""
+        if layout is None or sum(p.numel for p in layout) != numel:
+            return [(0, numel)]
+        return [(p.offset, p.numel) for p in layout]
+
     def _chunks(self, numel: int) -> int:
         return -(-numel // self.chunk_numel)
 
     def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
         c = self._compensate(key, flat, layout)
-        numel, chunks = c.numel(), self._chunks(c.numel())
-        padded = torch.zeros(chunks * self.chunk_numel, dtype=c.dtype, device=c.device)
-        padded[:numel] = c
-        view = padded.view(chunks, self.chunk_numel)
-        # Mean |x| over the real values of each chunk (the last one may be short).
-        counts = torch.full((chunks,), float(self.chunk_numel), device=c.device)
-        counts[-1] = numel - (chunks - 1) * self.chunk_numel
+        segments = self._segments(c.numel(), layout)
+        cn = self.chunk_numel
+        chunks = sum(self._chunks(n) for _, n in segments)
+        padded = torch.zeros(chunks * cn, dtype=c.dtype, device=c.device)
+        counts = torch.full((chunks,), float(cn), device=c.device)
+        pos = chunk = 0
+        for off, n in segments:
+            padded[pos : pos + n] = c[off : off + n]
+            k = self._chunks(n)
+            counts[chunk + k - 1] = n - (k - 1) * cn  # the last chunk of a segment may be short
+            pos, chunk = pos + k * cn, chunk + k
+        view = padded.view(chunks, cn)
+        # Mean |x| over the real values of each chunk: the L2-best scale for its signs.
         scales = view.abs().sum(dim=1).div_(counts)
         packed = pack_signs(padded)
-        local = unpack_signs(packed, c.dtype).view(chunks, -1).mul_(scales.view(-1, 1)).view(-1)[:numel]
-        self._store(key, c - local, layout)
+        local = unpack_signs(packed, c.dtype).view(chunks, cn).mul_(scales.view(-1, 1)).view(-1)
         all_packed = wire.allgather(packed)
         all_scales = wire.allgather(scales)
         out = torch.zeros_like(view)
         for r in range(wire.size):
-            out.addcmul_(unpack_signs(all_packed[r], c.dtype).view(chunks, -1), all_scales[r].view(-1, 1))
-        c.copy_(out.view(-1)[:numel])
-        return c.div_(wire.size)
+            out.addcmul_(unpack_signs(all_packed[r], c.dtype).view(chunks, cn), all_scales[r].view(-1, 1))
+        out = out.view(-1).div_(wire.size)
+        residual = torch.empty_like(c)
+        pos = 0
+        for off, n in segments:
+            residual[off : off + n] = c[off : off + n] - local[pos : pos + n]
+            c[off : off + n] = out[pos : pos + n]
+            pos += self._chunks(n) * cn
+        self._store(key, residual, layout)
+        return c
 
     def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
-        chunks = self._chunks(numel)
+        chunks = sum(self._chunks(m) for _, m in self._segments(numel, layout))
         return (n - 1) * (chunks * self.chunk_numel / 8 + 4 * chunks)
 
     def state_dict(self) -> dict[str, Any]:
