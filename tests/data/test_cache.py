@@ -97,6 +97,20 @@ def test_read_through_on_first_use_and_mtime_unchanged_on_hit(tmp_path, remote):
     assert cache.stats.downloads == 1 and cache.stats.hits == 1 and os.stat(blob).st_ino == ino
 
 
+def test_damaged_cached_copy_is_fetched_again(tmp_path, remote):
+    ds_url, opts, _, idx = remote
+    cache = ShardCache(tmp_path / "cache")
+    prewarm(ds_url, cache, workers=2, storage_options=opts, progress=False)
+    blob = cache.blob_path(idx.shards[0].sha256)
+    with open(blob, "r+b") as f:
+        f.truncate(100)
+    cache = ShardCache(tmp_path / "cache")
+    ds = ShardedDataset(ds_url, cache=cache, storage_options=opts)
+    assert int(ds[3][0]) == 3
+    assert cache.stats.checksum_failures == 1 and cache.stats.downloads == 1
+    assert os.path.getsize(blob) == idx.shards[0].size_bytes
+
+
 def test_lru_eviction_under_the_size_limit(tmp_path, remote):
     ds_url, opts, _, idx = remote
     sizes = {s.size_bytes for s in idx.shards[:5]}

@@ -153,12 +153,21 @@ class ShardCache:
 
     def open(self, source: Source, info: ShardInfo) -> ShardReader:
         """A memory-mapped reader of the cached shard (fetching it if needed)."""
+        damaged = 0
         for _ in range(3):
             path = self.fetch(source, info)
             try:
                 return ShardReader(path, info, name=f"{source.join(info.file)} (cached as {path})")
             except FileNotFoundError:
                 continue  # evicted by another process between fetch and open: fetch again
+            except DataIntegrityError:
+                # The cached copy was damaged after it arrived (disk, a stray writer):
+                # drop it and fetch a fresh one, once.
+                if damaged:
+                    raise
+                damaged += 1
+                self.stats.add(checksum_failures=1)
+                _remove(path)
         raise DataIntegrityError(f"{source.join(info.file)}: evicted three times while opening; raise max_bytes", shard=source.join(info.file))
 
     # ------------------------------------------------------------- eviction
