@@ -16,6 +16,7 @@ _COMMAND_MODULES = (
     "slipstream.launch.cli",
     "slipstream.data.cli",
     "slipstream.job.cli",
+    "slipstream.report.cli",
 )
 
 

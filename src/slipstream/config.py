@@ -86,6 +86,27 @@ class TrainConfig:
     def __post_init__(self) -> None:
         from . import sync as _sync  # late: sync imports config
 
+    # --- metrics (see docs/metrics.md) -------------------------------------------
+    profile: bool = True
+    """Time each step's phases (data wait, forward, backward, exposed communication,
+    optimizer, checkpoint) and compare ranks at log steps to name stragglers."""
+    timeline: bool = False
+    """Write compute/communication spans per rank as a Chrome trace (RUN_DIR/timeline/)."""
+    tensorboard: bool = False
+    """Write every metric to TensorBoard event files (RUN_DIR/tensorboard/rank<R>)."""
+    prometheus_port: int | None = None
+    """Serve Prometheus metrics; rank R listens on this port + local rank (0: any free port)."""
+    prometheus_addr: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to (0.0.0.0 to let a cluster scrape it)."""
+    flops_per_sample: float | None = None
+    """Training FLOPs (forward + backward) of one sample, for MFU; None: 6 * params * tokens
+    when the model takes token ids, else no MFU."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, for MFU; None: a table of known GPUs (none on CPU)."""
+    straggler_threshold: float = 0.1
+    """Name a straggler only when its compute per step exceeds the median rank's by more
+    than this fraction, in most of the last 5 log steps."""
+
         _require(isinstance(self.sync, str) and self.sync != "", f"sync must be a strategy name, got {self.sync!r}")
         known = _sync.available()
         _require(self.sync in known, f"sync must be one of {', '.join(known)}, got {self.sync!r}")
@@ -118,6 +139,17 @@ class TrainConfig:
             object.__setattr__(self, "activation_checkpointing", _split_names(self.activation_checkpointing))
         else:
             object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
+        _require(
+            self.prometheus_port is None or 0 <= self.prometheus_port <= 65535,
+            f"prometheus_port must be in 0..65535 or None, got {self.prometheus_port}",
+        )
+        _require(self.prometheus_addr != "", "prometheus_addr must be an address, got ''")
+        _require(
+            self.flops_per_sample is None or self.flops_per_sample > 0,
+            f"flops_per_sample must be > 0 or None, got {self.flops_per_sample}",
+        )
+        _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
+        _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""

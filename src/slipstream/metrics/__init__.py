@@ -1,6 +1,13 @@
-"""Per-step metrics: a recorder that feeds pluggable sinks (console, JSONL)."""
+"""Per-step metrics: a recorder with a step profiler that feeds pluggable sinks.
 
+Sinks: console (rank 0), JSONL per rank, TensorBoard, Prometheus; a Chrome-trace
+timeline; straggler detection at log steps. ``slipstream report RUN_DIR`` turns
+a run directory into one HTML page (see :mod:`slipstream.report`).
+"""
+
+from .profiler import PHASES, StepProfiler
 from .recorder import StepRecorder
 from .sinks import ConsoleSink, JsonlSink, Sink
+from .straggler import StragglerDetector, Verdict
 
-__all__ = ["ConsoleSink", "JsonlSink", "Sink", "StepRecorder"]
+__all__ = ["ConsoleSink", "JsonlSink", "PHASES", "Sink", "StepProfiler", "StepRecorder", "StragglerDetector", "Verdict"]

@@ -7,23 +7,38 @@ into each record (the gradient-sync state reports bytes sent this way). The
 loss stays on the device and is read back only every ``log_every_steps``
 steps, so a step adds no host synchronisation.
 
+Phase timing (see :mod:`.profiler`) goes through ``begin(phase)`` /
+``end(phase, token)`` or ``with recorder.timed(phase):``; ``attach(model,
+config)`` hooks the model's parameters (for the backward/communication split)
+and opens the sinks the config asks for (TensorBoard, Prometheus, timeline).
+At each log step the ranks exchange their busy times (one small all_gather)
+to name a straggler.
+
 Example::
 
     rec = StepRecorder(rank=0, world_size=2, run_dir="runs/x", log_every_steps=10)
     rec.add_loss(loss.detach()); rec.add_samples(64)
+    with rec.timed("checkpoint"):
+        save()
     rec.end_step(lr=0.01)
     rec.close()
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from .profiler import CudaClock, HostClock, StepProfiler, default_peak_flops, model_flops, process_rss_bytes, window_means
 from .sinks import ConsoleSink, JsonlSink, Sink
+from .straggler import GATHERED, StragglerDetector, gather_vectors
+from .timeline import TimelineWriter
 
 
 class StepRecorder:
@@ -36,6 +51,8 @@ class StepRecorder:
         total_steps: int | None = None,
         progress: bool = True,
         sinks: list[Sink] | None = None,
+        profile: bool = True,
+        clock: HostClock | CudaClock | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -61,6 +78,17 @@ class StepRecorder:
         self.last_record: dict[str, Any] | None = None
         self.total_samples = 0
         self.total_tokens = 0
+        # Profiling (phase timing); off: begin() returns None and end() does nothing.
+        self.profiler: StepProfiler | None = StepProfiler(clock) if profile else None
+        self.timeline: TimelineWriter | None = None
+        self.straggler: StragglerDetector | None = None
+        self.device = torch.device("cpu")
+        self.n_params = 0
+        self.flops_per_sample: float | None = None
+        self.peak_flops: float | None = None
+        self.flops_formula: str | None = None
+        self._phase_totals: dict[str, float] = {}
+        self._phase_steps = 0
 
     # --- what components report ----------------------------------------------------
     def add_loss(self, loss: torch.Tensor) -> None:
@@ -80,14 +108,106 @@ class StepRecorder:
     def set(self, name: str, value: Any) -> None:
         self._last[name] = value
 
+    # --- phase timing (hot path: no device synchronisation) -------------------------
+    def begin(self, phase: str) -> Any:
+        """Start timing ``phase`` (forward, backward, optimizer, checkpoint, ...); returns a token."""
+        return self.profiler.begin(phase) if self.profiler is not None else None
+
+    def end(self, phase: str, token: Any) -> None:
+        """Stop timing ``phase`` started with ``begin``."""
+        if self.profiler is not None and token is not None:
+            self.profiler.end(phase, token)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """``with recorder.timed("checkpoint"): ...`` times the block as ``phase``."""
+        token = self.begin(phase)
+        try:
+            yield
+        finally:
+            self.end(phase, token)
+
+    # --- wiring ------------------------------------------------------------------------
+    def attach(self, model: torch.nn.Module, config: Any = None, device: torch.device | None = None,
+               local_rank: int | None = None) -> None:
+        """Instrument ``model`` and open the sinks ``config`` (a TrainConfig) asks for.
+
+        Collective when ``world_size > 1`` only in that every rank must call it
+        (the straggler gather then runs at every log step on every rank).
+        """
+        if config is not None and not getattr(config, "profile", True):
+            self.profiler = None
+        self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        if self.profiler is not None and self.device.type == "cuda" and isinstance(self.profiler.clock, HostClock):
+            self.profiler.clock = CudaClock(self.device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.n_params = sum(p.numel() for p in params)
+        if self.profiler is not None:
+            self.profiler.install(params)
+        get = (lambda name, default=None: getattr(config, name, default)) if config is not None else (lambda n, d=None: d)
+        self.flops_per_sample = get("flops_per_sample")
+        self.peak_flops = get("peak_flops") or default_peak_flops(self.device, get("precision", "fp32"))
+        import torch.distributed as dist
+
+        if self.world_size > 1 and self.profiler is not None and dist.is_available() and dist.is_initialized():
+            self.straggler = StragglerDetector(self.world_size, threshold=get("straggler_threshold", 0.1))
+        local_rank = int(os.environ.get("LOCAL_RANK", self.rank)) if local_rank is None else local_rank
+        if self.run_dir is not None and get("timeline", False) and self.profiler is not None:
+            self.timeline = TimelineWriter(os.path.join(self.run_dir, "timeline", f"rank{self.rank}.json"), self.rank)
+        if self.run_dir is not None and get("tensorboard", False):
+            from .tensorboard import TensorBoardSink
+
+            self.sinks.append(TensorBoardSink(os.path.join(self.run_dir, "tensorboard", f"rank{self.rank}")))
+        port = get("prometheus_port")
+        if port is not None:
+            from .prometheus import PrometheusSink
+
+            sink = PrometheusSink(self.rank, port + local_rank if port else 0, addr=get("prometheus_addr", "127.0.0.1"))
+            self.sinks.append(sink)
+            if self.run_dir is not None:
+                path = os.path.join(self.run_dir, "metrics", f"prometheus-rank{self.rank}.url")
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(sink.url + "\n")
+            if self.rank == 0:
+                print(f"[slipstream] Prometheus metrics of rank 0 at {sink.url}", file=sys.stderr, flush=True)
+        if self.run_dir is not None and self.rank == 0:
+            self._write_run_info(config)
+
+    def _write_run_info(self, config: Any) -> None:
+        info: dict[str, Any] = {
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "n_params": self.n_params,
+            "flops_per_sample": self.flops_per_sample,
+            "peak_flops": self.peak_flops,
+            "log_every_steps": self.log_every_steps,
+            "started_unix_s": time.time(),
+        }
+        if config is not None:
+            try:
+                import dataclasses
+
+                info["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
+            except TypeError:
+                pass
+        os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)  # type: ignore[arg-type]
+        with open(os.path.join(self.run_dir, "metrics", "run.json"), "w", encoding="utf-8") as f:  # type: ignore[arg-type]
+            json.dump(info, f, indent=1, default=str)
+
     # --- step boundary ---------------------------------------------------------------
     def end_step(self, **fields: Any) -> dict[str, Any] | None:
         """Close one optimizer step; returns the record when this step was logged."""
         self.step += 1
         self._window_steps += 1
+        if self.profiler is not None:
+            self.profiler.end_step(self.step)
         if self.step % self.log_every_steps != 0:
             return None
-        return self.flush(**fields)
+        record = self.flush(**fields)
+        if self.profiler is not None:
+            self.profiler.touch()  # the flush (gather, sinks) is not the next step's data wait
+        return record
 
     def flush(self, **fields: Any) -> dict[str, Any] | None:
         if self._window_steps == 0:
@@ -101,6 +221,31 @@ class StepRecorder:
         # Throughput of the whole job, assuming every rank sees equal batches.
         record["samples_per_s"] = self._samples * self.world_size / elapsed if self._samples else None
         record["tokens_per_s"] = self._tokens * self.world_size / elapsed if self._tokens else None
+        record["samples"] = self._samples  # this rank, this window
+        record["tokens"] = self._tokens
+        if self.profiler is not None:
+            rows = self.profiler.resolve()  # reads CUDA events: the window's one wait
+            means = window_means(rows)
+            if means:
+                covered = sum(v for k, v in means.items() if k != "busy_s")
+                means["other_s"] = max(0.0, record["step_time_s"] - covered)
+                record.update(means)
+                for k, v in means.items():
+                    self._phase_totals[k] = self._phase_totals.get(k, 0.0) + v * len(rows)
+                self._phase_steps += len(rows)
+        flops, formula = model_flops(self._samples, self._tokens, self.n_params, self.flops_per_sample)
+        if flops is not None:
+            self.flops_formula = formula
+            record["model_flops_per_s"] = flops / elapsed
+            if self.peak_flops:
+                record["mfu"] = record["model_flops_per_s"] / self.peak_flops
+        rss = process_rss_bytes()
+        if rss is not None:
+            record["mem_rss_bytes"] = rss
+        if self.device.type == "cuda":
+            record["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            record["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         record.update(self._sums)
         record.update(self._last)
         for source in self.sources:
@@ -109,8 +254,12 @@ class StepRecorder:
         for key, value in record.items():
             if isinstance(value, torch.Tensor):
                 record[key] = value.item()  # read back here, once per log window
+        if self.straggler is not None:
+            record.update(self._straggler_fields(record))
         self.total_samples += self._samples * self.world_size
         self.total_tokens += self._tokens * self.world_size
+        if self.timeline is not None and self.profiler is not None:
+            self.timeline.write_spans(self.profiler.spans)
         for sink in self.sinks:
             sink.write(record)
         self.last_record = record
@@ -120,17 +269,59 @@ class StepRecorder:
         self._sums = {}
         return record
 
+    def _straggler_fields(self, record: dict[str, Any]) -> dict[str, Any]:
+        """All-gather the busy times (every rank, every log step) and name a straggler."""
+        assert self.straggler is not None
+        mine = [float(record.get(k) or 0.0) for k in GATHERED]
+        t0 = self.profiler.clock.mark() if self.profiler is not None else None
+        vectors = gather_vectors(mine, self.device)
+        if self.profiler is not None and t0 is not None:
+            self.profiler.add_span("straggler_gather", (t0[0], None), (time.perf_counter(), None))
+        busy = [v[0] for v in vectors]
+        verdict = self.straggler.observe(busy)
+        out: dict[str, Any] = {
+            "busy_s_max": max(busy),
+            "busy_s_min": min(busy),
+            "slowest_rank": max(range(len(busy)), key=lambda r: busy[r]),
+            "straggler_rank": verdict.rank if verdict else None,
+        }
+        if verdict is not None:
+            out["straggler_slowdown"] = verdict.slowdown
+            out["straggler_excess_s"] = verdict.excess_s
+            if self.rank == 0:
+                out["straggler_message"] = verdict.message()
+        if self.rank == 0:
+            out["busy_s_ranks"] = busy
+        return out
+
+    def phase_means(self) -> dict[str, float]:
+        """Mean seconds per step of each phase since the start (for summaries)."""
+        if not self._phase_steps:
+            return {}
+        return {k: v / self._phase_steps for k, v in self._phase_totals.items()}
+
     def summary(self) -> dict[str, Any]:
         elapsed = time.perf_counter() - self._start
-        return {
+        out = {
             "steps": self.step,
             "elapsed_s": elapsed,
             "final_loss": self.last_record.get("loss") if self.last_record else None,
             "samples_per_s": self.total_samples / elapsed if self.total_samples else None,
             "tokens_per_s": self.total_tokens / elapsed if self.total_tokens else None,
         }
+        out.update(self.phase_means())
+        if self.straggler is not None and self.straggler.last is not None:
+            out["straggler_rank"] = self.straggler.last.rank
+            out["straggler_slowdown"] = self.straggler.last.slowdown
+        return out
 
     def close(self) -> None:
         self.flush()
+        if self.profiler is not None:
+            self.profiler.remove()
+        if self.timeline is not None:
+            self.timeline.close()
+            self.timeline = None
         for sink in self.sinks:
             sink.close()
+        self.sinks = []

@@ -2,7 +2,13 @@
 
 Records are flat dicts of JSON scalars: ``step``, ``time_s`` (since start),
 ``loss``, ``step_time_s``, ``samples_per_s``, ``tokens_per_s`` (when known),
-``lr``, plus anything a component adds (``sync/...``, ``data/...``).
+``lr``, the profiler's phase times (``forward_s``, ``backward_s``,
+``comm_exposed_s``, ...; see :mod:`.profiler`), memory, MFU, straggler fields,
+plus anything a component adds (``sync_...``, ``data/...``). Lists (rank 0's
+``busy_s_ranks``) and strings appear too; numeric sinks skip them.
+
+Sinks here: :class:`JsonlSink`, :class:`ConsoleSink`; elsewhere in the
+package: ``tensorboard.TensorBoardSink``, ``prometheus.PrometheusSink``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ def _fmt(record: dict[str, Any]) -> str:
         parts.append(f"{record['tokens_per_s']:.0f} tokens/s")
     if record.get("step_time_s") is not None:
         parts.append(f"{record['step_time_s'] * 1000:.1f} ms/step")
+    if record.get("comm_exposed_s") is not None and record.get("step_time_s"):
+        parts.append(f"comm {record['comm_exposed_s'] / record['step_time_s'] * 100:.0f}%")
+    if record.get("mfu") is not None:
+        parts.append(f"MFU {record['mfu'] * 100:.1f}%")
+    if record.get("straggler_rank") is not None:
+        parts.append(f"straggler rank {record['straggler_rank']} +{record.get('straggler_slowdown', 0) * 100:.0f}%")
     return " | ".join(parts)
 
 
@@ -70,6 +82,7 @@ class ConsoleSink:
             )
             self._task = self._bar.add_task("train", total=total_steps, status="")
             self._bar.start()
+        self._announced_rank: int | None = None
 
     def write(self, record: dict[str, Any]) -> None:
         line = _fmt(record)
@@ -77,6 +90,15 @@ class ConsoleSink:
             self._bar.update(self._task, completed=record["step"], status=line)
         else:
             print(f"[slipstream] {line}", flush=True)
+        # A straggler is announced once, and again when the verdict changes rank.
+        message = record.get("straggler_message")
+        key = record.get("straggler_rank")
+        if message and key != self._announced_rank:
+            if self._bar is not None:
+                self._bar.console.print(f"[yellow]\\[slipstream] {message}")
+            else:
+                print(f"[slipstream] {message}", flush=True)
+        self._announced_rank = key
 
     def close(self) -> None:
         if self._bar is not None:

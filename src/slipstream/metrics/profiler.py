@@ -1,0 +1,338 @@
+"""Step profiler: where each step's time went, per rank, without stalling the device.
+
+Phases of one optimizer step (all in seconds, per step, averaged over a log window):
+
+``data_wait_s``
+    host time between the end of the previous Slipstream call (a backward,
+    an optimizer step) and the next forward: the training loop fetching and
+    moving its batch.
+``forward_s``
+    the wrapped model's forward.
+``backward_s``
+    backward *compute*: from the start of ``run.backward`` to the moment the
+    last parameter gradient was accumulated.
+``comm_exposed_s``
+    the rest of ``run.backward``: waiting for gradient synchronisation that
+    did not overlap with compute (DDP's reducer blocks at the end of backward
+    until every bucket is reduced).
+``optimizer_s``
+    clipping, ``optimizer.step()``, ``zero_grad`` and the scheduler.
+``checkpoint_s``
+    whatever runs inside ``recorder.timed("checkpoint")``.
+``other_s``
+    the step time not covered by the phases above (user code, logging).
+``busy_s``
+    data_wait + forward + backward + optimizer: the time a rank spends outside
+    gradient synchronisation. On a healthy job it is the same on every rank;
+    the straggler detector compares it across ranks.
+
+How it is measured. On CPU every boundary is ``time.perf_counter()``: no
+device to synchronise. On CUDA every device phase boundary records a
+``torch.cuda.Event`` (non-blocking); the events are read back once per log
+window (``flush``), after the one synchronisation the recorder already does
+for the loss. The "last gradient ready" point is a
+``register_post_accumulate_grad_hook`` on every trainable parameter, which
+re-records one event (or stores one float) per backward.
+
+MFU (model FLOPs utilisation) = achieved model FLOP/s / peak FLOP/s of the
+device. Model FLOPs of a training step are ``6 * n_params * tokens`` when the
+model consumes integer token ids (the Kaplan et al. approximation for a
+transformer: 2 for forward, 4 for backward, attention's ``12 * layers * d *
+seq`` term ignored), or ``flops_per_sample * samples`` when the user gives
+``flops_per_sample`` (training FLOPs, forward + backward, of one sample).
+Peak comes from ``peak_flops`` or, on known GPUs, from a small table.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+PHASES = ("data_wait", "forward", "backward", "comm_exposed", "optimizer", "checkpoint")
+BUSY_PHASES = ("data_wait", "forward", "backward", "optimizer")
+COMM_PHASES = frozenset({"comm_exposed", "grad_sync", "straggler_gather"})
+
+# Dense tensor-core peak per GPU, FLOP/s: (16-bit, fp32 via TF32). Vendors' data sheets.
+_PEAK_FLOPS = {
+    "H200": (989e12, 494.7e12),
+    "H100": (989e12, 494.7e12),
+    "A100": (312e12, 156e12),
+    "L40S": (362e12, 183e12),
+    "A10G": (70e12, 35e12),
+    "L4": (121e12, 60e12),
+    "V100": (125e12, 15.7e12),
+}
+
+
+def default_peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
+    """Peak FLOP/s of ``device`` for ``precision`` when it is a GPU we know, else None.
+
+    Example::
+
+        default_peak_flops(torch.device("cpu"))   # None: give peak_flops yourself
+    """
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    for key, (half, tf32) in _PEAK_FLOPS.items():
+        if key in name:
+            return half if precision in ("bf16", "fp16") else tf32
+    return None
+
+
+def process_rss_bytes() -> int | None:
+    """Resident set size of this process in bytes (Linux /proc, else psutil, else None)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # noqa: BLE001 - memory is best effort
+        return None
+
+
+# --- clocks ------------------------------------------------------------------------------
+# A mark is (host perf_counter seconds, device event or None). Durations between two
+# marks use the device events when both have one, else the host times.
+
+
+class HostClock:
+    """Marks are host timestamps only (CPU training: nothing runs asynchronously)."""
+
+    def mark(self) -> tuple[float, Any]:
+        return (time.perf_counter(), None)
+
+    def new_event(self) -> Any:
+        return None
+
+    def record(self, event: Any) -> None:
+        pass
+
+    def synchronize(self, marks: Iterable[tuple[float, Any]]) -> None:
+        pass
+
+
+class CudaClock:
+    """Marks carry a CUDA event recorded on the current stream: no host wait."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def mark(self) -> tuple[float, Any]:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return (time.perf_counter(), event)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event(enable_timing=True)
+
+    def record(self, event: Any) -> None:
+        event.record()
+
+    def synchronize(self, marks: Iterable[tuple[float, Any]]) -> None:
+        # Events complete in stream order: waiting for the latest recorded one is enough.
+        last = None
+        for _, event in marks:
+            if event is not None:
+                last = event
+        if last is not None:
+            last.synchronize()
+
+
+def _duration(a: tuple[float, Any], b: tuple[float, Any]) -> float:
+    if a[1] is not None and b[1] is not None:
+        return max(0.0, a[1].elapsed_time(b[1]) / 1e3)
+    return max(0.0, b[0] - a[0])
+
+
+@dataclass
+class Span:
+    """A resolved interval: absolute start in host perf_counter seconds, duration in seconds."""
+
+    phase: str
+    start_s: float
+    dur_s: float
+    step: int
+
+
+@dataclass
+class _Row:
+    """The raw marks of one optimizer step, resolved at flush time."""
+
+    step: int
+    spans: list[tuple[str, tuple[float, Any], tuple[float, Any]]] = field(default_factory=list)
+
+
+class StepProfiler:
+    """Phase timing of every step; resolved once per log window.
+
+    Used through :class:`~slipstream.metrics.StepRecorder` (``begin``/``end``/
+    ``timed``); on its own::
+
+        prof = StepProfiler()
+        t = prof.begin("forward"); y = model(x); prof.end("forward", t)
+        prof.end_step(1)
+        rows = prof.resolve()      # [{"forward_s": ...}], spans in prof.spans
+    """
+
+    def __init__(self, clock: HostClock | CudaClock | None = None) -> None:
+        self.clock = clock or HostClock()
+        self._rows: list[_Row] = []
+        self._row = _Row(step=1)
+        self._last_end_host: float | None = None
+        self._in_backward = False
+        self._grad_first: tuple[float, Any] | None = None
+        self._grad_last: tuple[float, Any] | None = None
+        self._grad_last_event: Any = None
+        self._hooks: list[Any] = []
+        self.spans: list[Span] = []  # filled by resolve(), for the timeline
+
+    # --- hot path ---------------------------------------------------------------------
+    def begin(self, phase: str) -> tuple[float, Any]:
+        mark = self.clock.mark()
+        if phase == "forward" and self._last_end_host is not None:
+            # Host gap since the last Slipstream call: the loop fetched its data.
+            self._row.spans.append(("data_wait", (self._last_end_host, None), (mark[0], None)))
+        elif phase == "backward":
+            self._in_backward = True
+            self._grad_first = None
+            self._grad_last = None
+            self._grad_last_event = self.clock.new_event()
+        return mark
+
+    def end(self, phase: str, start: tuple[float, Any]) -> None:
+        mark = self.clock.mark()
+        if phase == "backward":
+            self._in_backward = False
+            last = self._grad_last
+            if last is not None:
+                self._row.spans.append(("backward", start, last))
+                self._row.spans.append(("comm_exposed", last, mark))
+                self._row.spans.append(("grad_sync", self._grad_first, mark))
+            else:
+                self._row.spans.append(("backward", start, mark))
+        else:
+            self._row.spans.append((phase, start, mark))
+        self._last_end_host = mark[0]
+
+    def grad_ready(self, *_: Any) -> None:
+        """Called after each parameter's gradient is accumulated (post-accumulate hook)."""
+        if not self._in_backward:
+            return
+        now = time.perf_counter()
+        event = self._grad_last_event
+        if self._grad_first is None:
+            self._grad_first = self.clock.mark()
+            self._grad_last = (now, event)
+        else:
+            self._grad_last = (now, event)
+        if event is not None:
+            self.clock.record(event)  # re-recorded: the last one wins
+
+    def end_step(self, step: int) -> None:
+        """Close the current optimizer step (the next one starts now)."""
+        self._rows.append(self._row)
+        self._row = _Row(step=step + 1)
+        self._last_end_host = time.perf_counter()
+
+    def touch(self) -> None:
+        """Restart the data-wait clock now (after work that is not the loop's own)."""
+        self._last_end_host = time.perf_counter()
+
+    def add_span(self, phase: str, start: tuple[float, Any], end: tuple[float, Any]) -> None:
+        """Record a span that is not a step phase (e.g. the straggler gather) for the timeline."""
+        self._row.spans.append((phase, start, end))
+
+    # --- instrumentation -----------------------------------------------------------------
+    def install(self, params: Iterable[torch.nn.Parameter]) -> int:
+        """Hook every trainable parameter; returns how many were hooked."""
+        n = 0
+        for p in params:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self.grad_ready))
+                n += 1
+        return n
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # --- log time ------------------------------------------------------------------------
+    def resolve(self) -> list[dict[str, float]]:
+        """Per-step phase sums of the closed steps since the last call (reads device events).
+
+        Also fills ``self.spans`` (absolute intervals) for the timeline.
+        """
+        rows, self._rows = self._rows, []
+        extra = self._row.spans
+        self.clock.synchronize(m for r in rows for _, a, b in r.spans for m in (a, b))
+        self.spans = []
+        out: list[dict[str, float]] = []
+        for row in rows:
+            sums = dict.fromkeys(PHASES, 0.0)
+            anchor: tuple[float, Any] | None = None
+            for phase, a, b in row.spans:
+                dur = _duration(a, b)
+                if phase in sums:
+                    sums[phase] += dur
+                start = a[0]
+                if a[1] is not None:
+                    # Device time: place the span by its offset from the row's first event.
+                    if anchor is None:
+                        anchor = a
+                    start = anchor[0] + anchor[1].elapsed_time(a[1]) / 1e3
+                self.spans.append(Span(phase, start, dur, row.step))
+            out.append(sums)
+        # Spans recorded after the last closed step (the gather at flush) stay for next time.
+        self._row.spans = extra
+        return out
+
+
+def window_means(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each phase over the rows, keyed ``<phase>_s``, plus ``busy_s``."""
+    if not rows:
+        return {}
+    n = len(rows)
+    out = {f"{p}_s": sum(r[p] for r in rows) / n for p in PHASES}
+    out["busy_s"] = sum(out[f"{p}_s"] for p in BUSY_PHASES)
+    return out
+
+
+def model_flops(
+    samples: int, tokens: int, n_params: int, flops_per_sample: float | None
+) -> tuple[float | None, str | None]:
+    """Training FLOPs of a window and the formula used (None when unknown).
+
+    Example::
+
+        model_flops(samples=8, tokens=8 * 128, n_params=1_000_000, flops_per_sample=None)
+        # (6 * 1e6 * 1024, "6*params*tokens")
+    """
+    if flops_per_sample is not None:
+        return float(flops_per_sample) * samples, "flops_per_sample*samples"
+    if tokens and n_params:
+        return 6.0 * n_params * tokens, "6*params*tokens"
+    return None, None
+
+
+__all__ = [
+    "BUSY_PHASES",
+    "CudaClock",
+    "HostClock",
+    "PHASES",
+    "Span",
+    "StepProfiler",
+    "default_peak_flops",
+    "model_flops",
+    "process_rss_bytes",
+    "window_means",
+]

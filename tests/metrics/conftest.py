@@ -1,0 +1,29 @@
+"""Fixtures for the metrics tests: one 2-rank gloo run shared by the distributed and report tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "distributed"))  # harness.run_ranks
+sys.path.insert(0, HERE)  # metrics_workers, importable in spawned ranks too
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+SLEEP_S = 0.03  # injected into rank 1's forward
+STEPS = 16
+LOG_EVERY = 2
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(tmp_path_factory):
+    """A control run (no delay) and a straggler run (rank 1 sleeps in forward), 2 gloo ranks."""
+    from harness import run_ranks
+    from metrics_workers import train_twice
+
+    base = tmp_path_factory.mktemp("two_rank")
+    results = run_ranks(train_twice, 2, str(base), STEPS, LOG_EVERY, SLEEP_S, timeout_s=170)
+    return {"base": str(base), "results": results}
