@@ -72,6 +72,9 @@ class TrainConfig:
     """Complete checkpoints kept; older ones are deleted."""
     checkpoint_async: bool = False
     """Stage to CPU memory and write in a background thread (the loop blocks only for staging)."""
+    preemption_deadline_s: float = 25.0
+    """After SIGTERM: an emergency checkpoint at the next step, then exit 143; past this
+    deadline the process exits 143 regardless (keep it under the pod's grace period)."""
 
     # --- bookkeeping --------------------------------------------------------------
     run_dir: str | None = None
@@ -82,9 +85,6 @@ class TrainConfig:
     """Show a progress bar on rank 0 when the console is a terminal."""
     total_steps: int | None = None
     """Known length of the run, for the progress bar and ETA."""
-
-    def __post_init__(self) -> None:
-        from . import sync as _sync  # late: sync imports config
 
     # --- metrics (see docs/metrics.md) -------------------------------------------
     profile: bool = True
@@ -107,6 +107,9 @@ class TrainConfig:
     """Name a straggler only when its compute per step exceeds the median rank's by more
     than this fraction, in most of the last 5 log steps."""
 
+    def __post_init__(self) -> None:
+        from . import sync as _sync  # late: sync imports config
+
         _require(isinstance(self.sync, str) and self.sync != "", f"sync must be a strategy name, got {self.sync!r}")
         known = _sync.available()
         _require(self.sync in known, f"sync must be one of {', '.join(known)}, got {self.sync!r}")
@@ -128,6 +131,7 @@ class TrainConfig:
             self.checkpoint_every_s is None or self.checkpoint_every_s > 0,
             f"checkpoint_every_s must be > 0 or None, got {self.checkpoint_every_s}",
         )
+        _require(self.preemption_deadline_s > 0, f"preemption_deadline_s must be > 0, got {self.preemption_deadline_s}")
         _require(self.checkpoint_keep_last >= 1, f"checkpoint_keep_last must be >= 1, got {self.checkpoint_keep_last}")
         _require(self.checkpoint_dir is None or self.checkpoint_dir != "", "checkpoint_dir must be a path or None, got ''")
         _require(self.log_every_steps >= 1, f"log_every_steps must be >= 1, got {self.log_every_steps}")
@@ -135,10 +139,6 @@ class TrainConfig:
             self.total_steps is None or self.total_steps >= 0,
             f"total_steps must be >= 0 or None, got {self.total_steps}",
         )
-        if isinstance(self.activation_checkpointing, str):
-            object.__setattr__(self, "activation_checkpointing", _split_names(self.activation_checkpointing))
-        else:
-            object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
         _require(
             self.prometheus_port is None or 0 <= self.prometheus_port <= 65535,
             f"prometheus_port must be in 0..65535 or None, got {self.prometheus_port}",
@@ -150,6 +150,10 @@ class TrainConfig:
         )
         _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
         _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
+        if isinstance(self.activation_checkpointing, str):
+            object.__setattr__(self, "activation_checkpointing", _split_names(self.activation_checkpointing))
+        else:
+            object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""

@@ -6,6 +6,8 @@ Exit codes (documented in README.md, matched by Kubernetes podFailurePolicy):
 * 1   training failed (a worker failed and the restart budget is spent)
 * 2   usage or configuration error (bad flag, missing file, invalid spec)
 * 130 interrupted by the user (Ctrl-C)
+* 143 preempted: SIGTERM arrived, an emergency checkpoint was written, the job
+      can be resumed (128 + SIGTERM; a podFailurePolicy can match it)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_PREEMPTED = 143
 
 
 class SlipstreamError(Exception):

@@ -143,6 +143,7 @@ class Runtime:
     launch: LaunchEnv
     backend: str
     device: torch.device
+    timeout_s: float = 600.0
 
     rank = property(lambda self: self.launch.rank)
     world_size = property(lambda self: self.launch.world_size)
@@ -156,11 +157,13 @@ class Runtime:
 _RUNTIME: Runtime | None = None
 
 
-def init(backend: str | None = None, timeout_s: float = 600.0) -> Runtime:
+def init(backend: str | None = None, timeout_s: float | None = None) -> Runtime:
     """Start (or return the already started) process group.
 
     backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
-    timeout_s: how long a collective may wait before it fails (hang detection).
+    timeout_s: how long a collective may wait before it fails (hang detection);
+        default SLIPSTREAM_COLLECTIVE_TIMEOUT_S from the environment (set by
+        ``slipstream run --collective-timeout-s``), else 600.
 
     Example::
 
@@ -171,6 +174,12 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Runtime:
     global _RUNTIME
     if _RUNTIME is not None and dist.is_initialized():
         return _RUNTIME
+    if timeout_s is None:
+        raw = os.environ.get("SLIPSTREAM_COLLECTIVE_TIMEOUT_S", "600")
+        try:
+            timeout_s = float(raw)
+        except ValueError:
+            raise ConfigError(f"SLIPSTREAM_COLLECTIVE_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
     launch = detect_launch_env()
@@ -202,7 +211,7 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> Runtime:
                 backend, init_method=init_method, rank=launch.rank, world_size=launch.world_size, timeout=timeout
             )
     _install_excepthook()  # after init_process_group, which installs a hook of its own
-    _RUNTIME = Runtime(launch=launch, backend=backend, device=device)
+    _RUNTIME = Runtime(launch=launch, backend=backend, device=device, timeout_s=timeout_s)
     return _RUNTIME
 
 

@@ -31,10 +31,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from ..errors import ConfigError
+from ..errors import EXIT_PREEMPTED, ConfigError
 from . import layout
 
 log = logging.getLogger("slipstream.checkpoint")
+
+
+def _exit_now(code: int) -> None:
+    log.error("preemption deadline passed before a checkpoint could be written; exiting with %d", code)
+    os._exit(code)
 
 
 class CheckpointManager:
@@ -47,6 +52,7 @@ class CheckpointManager:
         keep_last: int = 3,
         async_save: bool = False,
         handle_sigterm: bool = True,
+        preemption_deadline_s: float = 25.0,
     ) -> None:
         if not directory:
             raise ConfigError("checkpoint_dir must be a path, got an empty string")
@@ -54,6 +60,8 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint_every_steps must be >= 1, got {every_steps}")
         if every_s is not None and every_s <= 0:
             raise ConfigError(f"checkpoint_every_s must be > 0, got {every_s}")
+        if preemption_deadline_s <= 0:
+            raise ConfigError(f"preemption_deadline_s must be > 0, got {preemption_deadline_s}")
         if keep_last < 1:
             raise ConfigError(f"checkpoint_keep_last must be >= 1, got {keep_last}")
         if os.path.exists(directory) and not os.path.isdir(directory):
@@ -75,6 +83,7 @@ class CheckpointManager:
         self._pending_step: int | None = None
         self._last_save_time = time.monotonic()
         self.preempt_requested = False
+        self.preemption_deadline_s = preemption_deadline_s
         self.last_saved_step: int | None = None
         self.blocking_s: list[float] = []  # time each save held the training loop
         if self.rank == 0:
@@ -94,8 +103,15 @@ class CheckpointManager:
     # --- saving ------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Only a flag: the save happens at the next step boundary, together with
-        # every other rank (a checkpoint is a collective).
+        # every other rank (a checkpoint is a collective). A rank that never
+        # reaches a boundary (stuck, or its peers are gone) still exits by the
+        # deadline, before the agent or the kubelet resorts to SIGKILL.
+        if self.preempt_requested:
+            return
         self.preempt_requested = True
+        timer = threading.Timer(self.preemption_deadline_s, _exit_now, args=(EXIT_PREEMPTED,))
+        timer.daemon = True
+        timer.start()
 
     def should_save(self, step: int) -> tuple[bool, bool]:
         """(save now, preempted): agreed by all ranks through one tiny all-reduce."""

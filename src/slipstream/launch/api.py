@@ -30,13 +30,14 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, UsageError
 
 
 @dataclass
@@ -60,6 +61,8 @@ class LaunchOptions:
     local_addr: str | None = None
     """Address this node publishes to the others (default: its host name)."""
     join_timeout_s: float = 600.0
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    """Extra c10d rendezvous settings (last_call_timeout, keep_alive_interval, ...)."""
     worker_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for workers (e.g. SLIPSTREAM_SYNC set by --sync)."""
 
@@ -147,6 +150,7 @@ def launch(opts: LaunchOptions) -> int:
 
     # Imported late: importing the launcher costs a second and the checks above
     # should answer at once.
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -159,6 +163,7 @@ def launch(opts: LaunchOptions) -> int:
     rdzv_configs: dict[str, object] = {"join_timeout": int(opts.join_timeout_s)}
     if opts.is_rdzv_host is not None:
         rdzv_configs["is_host"] = opts.is_rdzv_host
+    rdzv_configs.update(opts.rdzv_conf)
     config = LaunchConfig(
         min_nodes=opts.min_nodes,
         max_nodes=opts.max_nodes,
@@ -186,6 +191,12 @@ def launch(opts: LaunchOptions) -> int:
     except KeyboardInterrupt:
         print("slipstream run: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except SignalException as exc:
+        # The agent itself was told to stop (pod eviction, preemption): its
+        # workers got SIGTERM too and wrote an emergency checkpoint if they
+        # checkpoint at all.
+        print(f"slipstream run: stopped by {exc.sigval.name}; workers were told to checkpoint and exit", file=sys.stderr)
+        return EXIT_PREEMPTED if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     return EXIT_OK
 
 

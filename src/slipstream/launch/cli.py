@@ -17,6 +17,10 @@ _TRAIN_FLAGS = (
     ("--grad-clip-norm", "grad_clip_norm", float, "clip the gradient 2-norm to this value"),
     ("--run-dir", "run_dir", str, "directory for metrics and run artefacts"),
     ("--log-every-steps", "log_every_steps", int, "read the loss back and log every N steps"),
+    ("--checkpoint-dir", "checkpoint_dir", str, "save checkpoints here and resume from the newest complete one"),
+    ("--checkpoint-every-steps", "checkpoint_every_steps", int, "save every N optimizer steps"),
+    ("--checkpoint-every-s", "checkpoint_every_s", float, "save when N seconds passed since the last save"),
+    ("--checkpoint-keep-last", "checkpoint_keep_last", int, "complete checkpoints kept (default 3)"),
 )
 
 
@@ -34,7 +38,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes of one run")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart the workers up to K times")
     p.add_argument("--local-addr", default=None, help="address this node publishes to the others")
+    p.add_argument(
+        "--rdzv-conf", default="", metavar="K=V[,K=V]",
+        help="c10d rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2",
+    )
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module name (python -m)")
+    p.add_argument(
+        "--collective-timeout-s", type=float, default=None, metavar="S",
+        help="a collective waiting longer fails, is diagnosed (which rank stalled, where) and the group restarts",
+    )
     p.add_argument("--emulate", default=None, metavar="NODESxPROCS",
                    help="run on an emulated cluster on this machine: one network namespace per node (needs root)")
     p.add_argument("--link", default="unshaped", metavar="RATE",
@@ -60,6 +72,17 @@ def parse_nnodes(text: str) -> tuple[int, int]:
     raise UsageError(f"--nnodes must be N or MIN:MAX, got {text!r}")
 
 
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``"a=1,b=2"`` -> {"a": "1", "b": "2"}."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--rdzv-conf must be KEY=VALUE pairs separated by commas, got {item!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
     """The SLIPSTREAM_* variables for the training flags given, checked now."""
     overrides = {
@@ -74,6 +97,11 @@ def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
     env = cfg.to_env()
     if cfg.run_dir is not None:
         env["SLIPSTREAM_RUN_DIR"] = cfg.run_dir
+    timeout_s = getattr(args, "collective_timeout_s", None)
+    if timeout_s is not None:
+        if timeout_s <= 0:
+            raise UsageError(f"--collective-timeout-s must be > 0, got {timeout_s}")
+        env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
     return env
 
 
@@ -99,6 +127,7 @@ def main(args: argparse.Namespace) -> int:
         module=args.module,
         local_addr=args.local_addr,
         worker_env=worker_env_from_args(args),
+        rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
     )
     if args.emulate:
         from .emulate import parse_shape, run_emulated

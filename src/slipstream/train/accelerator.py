@@ -30,7 +30,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import sync
 from ..config import TrainConfig
-from ..errors import ConfigError
+from ..checkpoint import CheckpointManager
+from ..checkpoint.states import CallbackState, ModelOptimizerState, RNGState
+from ..errors import EXIT_PREEMPTED, ConfigError
+from ..fault import progress
+from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
 from ..metrics import StepRecorder
 from ..runtime import Runtime, current
 from .activation_checkpointing import apply_activation_checkpointing
@@ -43,6 +47,7 @@ class _MicroSteps:
     def __init__(self, accumulate_steps: int) -> None:
         self.accumulate_steps = accumulate_steps
         self.index = 0  # micro-steps done since the last optimizer step
+        self.total = 0  # micro-steps done since the start of training (resumed from checkpoints)
 
     @property
     def syncs(self) -> bool:
@@ -61,8 +66,11 @@ class SlipstreamDDP(DistributedDataParallel):
         self._sl_precision = precision
         self._sl_device = device
         self._sl_recorder = recorder
+        self._sl_progress: ProgressReporter | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sl_progress is not None:
+            self._sl_progress.mark(progress.FORWARD)
         # DDP reads this flag in forward to decide whether the next backward
         # reduces gradients (the same mechanism as its no_sync() context).
         self.require_backward_grad_sync = self._sl_micro.syncs
@@ -71,8 +79,10 @@ class SlipstreamDDP(DistributedDataParallel):
             self._sl_recorder.add_samples(first.shape[0])
             if first.dim() >= 2 and not first.is_floating_point():
                 self._sl_recorder.add_tokens(first.numel())  # token ids: (batch, seq)
+        timing = self._sl_recorder.begin("forward")
         with autocast(self._sl_precision, self._sl_device):
             out = super().forward(*args, **kwargs)
+        self._sl_recorder.end("forward", timing)
         return outputs_to_fp32(out)
 
 
@@ -101,7 +111,68 @@ class Accelerated:
         self.scaler = grad_scaler(config.precision, runtime.device)
         self._micro = model._sl_micro
         self.step_count = 0
+        self.resumed_from_step: int | None = None
         self.last_grad_norm: torch.Tensor | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self.progress = ProgressReporter(runtime.rank, runtime.world_size) if runtime.world_size > 1 else None
+        model._sl_progress = self.progress
+
+    @property
+    def micro_step_count(self) -> int:
+        """Micro-steps done since training began (restored on resume): index data by it."""
+        return self._micro.total
+
+    def _enable_checkpoints(self, extra_state: dict[str, Any]) -> None:
+        cfg = self.config
+        mgr = CheckpointManager(
+            cfg.checkpoint_dir,  # type: ignore[arg-type]
+            every_steps=cfg.checkpoint_every_steps,
+            every_s=cfg.checkpoint_every_s,
+            keep_last=cfg.checkpoint_keep_last,
+            async_save=cfg.checkpoint_async,
+            preemption_deadline_s=cfg.preemption_deadline_s,
+        )
+        mgr.register("model_optimizer", ModelOptimizerState(self.model, self.optimizer))
+        mgr.register("train", CallbackState(self._counters_state, self._load_counters_state))
+        for name, obj in extra_state.items():
+            mgr.register(f"extra.{name}", obj)
+        mgr.register("rng", RNGState(), per_rank=True)
+        if self.sync_state is not None and hasattr(self.sync_state, "state_dict"):
+            mgr.register("sync", self.sync_state, per_rank=True)
+        self.checkpoints = mgr
+        step = mgr.restore_latest()
+        if step:
+            self.resumed_from_step = step
+            if self.runtime.is_main:
+                print(f"[slipstream] resumed from {cfg.checkpoint_dir} at step {step}", flush=True)
+
+    def _counters_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step_count,
+            "micro_step": self._micro.total,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+        }
+
+    def _load_counters_state(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step"])
+        self._micro.total = int(state["micro_step"])
+        self._micro.index = 0
+        self.recorder.step = self.step_count
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+
+    def _exit_preempted(self) -> None:
+        if self.runtime.is_main:
+            print(
+                f"[slipstream] preempted (SIGTERM): checkpoint of step {self.step_count} written; "
+                f"exiting with code {EXIT_PREEMPTED}",
+                flush=True,
+            )
+        self.recorder.close()
+        raise SystemExit(EXIT_PREEMPTED)
 
     @property
     def device(self) -> torch.device:
@@ -117,20 +188,38 @@ class Accelerated:
         self.recorder.add_loss(loss)
         if self._micro.accumulate_steps > 1:
             loss = loss / self._micro.accumulate_steps
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        self._mark(progress.BACKWARD if self._micro.syncs else progress.BACKWARD_LOCAL)
+        timing = self.recorder.begin("backward")
+        try:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        except Exception as exc:  # noqa: BLE001 - re-raised, with a diagnosis when a peer hung or died
+            self._raise_diagnosed(exc)
+        self.recorder.end("backward", timing)
+
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        if self.progress is not None:
+            self.progress.mark(phase, step)
+
+    def _raise_diagnosed(self, exc: BaseException) -> None:
+        if self.progress is not None and is_collective_failure(exc):
+            raise diagnose_hang(self.progress, exc, self.runtime.timeout_s, self.recorder.run_dir) from exc
+        raise exc
 
     def step(self) -> bool:
         """End a micro-step; on the last one clip, step, zero the gradients.
 
         Returns True when the optimizer stepped.
         """
+        self._micro.total += 1
         if not self._micro.syncs:
             self._micro.index += 1
             return False
         self._micro.index = 0
+        self._mark(progress.OPTIMIZER)
+        timing = self.recorder.begin("optimizer")
         if self.config.grad_clip_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
@@ -143,7 +232,18 @@ class Accelerated:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        self.recorder.end("optimizer", timing)
         self.step_count += 1
+        if self.checkpoints is not None:
+            self._mark(progress.CHECKPOINT)
+            try:
+                with self.recorder.timed("checkpoint"):
+                    preempted = self.checkpoints.maybe_save(self.step_count)
+            except Exception as exc:  # noqa: BLE001
+                self._raise_diagnosed(exc)
+            if preempted:
+                self._exit_preempted()
+        self._mark(progress.USER, self.step_count)
         if self.last_grad_norm is not None:
             self.recorder.set("grad_norm", self.last_grad_norm)  # a tensor: read back at log time only
         self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
@@ -155,6 +255,12 @@ class Accelerated:
 
     def finish(self) -> dict[str, Any]:
         """Flush metrics and return a summary (steps, elapsed_s, final_loss, throughput)."""
+        if self.checkpoints is not None:
+            if self.checkpoints.last_saved_step != self.step_count and self.step_count > 0:
+                self.checkpoints.save(self.step_count, blocking=True)  # the final state, for a clean resume
+            self.checkpoints.close()
+        if self.progress is not None:
+            self.progress.close()
         self.recorder.flush()
         summary = self.recorder.summary()
         self.recorder.close()
@@ -177,6 +283,7 @@ def accelerate(
     config: TrainConfig | None = None,
     *,
     scheduler: Any = None,
+    extra_state: dict[str, Any] | None = None,
     **options: Any,
 ) -> Accelerated:
     """Wrap ``model`` and ``optimizer`` for distributed training.
@@ -185,6 +292,10 @@ def accelerate(
     come from ``SLIPSTREAM_*`` environment variables (set by ``slipstream run
     --sync/--precision/...``) overridden by ``options``.
     ``scheduler`` (optional) is stepped after every optimizer step.
+    ``extra_state`` (optional): more objects with ``state_dict()``/``load_state_dict()``
+    (a data sampler, say) saved in every checkpoint. With ``checkpoint_dir``
+    set, the run resumes from the newest complete checkpoint there; read
+    ``run.step_count`` and ``run.micro_step_count`` to continue the loop.
 
     Example::
 
@@ -231,4 +342,10 @@ def accelerate(
     sync_state = sync.apply(config.sync, ddp)
     if sync_state is not None and hasattr(sync_state, "stats"):
         recorder.sources.append(sync_state.stats)
-    return Accelerated(ddp, model, optimizer, config, runtime, recorder, scheduler=scheduler, sync_state=sync_state)
+    recorder.attach(ddp.module, config, runtime.device, runtime.local_rank)  # phase hooks, optional sinks
+    run = Accelerated(ddp, model, optimizer, config, runtime, recorder, scheduler=scheduler, sync_state=sync_state)
+    if config.checkpoint_dir is not None:
+        run._enable_checkpoints(extra_state or {})
+    elif extra_state:
+        raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
+    return run

@@ -1,0 +1,110 @@
+"""Training worker for the fault-injection tests.
+
+Deterministic: sample i of the job is a pure function of i; step s consumes
+global samples [s*G, (s+1)*G), split in contiguous blocks over the ranks, so
+the same samples are used whatever the world size. Each rank appends
+"step world_size first_id last_id" to OUT/ids_rank<R>.log after every step it
+completes; rank 0 writes OUT/final.pt (model and optimizer) at the end and
+OUT/resumed_<attempt>.pt right after resuming.
+
+Failures are injected on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)
+unless --mode fail-always.
+"""
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import slipstream
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--steps", type=int, default=12)
+p.add_argument("--global-batch", type=int, default=8)
+p.add_argument("--ckpt", default=None)
+p.add_argument("--every", type=int, default=None)
+p.add_argument("--async-save", action="store_true")
+p.add_argument("--dropout", type=float, default=0.1)
+p.add_argument("--mode", default="none",
+               choices=["none", "sigkill", "exception", "hang", "sigterm", "kill-in-save", "fail-always"])
+p.add_argument("--fail-rank", type=int, default=1)
+p.add_argument("--fail-step", type=int, default=5)
+p.add_argument("--step-sleep-s", type=float, default=0.0)
+args = p.parse_args()
+
+attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+rt = slipstream.init()
+inject = (attempt == 0 or args.mode == "fail-always") and rt.rank == args.fail_rank
+
+if args.mode == "kill-in-save" and inject:
+    # Die after this rank's checkpoint data is on disk but before the
+    # checkpoint is finished: the directory stays ".partial".
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    real_write = FileSystemWriter.write_data
+
+    def write_then_die(self, plan, planner):
+        fut = real_write(self, plan, planner)
+        fut.wait()
+        if f"step_{args.fail_step + 1:08d}" in str(self.path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return fut
+
+    FileSystemWriter.write_data = write_then_die
+
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(32, 4))
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+run = slipstream.accelerate(
+    model, optimizer, scheduler=scheduler, checkpoint_dir=args.ckpt, checkpoint_every_steps=args.every,
+    checkpoint_async=args.async_save, progress=False, log_every_steps=1,
+)
+os.makedirs(args.out, exist_ok=True)
+if run.resumed_from_step is not None and rt.rank == 0:
+    torch.save({"step": run.resumed_from_step, "model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict()},
+               os.path.join(args.out, f"resumed_{attempt}.pt"))
+
+W, G = rt.world_size, args.global_batch
+B = G // W
+
+
+def sample(i: int):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(8, generator=g), i % 4
+
+
+log = open(os.path.join(args.out, f"ids_rank{rt.rank}.log"), "a")
+while run.step_count < args.steps:
+    step = run.step_count
+    if inject and step == args.fail_step:
+        if args.mode == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif args.mode in ("exception", "fail-always"):
+            raise RuntimeError(f"injected failure at step {step} (attempt {attempt})")
+        elif args.mode == "hang":
+            with open(os.path.join(args.out, "hang_started"), "w") as f:
+                f.write(str(time.time()))
+            time.sleep(3600)
+        elif args.mode == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+    first = step * G + rt.rank * B
+    xs, ys = zip(*(sample(i) for i in range(first, first + B)))
+    loss = F.cross_entropy(run.model(torch.stack(xs)), torch.tensor(ys))
+    run.backward(loss)
+    run.step()
+    log.write(f"{step} {W} {first} {first + B - 1}\n")
+    log.flush()
+    if args.step_sleep_s:
+        time.sleep(args.step_sleep_s)
+
+run.finish()
+if rt.rank == 0:
+    torch.save({"model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict()},
+               os.path.join(args.out, "final.pt"))
+slipstream.shutdown()
