@@ -187,3 +187,33 @@ def test_prefetch_overlaps_reading_with_compute():
     assert {"data_wait_s", "data_wait_s_total", "data_skipped_total"} <= set(
         SlipstreamLoader(_Slow(4, 0), batch_size=2, rank=0, world_size=1).stats()
     )
+
+
+def _dist_rank(store_path, rank, world, ds_dir, queue):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        loader = SlipstreamLoader(ShardedDataset(ds_dir), batch_size=8, seed=5)  # rank/world from the group
+        ids = [int(r[0]) for b in loader for r in b]
+        queue.put((rank, loader.sampler.rank, loader.sampler.world_size, ids))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_rank_and_world_size_come_from_torch_distributed(tmp_path, numbered):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_dist_rank, args=(str(tmp_path / "store"), r, 2, numbered, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    out = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert [(r, sr, w) for r, sr, w, _ in out] == [(0, 0, 2), (1, 1, 2)]
+    a, b = out[0][3], out[1][3]
+    assert len(a) == len(b) == 100 and not set(a) & set(b) and set(a) | set(b) == set(range(200))
