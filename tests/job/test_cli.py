@@ -144,3 +144,29 @@ def test_vendored_crd_schemas_match_shared_copy():
     pkg = REPO / "src" / "slipstream" / "job" / "crds"
     for key, fname in CRD_FILES.items():
         assert json.loads((pkg / fname).read_text()) == schemas[key], fname
+
+
+def test_dockerfile_is_consistent_with_the_repo_and_the_manifests():
+    """No Docker daemon here, so check what can be checked: CUDA base, every COPY source
+    exists, the extras it installs exist, the example scripts land where pods look for
+    them (WORKDIR), and the rendezvous port is exposed."""
+    import re
+    import tomllib
+
+    from slipstream.job.spec import RDZV_PORT, load_spec
+
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-cudnn-runtime-\S+$", text, re.M)
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\}$", text, re.M)
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        *sources, _dest = line.split()
+        for src in sources:
+            assert (REPO / src).exists(), f"COPY source {src} missing"
+    extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    (wanted,) = re.findall(r'pip install "/opt/slipstream-src\[([a-z,]+)\]"', text)
+    assert set(wanted.split(",")) <= extras
+    (workdir,) = re.findall(r"^WORKDIR (\S+)$", text, re.M)
+    assert re.search(rf"^COPY examples {workdir}/examples$", text, re.M)
+    script = load_spec(EXAMPLES / "local-2x1.yaml").entrypoint.target
+    assert (REPO / script).is_file() and script.startswith("examples/")
+    assert f"EXPOSE {RDZV_PORT}" in text
