@@ -14,7 +14,7 @@ What it does, all on this machine (no network but loopback):
    sum(data wait) / sum(step time), median over repeats. Side by side:
    warm cache with prefetch (the target: <= 2%), warm cache without any
    overlap (num_workers=0, prefetch_batches=0), and a cold cache (read-through,
-   first touch of each shard downloads it).
+   first touch of each shard downloads it; measured from the first step).
 3. Prewarm throughput: ``prewarm`` into an empty cache (download + SHA-256 +
    atomic rename) against the raw read throughput of the same objects from the
    same server with the same number of parallel readers (s3fs cat_file,
@@ -112,7 +112,8 @@ def bench_wait(url, opts, work: Path, args, GPT) -> list[tuple[str, dict]]:
     cases = [
         ("warm cache, prefetch (num_workers=%d, prefetch_batches=2)" % args.num_workers, "warm", dict(num_workers=args.num_workers, prefetch_batches=2)),
         ("warm cache, no overlap (num_workers=0, prefetch_batches=0)", "warm", dict(num_workers=0, prefetch_batches=0)),
-        ("cold cache (read-through), prefetch (num_workers=%d)" % args.num_workers, "cold", dict(num_workers=args.num_workers, prefetch_batches=2)),
+        # no warm-up steps here: the first steps are the ones that fetch shards
+        ("cold cache (read-through, from step 0), prefetch (num_workers=%d)" % args.num_workers, "cold", dict(num_workers=args.num_workers, prefetch_batches=2)),
     ]
     results = []
     for name, cache_kind, kw in cases:
@@ -131,7 +132,8 @@ def bench_wait(url, opts, work: Path, args, GPT) -> list[tuple[str, dict]]:
             optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
             # a fresh seed per repeat, so the cold runs touch shards in a new order
             loader = SlipstreamLoader(ds, batch_size=args.batch_size, seed=rep, rank=0, world_size=1, **kw)
-            runs.append(train_loop(loader, model, optimizer, args.steps, args.warmup_steps))
+            warmup = 0 if cache_kind == "cold" else args.warmup_steps
+            runs.append(train_loop(loader, model, optimizer, args.steps, warmup))
         med = sorted(runs, key=lambda r: r["share"])[len(runs) // 2]
         results.append((name, med | {"shares": [r["share"] for r in runs]}))
     return results
