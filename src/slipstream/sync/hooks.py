@@ -94,6 +94,8 @@ class _Step:
     bytes_sent: float = 0.0
     uncompressed_bytes: float = 0.0
     inter_node_bytes: float | None = None  # hierarchical only: the part on the slow links
+    pending: int = 0  # direct path: collectives launched and not yet completed
+    last_seen: bool = False
     comm_s: float = 0.0
     t_last_ready: float = 0.0
     t_done: float = 0.0
@@ -277,6 +279,11 @@ class HookSync:
         now = time.perf_counter()
         if self._open is None:
             self._open = _Step(t_backward_start=self._t_forward_end)
+            # Codecs compute the guard's norms only for the step it will check.
+            check = self.guard is not None and (self.steps + 1) % self.guard.check_every_steps == 0
+            for c in self.codecs.values():
+                if hasattr(c, "track_signal"):
+                    c.track_signal = check
         step = self._open
         index, buf, last = bucket.index(), bucket.buffer(), bucket.is_last()
         step.ready[index] = now
@@ -302,17 +309,21 @@ class HookSync:
         n = wire.size
         payload = codec.encode(buf, n) if isinstance(codec, Cast) else buf
         t0 = time.perf_counter()
-        fut = dist.all_reduce(payload, group=wire.group, async_op=True).get_future()
         nbytes = 2 * (n - 1) / n * payload.numel() * payload.element_size()
-        wire.bytes_sent += nbytes
+        with self._lock:
+            wire.bytes_sent += nbytes
+            step.bytes_sent += nbytes
+            step.pending += 1
+            step.last_seen = step.last_seen or last
+        fut = dist.all_reduce(payload, group=wire.group, async_op=True).get_future()
 
         def done(f: torch.futures.Future) -> torch.Tensor:
             out = f.value()[0]
             result = codec.decode(out, buf, n) if isinstance(codec, Cast) else out.div_(n)
             with self._lock:
-                step.bytes_sent += nbytes
                 step.comm_s += time.perf_counter() - t0
-                if last:
+                step.pending -= 1
+                if step.pending == 0 and step.last_seen:  # the last of the step's collectives
                     self._finish(step)
             return result
 

@@ -193,9 +193,13 @@ class ErrorFeedback(Codec):
     def __init__(self) -> None:
         super().__init__()
         self.residuals: dict[Hashable, torch.Tensor] = {}
+        # Norms for the convergence guard cost two passes over the data: the engine
+        # turns this on only for the steps the guard looks at.
+        self.track_signal = True
 
     def _compensate(self, key: Hashable, flat: torch.Tensor, layout: Layout | None = None) -> torch.Tensor:
-        self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))  # stays a tensor: no host sync
+        if self.track_signal:  # stays a tensor: no host sync
+            self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))
         units = param_units(key, layout)
         if units is None:
             e = self.residuals.get(key)
@@ -210,7 +214,8 @@ class ErrorFeedback(Codec):
 
     def _store(self, key: Hashable, residual: torch.Tensor, layout: Layout | None = None) -> None:
         r = residual.view(-1)
-        self.residual_sq = self.residual_sq + torch.dot(r, r)
+        if self.track_signal:
+            self.residual_sq = self.residual_sq + torch.dot(r, r)
         units = param_units(key, layout)
         if units is None:
             self.residuals[key] = residual

@@ -91,8 +91,6 @@ class PowerSGD(ErrorFeedback):
         mats, rest = self.split(flat.numel(), layout)
         if self.use_error_feedback and mats:
             self._compensate(key, flat, layout)
-        elif mats:
-            self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))
         ms = [flat[p.offset : p.offset + p.numel].view(p.rows, p.cols) for p in mats]
         units = param_units(key, layout)
         if units is not None:
@@ -139,17 +137,31 @@ class PowerSGD(ErrorFeedback):
             off += q.numel()
         wire.allreduce(buf2)
         buf2.div_(n)
-        residual = torch.zeros_like(flat) if self.use_error_feedback else None
+        # Residual and result in three passes over each matrix: E' = C - P Q^T written
+        # into last step's residual storage (already added in), then C = P Q^T in place.
+        units_by_piece = dict(zip(layout, units)) if units is not None else {}
+        old = self.residuals.get(key) if units is None else None
+        whole = old if old is not None and old.shape == flat.shape else None
+        if self.use_error_feedback and units is None and whole is None:
+            whole = torch.zeros_like(flat)
         for piece, m, p, q in zip(mats, ms, ps, new_qs):
-            if residual is not None:
-                e = residual[piece.offset : piece.offset + piece.numel].view(m.shape)
-                e.copy_(m)
-                torch.matmul(p, q.t(), out=m)
-                e.sub_(m)
-            else:
-                torch.matmul(p, q.t(), out=m)
-        if residual is not None:
-            self._store(key, residual, layout)
+            if self.use_error_feedback:
+                if units is None:
+                    e = whole[piece.offset : piece.offset + piece.numel].view(m.shape)
+                else:
+                    unit = units_by_piece[piece]
+                    e = self.residuals.get(unit)
+                    if e is None or e.numel() != piece.numel:
+                        e = torch.empty_like(m)
+                    e = e.view(m.shape)
+                    self.residuals[unit] = e
+                torch.addmm(m, p, q.t(), alpha=-1.0, out=e)
+                if self.track_signal:
+                    ev = e.reshape(-1)
+                    self.residual_sq = self.residual_sq + torch.dot(ev, ev)
+            torch.matmul(p, q.t(), out=m)
+        if self.use_error_feedback and units is None:
+            self.residuals[key] = whole
         for qk, q in zip(qkeys, new_qs):
             self.q[qk] = q.clone()
         return flat

@@ -1,0 +1,278 @@
+"""Gradient-sync strategies side by side on the guide's MLP workload, over shaped links.
+
+Two ranks in two network namespaces joined by a veth pair, each end shaped
+with tbf (GUIDE.md section 5), one core each; the single-worker compute floor
+is measured in the same run. Every strategy runs in the same pair of worker
+processes, one after another, so their figures are comparable as ratios.
+
+    sudo python benchmarks/sync_mlp.py --rates unshaped,1gbit,200mbit \
+        --strategies ddp,allreduce,torch_bf16,torch_powersgd,bf16,powersgd,auto --steps 10
+
+Per rate and strategy it reports: median step time and its ratio to the floor,
+loss after the same number of steps, steps to reach DDP's final loss, and bytes
+per step as reported by the strategy and as counted by the interface
+(/sys/class/net/IF/statistics/tx_bytes inside the namespace).
+
+The machine is shared: run it when it is quiet, and read ratios, not times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PEERS = ("ddp", "torch_bf16", "torch_powersgd")
+
+
+def build_model():
+    import torch.nn as nn
+
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(1024, 10))
+
+
+def _batch(rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(64, 1024, generator=g), torch.randint(0, 10, (64,), generator=g)
+
+
+def tx_bytes(ifname: str | None) -> int:
+    if not ifname:
+        return 0
+    return int(Path(f"/sys/class/net/{ifname}/statistics/tx_bytes").read_text())
+
+
+def floor_worker(steps: int, warmup: int) -> dict:
+    """One worker, no communication: forward + backward + SGD step."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = _batch(0)
+    times, losses = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+    return {"step_s": times, "losses": losses}
+
+
+def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps: int, warmup: int,
+                ifname: str | None, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from slipstream import sync
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2)
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", "2")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # one rank per emulated node
+    results = {}
+    x, y = _batch(rank)
+    for name in strategies:
+        torch.manual_seed(0)
+        model = build_model()
+        state = None
+        if name == "torch_powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            # One bucket: with several, torch's hook aborts under gloo (GUIDE.md section 4).
+            ddp = DDP(model, bucket_cap_mb=64)
+            ddp.register_comm_hook(
+                psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2),
+                psgd.powerSGD_hook,
+            )
+        else:
+            ddp = DDP(model, bucket_cap_mb=25)
+            if name == "torch_bf16":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            elif name != "ddp":
+                state = sync.apply(name, ddp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        extra = 5 if name == "auto" else 0  # auto observes 3 steps after DDP's first
+        times, losses = [], []
+        tx0 = None
+        for i in range(warmup + extra + steps):
+            if i == warmup + extra:
+                dist.barrier()
+                tx0 = tx_bytes(ifname)
+                reported0 = state.stats().get("sync_bytes_sent_total", 0.0) if state is not None else 0.0
+            t0 = time.perf_counter()
+            loss = F.cross_entropy(ddp(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if i >= warmup + extra:
+                times.append(time.perf_counter() - t0)
+            losses.append(float(loss.detach()))
+        tx1 = tx_bytes(ifname)
+        dist.barrier()
+        rec = {"step_s": times, "losses": losses, "tx_bytes_per_step": (tx1 - tx0) / steps if ifname else None}
+        if state is not None:
+            st = state.stats()
+            rec["stats"] = st
+            rec["reported_bytes_per_step"] = (st.get("sync_bytes_sent_total", 0.0) - reported0) / steps
+            if getattr(state, "decision", None) is not None:
+                rec["decision"] = state.decision.explain()
+            if hasattr(state, "close"):
+                state.close()
+        results[name] = rec
+        del ddp, model, opt
+    if rank == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+# -- the emulated two-node network (root) ------------------------------------------------------
+def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), check=check, capture_output=True, text=True)
+
+
+class TwoNodes:
+    """Two namespaces and a veth pair, names unique to this process; removed on exit."""
+
+    def __init__(self) -> None:
+        if os.geteuid() != 0:
+            raise PermissionError("the two-node emulation needs root (ip netns, tc)")
+        tag = f"{os.getpid() % 100000}"
+        self.ns = (f"ss4a{tag}", f"ss4b{tag}")
+        self.ifs = (f"s4a{tag}", f"s4b{tag}")
+        octet = 16 + os.getpid() % 200
+        self.addrs = (f"10.213.{octet}.1", f"10.213.{octet}.2")
+
+    def __enter__(self) -> "TwoNodes":
+        try:
+            for ns in self.ns:
+                _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", self.ifs[0], "type", "veth", "peer", "name", self.ifs[1])
+            for ns, ifn, addr in zip(self.ns, self.ifs, self.addrs):
+                _sh("ip", "link", "set", ifn, "netns", ns)
+                _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifn)
+                _sh("ip", "-n", ns, "link", "set", ifn, "up")
+                _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def shape(self, rate: str) -> None:
+        for ns, ifn in zip(self.ns, self.ifs):
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", ifn, "root", check=False)
+            if rate != "unshaped":
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", ifn, "root", "tbf", "rate", rate,
+                    "burst", "512kb", "latency", "100ms")
+
+    def __exit__(self, *exc) -> None:
+        for ns in self.ns:
+            _sh("ip", "netns", "del", ns, check=False)
+
+
+def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, timeout_s: float = 900) -> dict:
+    port = 20000 + os.getpid() % 20000
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        procs = []
+        for rank in (0, 1):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=nodes.ifs[rank], PYTHONUNBUFFERED="1")
+            cmd = ["ip", "netns", "exec", nodes.ns[rank], "taskset", "-c", str(rank % (os.cpu_count() or 1)),
+                   sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--master", nodes.addrs[0],
+                   "--port", str(port), "--strategies", ",".join(strategies), "--steps", str(steps),
+                   "--warmup", str(warmup), "--ifname", nodes.ifs[rank], "--out", out]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise RuntimeError("workers failed:\n" + "\n---\n".join(log[-3000:] for log in logs))
+        return json.loads(Path(out).read_text())
+
+
+def _steps_to(losses: list[float], target: float) -> int | None:
+    for i, v in enumerate(losses):
+        if v <= target:
+            return i + 1
+    return None
+
+
+def report(floor: dict, by_rate: dict) -> str:
+    f = statistics.median(floor["step_s"])
+    lines = [f"floor (one worker, no communication): {f * 1e3:.1f} ms/step", ""]
+    lines.append("| link | strategy | step ms (median) | x floor | final loss | steps to DDP's final loss "
+                 "| est. time to it (s) | bytes/step reported | bytes/step on the wire | decision |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for rate, res in by_rate.items():
+        target = res["ddp"]["losses"][-1] if "ddp" in res else None
+        for name, r in res.items():
+            med = statistics.median(r["step_s"])
+            k = _steps_to(r["losses"], target) if target is not None else None
+            rep = r.get("reported_bytes_per_step")
+            wire = r.get("tx_bytes_per_step")
+            lines.append(
+                f"| {rate} | {name} | {med * 1e3:.1f} | {med / f:.2f} | {r['losses'][-1]:.4f} | {k} | "
+                f"{'' if k is None else f'{k * med:.2f}'} | {'' if rep is None else f'{rep / 1e6:.3f} MB'} | "
+                f"{'' if wire is None else f'{wire / 1e6:.3f} MB'} | {r.get('stats', {}).get('sync_decision', '')} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="unshaped,1gbit,200mbit")
+    ap.add_argument("--strategies", default="ddp,allreduce,torch_bf16,torch_powersgd,bf16,powersgd,auto")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--ifname", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    strategies = a.strategies.split(",")
+    if a.worker is not None:
+        dist_worker(a.worker, a.master, a.port, strategies, a.steps, a.warmup, a.ifname, a.out)
+        return 0
+    floor = floor_worker(a.steps, a.warmup)
+    by_rate = {}
+    with TwoNodes() as nodes:
+        for rate in a.rates.split(","):
+            nodes.shape(rate)
+            by_rate[rate] = run_pair(nodes, strategies, a.steps, a.warmup)
+            print(f"{rate}: done", file=sys.stderr, flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps({"floor": floor, "rates": by_rate}))
+    print(report(floor, by_rate))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
