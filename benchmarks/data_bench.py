@@ -152,7 +152,7 @@ def raw_read(url, opts, workers: int) -> tuple[int, float]:
 
 def bench_prewarm(url, opts, work: Path, args) -> dict:
     raw, pre = [], []
-    for rep in range(args.repeats):
+    for rep in range(args.prewarm_repeats):  # interleaved, so drifting load hits both alike
         n, dt = raw_read(url, opts, args.workers)
         raw.append(n / 1e6 / dt)
         d = work / f"cache-prewarm-{rep}"
@@ -169,6 +169,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=60, help="measured GPT steps per run")
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prewarm-repeats", type=int, default=7)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)
@@ -181,7 +182,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="20 steps, 1 repeat, 2 MB of text")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.repeats, args.corpus_mb = 20, 1, args.corpus_mb or 2.0
+        args.steps, args.repeats, args.prewarm_repeats, args.corpus_mb = 20, 1, 1, args.corpus_mb or 2.0
     torch.set_num_threads(args.threads)
     GPT = load_gpt_class()
 
@@ -229,7 +230,7 @@ def main() -> int:
     for name, r in waits:
         shares = ", ".join(f"{100 * s:.2f}%" for s in r["shares"])
         print(f"| {name} | {100 * r['share']:.2f}% | {r['step_ms']:.1f} ms | {shares} |")
-    print(f"\nPrewarm vs raw read, {len(index.shards)} shards, {pw['bytes'] / 1e6:.1f} MB, {args.workers} parallel, median of {args.repeats}\n")
+    print(f"\nPrewarm vs raw read, {len(index.shards)} shards, {pw['bytes'] / 1e6:.1f} MB, {args.workers} parallel, median of {args.prewarm_repeats}\n")
     print("| read | throughput | runs |")
     print("|---|---|---|")
     print(f"| raw read of the source (s3fs cat_file, discarded) | {pw['raw']:.1f} MB/s | {', '.join(f'{x:.1f}' for x in pw['raw_all'])} |")

@@ -69,6 +69,7 @@ def test_prewarm_from_s3_with_progress_and_limit(tmp_path, s3, capsys, monkeypat
     limit_gb = 3 * max(s.size_bytes for s in idx.shards) / 1e9
     small = tmp_path / "small"
     assert main(["data", "prewarm", ds_url, "--cache", str(small), "--max-cache-gb", f"{limit_gb:.9f}", "--no-progress", "--endpoint-url", endpoint]) == 0
+    assert "does not fit" in capsys.readouterr().out
     used = sum(os.path.getsize(small / "blobs" / f) for f in os.listdir(small / "blobs"))
     assert 0 < used <= limit_gb * 1e9
 

@@ -152,6 +152,9 @@ def test_state_for_another_dataset_is_refused(ds):
     s = ResumableSampler(len(ds) + 1, rank=0, world_size=1).state_dict()
     with pytest.raises(ConfigError, match="dataset changed"):
         SlipstreamLoader(ds, batch_size=2, rank=0, world_size=1).load_state_dict(s)
+    bad = ResumableSampler(len(ds), rank=0, world_size=2).state_dict() | {"position": len(ds) + 2}
+    with pytest.raises(ConfigError, match="outside"):
+        SlipstreamLoader(ds, batch_size=2, rank=0, world_size=1).load_state_dict(bad)
 
 
 class _Slow(torch.utils.data.Dataset):

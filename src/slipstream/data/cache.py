@@ -274,6 +274,7 @@ class PrewarmReport:
     downloaded: int
     bytes_downloaded: int
     seconds: float
+    evicted: int = 0
 
     @property
     def throughput_mb_s(self) -> float:
@@ -284,6 +285,7 @@ class PrewarmReport:
             f"{self.url}: {self.shards} shards, {self.already_cached} already cached, "
             f"{self.downloaded} downloaded ({self.bytes_downloaded / 1e6:.1f} MB in {self.seconds:.2f} s, "
             f"{self.throughput_mb_s:.1f} MB/s)"
+            + (f"; {self.evicted} evicted to stay under the cache limit: the dataset does not fit" if self.evicted else "")
         )
 
 
@@ -319,7 +321,7 @@ def prewarm(
     cached = len(index.shards) - len(todo)
     todo_bytes = sum(s.size_bytes for s in todo)
     t0 = time.perf_counter()
-    before = cache.stats.downloads, cache.stats.bytes_downloaded
+    before = cache.stats.downloads, cache.stats.bytes_downloaded, cache.stats.evictions
 
     def run(advance: Callable[[int], None]) -> None:
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slipstream-prewarm") as pool:
@@ -357,6 +359,7 @@ def prewarm(
         downloaded=cache.stats.downloads - before[0],
         bytes_downloaded=cache.stats.bytes_downloaded - before[1],
         seconds=time.perf_counter() - t0,
+        evicted=cache.stats.evictions - before[2],
     )
 
 

@@ -170,5 +170,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.epoch = int(state["epoch"])
         self.start = int(state["position"])
         self._order_cache = None
-        if self.start < 0 or self.start > self.num_samples + self.world_size * 2 + int(state.get("world_size", 1)):
-            raise ConfigError(f"sampler state position {self.start} is outside epoch of {self.num_samples} samples")
+        # An epoch ends at most W-1 positions past N (the wrap-around padding of the saving run).
+        limit = self.num_samples + int(state.get("world_size", 1)) - 1
+        if not 0 <= self.start <= limit:
+            raise ConfigError(f"sampler state position {self.start} is outside [0, {limit}] for {self.num_samples} samples")
