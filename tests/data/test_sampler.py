@@ -220,3 +220,49 @@ def test_rank_and_world_size_come_from_torch_distributed(tmp_path, numbered):
     assert [(r, sr, w) for r, sr, w, _ in out] == [(0, 0, 2), (1, 1, 2)]
     a, b = out[0][3], out[1][3]
     assert len(a) == len(b) == 100 and not set(a) & set(b) and set(a) | set(b) == set(range(200))
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    world=st.integers(1, 6),
+    new_world=st.integers(1, 6),
+    frac=st.floats(0, 1),
+    seed=st.integers(0, 2**31),
+    epoch=st.integers(0, 5),
+)
+def test_resume_properties(n, world, new_world, frac, seed, epoch):
+    """Same W: the rest is exactly what would have come. New W: the epoch is covered exactly once (+ padding)."""
+    full = []
+    for r in range(world):
+        s = ResumableSampler(n, seed=seed, rank=r, world_size=world)
+        s.set_epoch(epoch)
+        full.append(list(s))
+    per_rank = len(full[0])
+    k = int(frac * per_rank)
+    state = None
+    for r in range(world):
+        s = ResumableSampler(n, seed=seed, rank=r, world_size=world)
+        s.set_epoch(epoch)
+        s.advance(k)
+        state = s.state_dict()
+        t = ResumableSampler(n, seed=0, rank=r, world_size=world)
+        t.load_state_dict(state)
+        assert full[r][:k] + list(t) == full[r]
+    consumed = [i for r in range(world) for i in full[r][:k]]
+    rest = []
+    for r in range(new_world):
+        t = ResumableSampler(n, seed=0, rank=r, world_size=new_world)
+        t.load_state_dict(state)
+        rest.append(list(t))
+    assert len({len(x) for x in rest}) == 1
+    counts = collections.Counter(consumed + [i for x in rest for i in x])
+    if k * world < n:
+        assert set(counts) == set(range(n))
+    pad = sum(counts.values()) - len(counts)
+    assert pad < max(world, new_world)
