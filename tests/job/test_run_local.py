@@ -102,3 +102,28 @@ def test_worker_shim_runs_script_as_main_with_args(tmp_path, monkeypatch, capsys
     assert applied == (0.5 if torch.cuda.is_available() else None)
     with pytest.raises(SystemExit, match=r"must be in \(0, 1\], got '2'"):
         worker.apply_memory_fraction({"SLIPSTREAM_GPU_MEMORY_FRACTION": "2"})
+
+
+@pytest.mark.root
+def test_two_replica_spec_on_an_emulated_cluster(tmp_path):
+    """The same spec, unchanged, on two network namespaces with 1 Gbit/s links (needs root)."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail("needs root (network namespaces / tc), and CI=true: root-only tests must run in CI")
+        pytest.skip("needs root (network namespaces / tc)")
+    out = tmp_path / "result.txt"
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "run", "--emulate", "2x1", "--link", "1gbit",
+         str(EXAMPLES / "local-2x1.yaml"), "--", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "emulated cluster 2x1, link 1gbit" in proc.stderr
+    assert out.read_text().strip() == "world_size=2 sum=3 group_rank=0 job=allreduce-check precision=bf16"
+
+
+def test_launcher_flags_after_the_spec_are_refused(tmp_path):
+    path = tmp_path / "j.yaml"
+    path.write_text("name: a\nimage: i\ncommand: [python, t.py]\n")
+    with pytest.raises(UsageError, match="--emulate must come before the job spec"):
+        run_job_file(str(path), _args(script_args=["--emulate", "2x1"]))

@@ -54,7 +54,7 @@ def test_worker_env_carries_training_options():
     env = s.worker_env()
     assert env["SLIPSTREAM_SYNC"] == "bf16" and env["SLIPSTREAM_PRECISION"] == "bf16"
     assert env["SLIPSTREAM_ACCUMULATE_STEPS"] == "4"
-    assert env["SLIPSTREAM_CHECKPOINT_DIR"] == "/ck" and env["SLIPSTREAM_CHECKPOINT_INTERVAL_STEPS"] == "100"
+    assert env["SLIPSTREAM_CHECKPOINT_DIR"] == "/ck" and env["SLIPSTREAM_CHECKPOINT_EVERY_STEPS"] == "100"
     assert env["SLIPSTREAM_DATA_SOURCE"] == "s3://b/p" and env["SLIPSTREAM_DATA_PREWARM"] == "1"
     assert env["A"] == "1" and env["B"] == "true"
     # The same variables TrainConfig reads back.
@@ -62,6 +62,7 @@ def test_worker_env_carries_training_options():
 
     cfg = TrainConfig.from_env(environ=env)
     assert (cfg.sync, cfg.precision, cfg.accumulate_steps) == ("bf16", "bf16", 4)
+    assert (cfg.checkpoint_dir, cfg.checkpoint_every_steps) == ("/ck", 100)
 
 
 @pytest.mark.parametrize(

@@ -65,6 +65,7 @@ def run_job_file(path: str, args: argparse.Namespace | None = None) -> int:
     extra = list(getattr(args, "script_args", []) or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]
+    _refuse_misplaced_flags(extra, path)
     env = spec.worker_env()
     env.update(_flag_env(args))
     if spec.kind == "inference":
@@ -75,6 +76,22 @@ def run_job_file(path: str, args: argparse.Namespace | None = None) -> int:
     if emulate:
         return _run_emulated(spec, args, env, extra, max_restarts)
     return run_local(spec, env=env, extra_args=extra, max_restarts=max_restarts)
+
+
+# Options only the launcher has: after JOB.yaml they would reach the script
+# (argparse passes everything after the positional through), so they are refused there.
+_LAUNCHER_ONLY = ("--emulate", "--link", "--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint",
+                  "--rdzv-id", "--max-restarts", "--local-addr")
+
+
+def _refuse_misplaced_flags(extra: list[str], path: str) -> None:
+    for token in extra:
+        if token == "--":
+            return
+        if token.split("=", 1)[0] in _LAUNCHER_ONLY:
+            raise UsageError(
+                f"{token.split('=', 1)[0]} must come before the job spec: slipstream run [FLAGS] {path} [-- SCRIPT ARGS]"
+            )
 
 
 def _flag_env(args: argparse.Namespace) -> dict[str, str]:
@@ -263,7 +280,7 @@ def _run_emulated(spec: JobSpec, args: argparse.Namespace, env: dict[str, str], 
         rdzv_id=f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
         module=module, worker_env=env,
     )
-    return run_emulated(spec.replicas, spec.procs_per_replica, getattr(args, "link", None), base)
+    return run_emulated(spec.replicas, spec.procs_per_replica, getattr(args, "link", None) or "unshaped", base)
 
 
 __all__ = ["run_job_file", "run_local", "free_port", "parse_emulate"]

@@ -211,15 +211,7 @@ class JobSpec:
     def generated_env(self) -> dict[str, str]:
         env: dict[str, str] = {"SLIPSTREAM_JOB_NAME": self.name}
         if self.kind == "training":
-            env.update(_train_config_env(self.sync))
-        if self.checkpoint:
-            c = self.checkpoint
-            env["SLIPSTREAM_CHECKPOINT_DIR"] = c.dir
-            if c.interval_steps is not None:
-                env["SLIPSTREAM_CHECKPOINT_INTERVAL_STEPS"] = str(c.interval_steps)
-            if c.interval_s is not None:
-                env["SLIPSTREAM_CHECKPOINT_INTERVAL_S"] = _num_text(c.interval_s)
-            env["SLIPSTREAM_CHECKPOINT_KEEP_LAST"] = str(c.keep_last)
+            env.update(_train_config_env(self.sync, self.checkpoint))
         if self.data:
             d = self.data
             env["SLIPSTREAM_DATA_SOURCE"] = d.source
@@ -236,16 +228,31 @@ def _num_text(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-def _train_config_env(sync: Sync) -> dict[str, str]:
+def _train_config_env(sync: Sync, checkpoint: Checkpoint | None) -> dict[str, str]:
+    """Sync and checkpoint options as the SLIPSTREAM_* variables TrainConfig reads back.
+
+    Going through :class:`slipstream.config.TrainConfig` keeps the names and the
+    checks in one place (the same ones ``slipstream run --checkpoint-dir ...`` uses).
+    """
     from ..config import TrainConfig
 
-    cfg = TrainConfig.from_env(
-        environ={},
-        sync=sync.strategy,
-        precision=sync.precision,
-        accumulate_steps=sync.accumulate_steps,
-        bucket_cap_mb=sync.bucket_cap_mb,
-    )
+    values: dict[str, object] = {
+        "sync": sync.strategy,
+        "precision": sync.precision,
+        "accumulate_steps": sync.accumulate_steps,
+        "bucket_cap_mb": sync.bucket_cap_mb,
+    }
+    if checkpoint is not None:
+        values.update(
+            checkpoint_dir=checkpoint.dir,
+            checkpoint_every_steps=checkpoint.interval_steps,
+            checkpoint_every_s=checkpoint.interval_s,
+            checkpoint_keep_last=checkpoint.keep_last,
+        )
+    try:
+        cfg = TrainConfig.from_env(environ={}, **values)
+    except ConfigError as exc:  # the spec checks the same rules first; this is a safety net
+        raise ConfigError(f"sync/checkpoint: {exc}") from None
     return cfg.to_env()
 
 
