@@ -35,10 +35,18 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..errors import ConfigError, UsageError
 from .profiler import CudaClock, HostClock, StepProfiler, default_peak_flops, model_flops, process_rss_bytes, window_means
 from .sinks import ConsoleSink, JsonlSink, Sink
 from .straggler import GATHERED, StragglerDetector, gather_vectors
 from .timeline import TimelineWriter
+
+
+def _require_module(name: str, option: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(name) is None:
+        raise ConfigError(f"{option} needs the {name} package: pip install 'slipstream[metrics]'")
 
 
 class StepRecorder:
@@ -155,14 +163,20 @@ class StepRecorder:
         if self.run_dir is not None and get("timeline", False) and self.profiler is not None:
             self.timeline = TimelineWriter(os.path.join(self.run_dir, "timeline", f"rank{self.rank}.json"), self.rank)
         if self.run_dir is not None and get("tensorboard", False):
+            _require_module("tensorboard", "tensorboard=True")
             from .tensorboard import TensorBoardSink
 
             self.sinks.append(TensorBoardSink(os.path.join(self.run_dir, "tensorboard", f"rank{self.rank}")))
         port = get("prometheus_port")
         if port is not None:
+            _require_module("prometheus_client", "prometheus_port")
             from .prometheus import PrometheusSink
 
-            sink = PrometheusSink(self.rank, port + local_rank if port else 0, addr=get("prometheus_addr", "127.0.0.1"))
+            bind = port + local_rank if port else 0
+            try:
+                sink = PrometheusSink(self.rank, bind, addr=get("prometheus_addr", "127.0.0.1"))
+            except OSError as exc:
+                raise UsageError(f"cannot serve Prometheus metrics of rank {self.rank} on port {bind}: {exc}") from exc
             self.sinks.append(sink)
             if self.run_dir is not None:
                 path = os.path.join(self.run_dir, "metrics", f"prometheus-rank{self.rank}.url")

@@ -42,8 +42,13 @@ class Verdict:
     windows: int
 
     def message(self) -> str:
+        how = (
+            f"is {self.slowdown * 100:.0f}% slower than"
+            if self.slowdown < 1
+            else f"is {1 + self.slowdown:.1f}x slower than"
+        )
         return (
-            f"straggler: rank {self.rank} is {self.slowdown * 100:.0f}% slower than the median rank "
+            f"straggler: rank {self.rank} {how} the median rank "
             f"({self.busy_s * 1e3:.1f} ms vs {self.median_others_s * 1e3:.1f} ms of compute per step, "
             f"+{self.excess_s * 1e3:.1f} ms) in {self.hits} of the last {self.windows} log steps"
         )

@@ -1,0 +1,121 @@
+"""Measure what the step profiler costs, two ways.
+
+1. **In isolation** (:func:`hot_path_cost_s`): the exact calls a profiled step
+   makes (begin/end of forward, backward and optimizer, one post-accumulate
+   hook per parameter, ``end_step``, and the per-step share of ``resolve()``
+   at log time), timed in a loop with nothing else running. Deterministic
+   enough to assert on.
+2. **Side by side** (:func:`main`): the same training run with ``profile=True``
+   and ``profile=False``, in blocks interleaved A/B/A/B in one process (the
+   machine is shared and noisy: only the ratio of medians means anything).
+
+Run (the GUIDE's MLP workload: 8 x Linear(1024, 1024) + ReLU, batch 64)::
+
+    python -m slipstream.metrics.overhead                  # one process
+    slipstream run -n 2 -m slipstream.metrics.overhead     # two gloo ranks (includes the straggler gather)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from .profiler import StepProfiler
+
+
+def mlp(width: int = 1024, depth: int = 8, classes: int = 10) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def hot_path_cost_s(n_params: int, steps: int = 2000, log_every_steps: int = 10) -> float:
+    """Seconds the profiler adds to one step with ``n_params`` hooked parameter tensors (CPU clock).
+
+    Example::
+
+        hot_path_cost_s(18) * 1e6     # microseconds per step, ~20-60 on a laptop core
+    """
+    prof = StepProfiler()
+    hook = prof.grad_ready
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        t = prof.begin("forward")
+        prof.end("forward", t)
+        t = prof.begin("backward")
+        for _ in range(n_params):
+            hook(None)
+        prof.end("backward", t)
+        t = prof.begin("optimizer")
+        prof.end("optimizer", t)
+        prof.end_step(step)
+        if step % log_every_steps == 0:
+            prof.resolve()
+    return (time.perf_counter() - t0) / steps
+
+
+def _steps(run, x, y, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        loss = nn.functional.cross_entropy(run.model(x), y)
+        run.backward(loss)
+        run.step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import slipstream
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--blocks", type=int, default=6, help="A/B blocks of each configuration")
+    ap.add_argument("--steps-per-block", type=int, default=10)
+    ap.add_argument("--log-every-steps", type=int, default=10)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    rt = slipstream.init()
+    runs = {}
+    for profile in (True, False):
+        torch.manual_seed(0)
+        model = mlp(args.width, args.depth)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        runs[profile] = slipstream.accelerate(
+            model, opt, profile=profile, progress=False, run_dir=None, log_every_steps=args.log_every_steps
+        )
+    g = torch.Generator().manual_seed(rt.rank)
+    x = torch.randn(args.batch, args.width, generator=g).to(rt.device)
+    y = torch.randint(0, 10, (args.batch,), generator=g).to(rt.device)
+    for run in runs.values():
+        _steps(run, x, y, 3)  # warm-up
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for block in range(args.blocks):
+        for profile in ((True, False) if block % 2 == 0 else (False, True)):  # ABBA: no order bias
+            times[profile] += _steps(runs[profile], x, y, args.steps_per_block)
+    on, off = statistics.median(times[True]), statistics.median(times[False])
+    n_params = sum(1 for p in runs[True].module.parameters() if p.requires_grad)
+    iso = hot_path_cost_s(n_params, log_every_steps=args.log_every_steps)
+    for run in runs.values():
+        run.finish()
+    if rt.is_main:
+        print(
+            f"world_size {rt.world_size}, {n_params} parameter tensors, "
+            f"{args.blocks}x{args.steps_per_block} steps per configuration\n"
+            f"median step: profile on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, "
+            f"ratio {on / off:.4f} ({(on / off - 1) * 100:+.2f} %)\n"
+            f"profiler calls alone: {iso * 1e6:.1f} us per step = {iso / off * 100:.3f} % of the step"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
