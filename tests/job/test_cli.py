@@ -124,7 +124,9 @@ def test_kubernetes_validate_cli_agrees(tmp_path, capsys):
     code, _, err = run_cli(["render", FULL, "--out", str(tmp_path)], capsys)
     assert code == 0, err
     files = [str(p) for p in sorted(tmp_path.iterdir())]
-    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", "1.37.0", *files],
+    from slipstream.job.validate import k8s_version
+
+    proc = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", k8s_version(), *files],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "WARN" not in proc.stdout and proc.stdout.count("passed") == len(files)

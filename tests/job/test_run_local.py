@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-import yaml
 
 from slipstream.errors import UsageError
 from slipstream.job.runner import parse_emulate, run_job_file

@@ -6,7 +6,7 @@ path as a cluster run):
 * Each replica is its own elastic agent (one ``slipstream run`` subprocess per
   replica) with ``--nnodes R[:MAX] --node-rank i --rdzv-endpoint 127.0.0.1:PORT
   --rdzv-id ID``, exactly the flags a pod gets, so GROUP_RANK, LOCAL_WORLD_SIZE
-  and the c10d rendezvous behave as on R machines. One replica runs in-process.
+  and the c10d rendezvous behave as on R machines.
 * Processes per replica = processes_per_replica, else gpu_count, else 1. With
   enough GPUs each replica sees its own (CUDA_VISIBLE_DEVICES); with none the
   processes run on CPU (gloo); with too few they share and a note says so.

@@ -19,7 +19,6 @@ import difflib
 import os
 import re
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any, Mapping
 
 import yaml
@@ -755,10 +754,6 @@ def load_spec(path: str | os.PathLike) -> JobSpec:
 def is_job_file(path: str) -> bool:
     """True for paths ``slipstream run`` treats as a job spec (``.yaml`` / ``.yml``)."""
     return path.lower().endswith((".yaml", ".yml"))
-
-
-def spec_quantity(value: str | None) -> Decimal | None:
-    return None if value is None else parse_quantity(value)
 
 
 __all__ = [

@@ -109,15 +109,29 @@ def _kv():
     return kvu
 
 
+@functools.lru_cache(maxsize=None)
+def k8s_version() -> str:
+    """K8S_VERSION, or the newest schema set the installed kubernetes-validate has if older."""
+    kvu = _kv()
+    latest = kvu.major_minor(kvu.latest_version())
+
+    def key(v: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in v.split("."))
+
+    return K8S_VERSION if key(latest) >= key(K8S_VERSION) else latest
+
+
 def _core_errors(obj: dict, where: str) -> list[str]:
     kvu = _kv()
     try:
-        kvu.validate(obj, K8S_VERSION, strict=True)
+        kvu.validate(obj, k8s_version(), strict=True)
     except kvu.ValidationError as exc:
         path = ".".join(str(p) for p in exc.path) or "(top)"
         return [f"{where}: {path}: {exc.message} (kubernetes-validate --strict, Kubernetes {exc.version})"]
     except kvu.SchemaNotFoundError as exc:
         return [f"{where}: unknown kind: {exc.message}"]
+    except (kvu.InvalidSchemaError, kvu.VersionNotSupportedError) as exc:
+        return [f"{where}: kubernetes-validate could not check it: {exc.message}"]
     return []
 
 
@@ -326,4 +340,4 @@ def validate_manifests(objs: list[dict]) -> None:
 
 
 __all__ = ["validate_manifests", "manifest_errors", "semantic_errors", "strict_schema", "crd_schemas_from_yaml",
-           "CRD_FILES", "K8S_VERSION"]
+           "CRD_FILES", "K8S_VERSION", "k8s_version"]
