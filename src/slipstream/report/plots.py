@@ -79,6 +79,7 @@ def throughput_figure(run: Run) -> Any:
         ax2 = ax.twinx()
         ax2.plot(mx, [v * 100 for v in my], color="#dd8452", ls="--", label="MFU %")
         ax2.set_ylabel("MFU %")
+        ax2.set_ylim(bottom=0)
     ax.set_xlabel("step")
     ax.set_ylim(bottom=0)
     fig.tight_layout()
