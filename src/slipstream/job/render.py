@@ -51,6 +51,7 @@ PYTORCHJOB_PORT_NAME = "pytorchjob-port"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_LABEL = "slipstream.dev/job"
+POD_IP_ENV = "SLIPSTREAM_POD_IP"
 
 
 class TargetUnsupported(ConfigError):
@@ -97,8 +98,11 @@ def _metadata(spec: JobSpec, name: str | None = None, queue: bool = False) -> di
     return meta
 
 
-def _env_list(spec: JobSpec) -> list[dict[str, str]]:
-    return [{"name": k, "value": v} for k, v in spec.worker_env().items()]
+def _env_list(spec: JobSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in spec.worker_env().items()]
+    if spec.kind == "training":
+        env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+    return env
 
 
 def _resources(spec: JobSpec) -> dict[str, Any]:
@@ -141,12 +145,15 @@ def _volumes(spec: JobSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def launcher_flags(spec: JobSpec, nnodes: str, endpoint: str, node_rank: str | None, rdzv_id: str) -> list[str]:
+def launcher_flags(spec: JobSpec, nnodes: str, endpoint: str, node_rank: str | None, rdzv_id: str,
+                   local_addr: str | None = None) -> list[str]:
     """The ``slipstream run`` flags for one replica (everything before the script)."""
     flags = ["--nnodes", nnodes, "--nproc-per-node", str(spec.procs_per_replica)]
     if node_rank is not None:
         flags += ["--node-rank", node_rank]
     flags += ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--max-restarts", str(spec.restarts.max_restarts)]
+    if local_addr is not None:
+        flags += ["--local-addr", local_addr]
     return flags
 
 
@@ -165,8 +172,13 @@ def entry_argv(spec: JobSpec, extra_args: list[str] | tuple[str, ...] = ()) -> l
 def launcher_command(
     spec: JobSpec, nnodes: str, endpoint: str, node_rank: str | None, rdzv_id: str
 ) -> list[str]:
-    """The container command: ``slipstream run`` with the rendezvous flags, then the script."""
-    return ["slipstream", "run", *launcher_flags(spec, nnodes, endpoint, node_rank, rdzv_id), *entry_argv(spec)]
+    """The container command: ``slipstream run`` with the rendezvous flags, then the script.
+
+    Each agent publishes its pod IP (``--local-addr``, from the downward API) rather
+    than its host name, so peers need no DNS record for it (host network included).
+    """
+    flags = launcher_flags(spec, nnodes, endpoint, node_rank, rdzv_id, local_addr=f"$({POD_IP_ENV})")
+    return ["slipstream", "run", *flags, *entry_argv(spec)]
 
 
 def _container(spec: JobSpec, name: str, command: list[str], ports: list[dict] | None = None) -> dict[str, Any]:

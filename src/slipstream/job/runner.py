@@ -174,8 +174,8 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
     try:
         for i in range(spec.replicas):
             argv = [sys.executable, "-m", "slipstream", "run",
-                    *launcher_flags(spec, spec.nnodes, endpoint, str(i), rdzv_id),
-                    "--local-addr", "127.0.0.1", *entry_argv(spec, extra_args)]
+                    *launcher_flags(spec, spec.nnodes, endpoint, str(i), rdzv_id, local_addr="127.0.0.1"),
+                    *entry_argv(spec, extra_args)]
             child_env = dict(base_env)
             if devices[i] is not None:
                 child_env["CUDA_VISIBLE_DEVICES"] = devices[i]
