@@ -64,6 +64,14 @@ def test_record_fields_round_trip(tmp_path):
         s = ds[i]
         np.testing.assert_array_equal(s["x"], xs[i])
         assert int(s["y"]) == i * 7 and s["x"].flags.writeable
+    with pytest.raises(ConfigError, match=r"outside uint16"):
+        with ShardWriter(str(tmp_path / "tok"), fields=[("t", "uint16", (2,))]) as w3:
+            w3.write(np.array([5, 70000]))
+    with pytest.raises(ConfigError, match="dtype"):
+        with ShardWriter(str(tmp_path / "tok2"), fields=[("t", "int32", (2,))]) as w4:
+            w4.write(np.array([0.5, 1.5]))
+    with ShardWriter(str(tmp_path / "tok3"), fields=[("t", "uint16", (2,))]) as w5:
+        w5.write(np.array([5, 65535], dtype=np.int64))  # fits: accepted
     with pytest.raises(ConfigError, match="shape"):
         with ShardWriter(str(tmp_path / "bad"), fields=fields) as w2:
             w2.write({"x": np.zeros((4, 3), np.float32), "y": 1})

@@ -294,8 +294,7 @@ class ShardWriter:
             a = np.asarray(sample[f.name])
             if a.shape != f.shape:
                 raise ConfigError(f"ShardWriter.write: field {f.name!r} has shape {a.shape}, the dataset says {f.shape}")
-            if not np.can_cast(a.dtype, np.dtype(f.dtype), casting="same_kind"):
-                raise ConfigError(f"ShardWriter.write: field {f.name!r} has dtype {a.dtype}, the dataset says {np.dtype(f.dtype)}")
+            _check_cast(a, np.dtype(f.dtype), f.name)
             parts.append(np.ascontiguousarray(a, dtype=np.dtype(f.dtype)).tobytes())
         return memoryview(b"".join(parts))
 
@@ -354,6 +353,23 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def _check_cast(a: np.ndarray, target: np.dtype, name: str) -> None:
+    """Refuse a conversion that would change values (e.g. 70000 into uint16); float narrowing is allowed."""
+    if np.can_cast(a.dtype, target, casting="safe"):
+        return
+    if target.kind in "iu" and a.dtype.kind in "iub":
+        info = np.iinfo(target)
+        if a.size == 0 or (int(a.min()) >= info.min and int(a.max()) <= info.max):
+            return
+        raise ConfigError(
+            f"ShardWriter.write: field {name!r} holds values in [{int(a.min())}, {int(a.max())}], "
+            f"outside {target} [{info.min}, {info.max}]"
+        )
+    if target.kind == "f" and a.dtype.kind in "fiub":
+        return
+    raise ConfigError(f"ShardWriter.write: field {name!r} has dtype {a.dtype}, the dataset says {target}")
 
 
 def file_sha256(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
