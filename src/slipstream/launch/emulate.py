@@ -388,16 +388,18 @@ class EmulatedCluster:
         return argv
 
     def run(self, base: LaunchOptions, procs_per_node: int, timeout_s: float | None = None,
-            failure_grace_s: float = 30.0) -> int:
+            failure_grace_s: float = 30.0, log_path: str | None = None, cwd: str | None = None) -> int:
         """Start one agent per node, wait for all; the job's exit code.
 
         0 when every node succeeded; otherwise the first non-zero code (1 for a
         training failure). When one node fails, the others get
         ``failure_grace_s`` to notice and exit before they are stopped.
         ``timeout_s``: stop everything after this long and return 1.
+        ``log_path``: send the agents' stdout and stderr there (default: inherit).
         """
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         procs: list[subprocess.Popen] = []
+        log = open(log_path, "ab") if log_path else None
         try:
             for i in range(self.nodes):
                 env = self.node_env(i)
@@ -406,11 +408,13 @@ class EmulatedCluster:
                 env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (self.nodes * procs_per_node))))
                 procs.append(
                     subprocess.Popen(self.exec_argv(i, self.agent_argv(i, base, procs_per_node)),
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True, stdout=log, stderr=log, cwd=cwd)
                 )
             return self._wait(procs, timeout_s, failure_grace_s)
         finally:
             _stop(procs)
+            if log is not None:
+                log.close()
 
     def _wait(self, procs: list[subprocess.Popen], timeout_s: float | None, grace_s: float) -> int:
         started = time.monotonic()
