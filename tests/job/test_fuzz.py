@@ -94,7 +94,7 @@ def valid_specs(draw):
     return spec
 
 
-@settings(max_examples=40, **SETTINGS)
+@settings(max_examples=30, **SETTINGS)
 @given(valid_specs())
 def test_valid_specs_render_and_validate_for_every_target(capsys, data):
     path = write_spec(data)

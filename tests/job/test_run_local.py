@@ -126,3 +126,16 @@ def test_launcher_flags_after_the_spec_are_refused(tmp_path):
     path.write_text("name: a\nimage: i\ncommand: [python, t.py]\n")
     with pytest.raises(UsageError, match="--emulate must come before the job spec"):
         run_job_file(str(path), _args(script_args=["--emulate", "2x1"]))
+
+
+def test_run_flags_override_the_spec_env(tmp_path):
+    """`slipstream run --precision fp16 --collective-timeout-s 30 JOB.yaml`: flags win over the spec."""
+    from slipstream.cli import build_parser
+    from slipstream.job.runner import _flag_env
+
+    args = build_parser().parse_args(["run", "--precision", "fp16", "--collective-timeout-s", "30", "j.yaml"])
+    env = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"],
+                      "sync": {"precision": "bf16", "accumulate_steps": 2}}).worker_env()
+    env.update(_flag_env(args))
+    assert env["SLIPSTREAM_PRECISION"] == "fp16" and env["SLIPSTREAM_ACCUMULATE_STEPS"] == "2"
+    assert env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] == "30.0"

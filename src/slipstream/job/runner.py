@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import socket
@@ -52,6 +53,7 @@ _TOPOLOGY_FLAGS = (
     ("node_rank", None, "--node-rank", "replicas (every replica is started here)"),
     ("rdzv_endpoint", None, "--rdzv-endpoint", "nothing: a free local port is used"),
     ("module", False, "-m", "command: [python, -m, MODULE]"),
+    ("local_addr", None, "--local-addr", "nothing: local replicas publish 127.0.0.1"),
 )
 
 
@@ -73,9 +75,11 @@ def run_job_file(path: str, args: argparse.Namespace | None = None) -> int:
     _check_entrypoint(spec, path)
     max_restarts = getattr(args, "max_restarts", 0) or spec.restarts.max_restarts
     emulate = getattr(args, "emulate", None)
+    rdzv_conf = getattr(args, "rdzv_conf", "") or ""
     if emulate:
-        return _run_emulated(spec, args, env, extra, max_restarts)
-    return run_local(spec, env=env, extra_args=extra, max_restarts=max_restarts)
+        return _run_emulated(spec, args, env, extra, max_restarts, rdzv_conf)
+    return run_local(spec, env=env, extra_args=extra, max_restarts=max_restarts,
+                     rdzv_id=getattr(args, "rdzv_id", None), rdzv_conf=rdzv_conf)
 
 
 # Options only the launcher has: after JOB.yaml they would reach the script
@@ -95,8 +99,9 @@ def _refuse_misplaced_flags(extra: list[str], path: str) -> None:
 
 
 def _flag_env(args: argparse.Namespace) -> dict[str, str]:
-    if not any(k.startswith("train_") and v is not None for k, v in vars(args).items()):
-        return {}
+    """SLIPSTREAM_* variables from `slipstream run` flags (training options, collective timeout)."""
+    if not any(k.startswith("train_") for k in vars(args)):
+        return {}  # not called from the `run` parser
     from ..launch.cli import worker_env_from_args
 
     return worker_env_from_args(args)
@@ -150,7 +155,7 @@ def _gpu_plan(spec: JobSpec) -> tuple[list[str | None], str | None]:
 
 
 def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-              max_restarts: int | None = None, rdzv_id: str | None = None) -> int:
+              max_restarts: int | None = None, rdzv_id: str | None = None, rdzv_conf: str = "") -> int:
     """Start every replica as an elastic agent on this machine and wait for all of them.
 
     Example::
@@ -164,9 +169,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
     if note:
         print(f"slipstream run: {note}", file=sys.stderr)
     if max_restarts is not None and max_restarts != spec.restarts.max_restarts:
-        from dataclasses import replace
-
-        spec = replace(spec, restarts=replace(spec.restarts, max_restarts=max_restarts))
+        spec = dataclasses.replace(spec, restarts=dataclasses.replace(spec.restarts, max_restarts=max_restarts))
     endpoint = f"127.0.0.1:{free_port()}"
     procs: list[subprocess.Popen] = []
     base_env = dict(os.environ)
@@ -175,6 +178,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
         for i in range(spec.replicas):
             argv = [sys.executable, "-m", "slipstream", "run",
                     *launcher_flags(spec, spec.nnodes, endpoint, str(i), rdzv_id, local_addr="127.0.0.1"),
+                    *(["--rdzv-conf", rdzv_conf] if rdzv_conf else []),
                     *entry_argv(spec, extra_args)]
             child_env = dict(base_env)
             if devices[i] is not None:
@@ -262,7 +266,7 @@ def parse_emulate(value: Any, spec: JobSpec) -> None:
 
 
 def _run_emulated(spec: JobSpec, args: argparse.Namespace, env: dict[str, str], extra: list[str],
-                  max_restarts: int) -> int:
+                  max_restarts: int, rdzv_conf: str = "") -> int:
     parse_emulate(getattr(args, "emulate"), spec)
     try:
         from ..launch.emulate import run_emulated
@@ -277,9 +281,13 @@ def _run_emulated(spec: JobSpec, args: argparse.Namespace, env: dict[str, str], 
     base = LaunchOptions(
         entrypoint=entry, args=rest, nproc_per_node=spec.procs_per_replica,
         min_nodes=spec.min_replicas, max_nodes=spec.max_replicas,
-        rdzv_id=f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
+        rdzv_id=getattr(args, "rdzv_id", None) or f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
         module=module, worker_env=env,
     )
+    if rdzv_conf:
+        from ..launch.cli import parse_rdzv_conf
+
+        base = dataclasses.replace(base, rdzv_conf=parse_rdzv_conf(rdzv_conf))
     return run_emulated(spec.replicas, spec.procs_per_replica, getattr(args, "link", None) or "unshaped", base)
 
 
