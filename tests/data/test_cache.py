@@ -139,6 +139,30 @@ def test_lru_eviction_under_the_size_limit(tmp_path, remote):
         ShardCache(tmp_path / "tiny", max_bytes=size // 2).fetch(src, s0)
 
 
+def test_leftovers_of_dead_processes_are_cleaned(tmp_path, remote):
+    import subprocess
+    import sys
+
+    from slipstream.data import cache as cache_mod
+
+    ds_url, opts, _, idx = remote
+    size = max(s.size_bytes for s in idx.shards)
+    cache = ShardCache(tmp_path / "cache", max_bytes=2 * size)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tdir = tmp_path / "cache" / "tmp"
+    # a crashed download and its reservation (as large as the whole cache), from a dead pid here
+    (tdir / f"{'0' * 64}.{dead.pid}.0.{cache_mod._HOST_ID}").write_bytes(b"partial")
+    (tdir / f"{'0' * 64}.{dead.pid}.1.{cache_mod._HOST_ID}.reserve-{2 * size}").touch()
+    # another host's fresh reservation stays (its pid means nothing here), an old one goes
+    (tdir / f"{'1' * 64}.1.0.otherhost.reserve-1").touch()
+    old = tdir / f"{'2' * 64}.1.0.otherhost.reserve-1"
+    old.touch()
+    os.utime(old, (time.time() - 2 * cache_mod.STALE_TMP_S,) * 2)
+    cache.fetch(Source(ds_url, opts), idx.shards[0])  # would wait for room forever without the cleanup
+    assert sorted(os.listdir(tdir)) == [f"{'1' * 64}.1.0.otherhost.reserve-1"]
+
+
 def _reader(cache_dir, ds_url, opts, barrier, queue):
     cache = ShardCache(cache_dir)
     ds = ShardedDataset(ds_url, cache=cache, storage_options=opts)

@@ -20,7 +20,8 @@ Rules that make it safe when several processes and data-loader workers share it:
   mapped keeps reading it after eviction (POSIX keeps unlinked files alive
   while mapped); one that loses the race between lookup and open downloads it
   again;
-* temporary files of processes that died are removed on the next eviction pass.
+* temporary files of processes that died are removed on the next eviction
+  pass (by pid on the same host and pid namespace, by age otherwise).
 
 Example::
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,13 @@ from .format import INDEX_NAME, DataIntegrityError, Index, ShardInfo, ShardReade
 from .source import Source
 
 _counter = itertools.count()
+# Host (and pid namespace) of this process, for telling whose temporary files are whose.
+_HOST_ID = hashlib.sha256(f"{socket.gethostname()}:{os.stat('/proc/self/ns/pid').st_ino if os.path.exists('/proc/self/ns/pid') else 0}".encode()).hexdigest()[:12]
+STALE_TMP_S = 3600.0
+
+
+def _tmp_name(sha256: str) -> str:
+    return f"{sha256}.{os.getpid()}.{next(_counter)}.{_HOST_ID}"
 
 
 @dataclass
@@ -123,7 +132,7 @@ class ShardCache:
         url = source.join(info.file)
         problem = ""
         for _ in range(self.retries + 1):
-            tmp = os.path.join(self.dir, "tmp", f"{info.sha256}.{os.getpid()}.{next(_counter)}")
+            tmp = os.path.join(self.dir, "tmp", _tmp_name(info.sha256))
             t0 = time.perf_counter()
             try:
                 source.get_file(info.file, tmp)
@@ -190,7 +199,7 @@ class ShardCache:
         until the download lands, so parallel downloads cannot overshoot it.
         When in-flight downloads alone fill the cache, wait for them.
         """
-        marker = os.path.join(self.dir, "tmp", f"{sha256}.{os.getpid()}.{next(_counter)}.reserve-{need}")
+        marker = os.path.join(self.dir, "tmp", f"{_tmp_name(sha256)}.reserve-{need}")
         if self.max_bytes is None:
             return marker
         if need > self.max_bytes:
@@ -242,14 +251,30 @@ class ShardCache:
         return freed
 
     def _remove_dead_tmp(self) -> None:
+        """Drop temporary files and reservations of processes that died.
+
+        Names carry (pid, host). A pid is only meaningful on its own host (and
+        pid namespace): entries of other hosts, or unparsable ones, go once they
+        have not been written for ``STALE_TMP_S``.
+        """
         tdir = os.path.join(self.dir, "tmp")
+        now = time.time()
         for name in os.listdir(tdir):
+            path = os.path.join(tdir, name)
+            parts = name.split(".")
             try:
-                pid = int(name.split(".")[1])
+                pid, host = int(parts[1]), parts[3]
             except (IndexError, ValueError):
+                pid, host = -1, ""
+            if host == _HOST_ID and pid > 0:
+                if pid != os.getpid() and not _pid_alive(pid):
+                    _remove(path)
                 continue
-            if pid != os.getpid() and not _pid_alive(pid):
-                _remove(os.path.join(tdir, name))
+            try:
+                if now - os.stat(path).st_mtime > STALE_TMP_S:
+                    _remove(path)
+            except FileNotFoundError:
+                pass
 
     @staticmethod
     def _touch(path: str) -> bool:
