@@ -302,7 +302,11 @@ class HookSync:
         step.keys[index] = key
         if self._queue is None:
             self._queue = OrderedQueue()
-        return self._queue.submit(lambda: self._job(index, key, buf, name, layout, step, last))
+        ready = None
+        if buf.is_cuda:  # the comm thread must see the gradients the backward stream wrote
+            ready = torch.cuda.Event()
+            ready.record()
+        return self._queue.submit(lambda: self._job(index, key, buf, name, layout, step, last, ready))
 
     def _direct_reduce(self, buf: torch.Tensor, codec: Codec, step: _Step, last: bool) -> torch.futures.Future:
         wire = self.reducer.wire
@@ -331,7 +335,9 @@ class HookSync:
 
     # -- per bucket (comm thread) ----------------------------------------------------------
     def _job(self, index: int, key: Hashable, buf: torch.Tensor, name: str, layout: Layout | None, step: _Step,
-             last: bool):
+             last: bool, ready: Any = None):
+        if ready is not None:
+            return self._job_cuda(index, key, buf, name, layout, step, last, ready)
         t0 = time.perf_counter()
         before = self.reducer.bytes_sent
         inter = getattr(self.reducer, "inter", None)
@@ -344,6 +350,18 @@ class HookSync:
         if last:
             self._finish(step)
             self._control()  # collectives of the engine, after the last bucket, same order everywhere
+        return out
+
+    def _job_cuda(self, index, key, buf, name, layout, step, last, ready):
+        # Untested here (no GPU on the CI machines): a side stream that waits for the
+        # backward's event, and is drained before the future completes, so DDP reads
+        # finished results on any stream.
+        if not hasattr(self, "_stream"):
+            self._stream = torch.cuda.Stream(device=buf.device)
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            out = self._job(index, key, buf, name, layout, step, last, None)
+        self._stream.synchronize()
         return out
 
     def _finish(self, step: _Step) -> None:
