@@ -17,6 +17,7 @@ _COMMAND_MODULES = (
     "slipstream.data.cli",
     "slipstream.job.cli",
     "slipstream.report.cli",
+    "slipstream.bench.cli",
 )
 
 
