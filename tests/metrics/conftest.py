@@ -11,11 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "distributed"))  # harness.run_ranks
 sys.path.insert(0, HERE)  # metrics_workers, importable in spawned ranks too
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
-
-SLEEP_S = 0.03  # injected into rank 1's forward
-STEPS = 16
-LOG_EVERY = 2
+from metrics_workers import LOG_EVERY, SLEEP_S, STEPS  # noqa: E402
 
 
 @pytest.fixture(scope="session")

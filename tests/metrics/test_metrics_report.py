@@ -9,7 +9,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import IN_CI
+from metrics_workers import IN_CI
 
 from slipstream.cli import main as cli_main
 
