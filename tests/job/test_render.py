@@ -207,3 +207,24 @@ def test_validator_catches(target, what, mutate, needle):
 def test_to_yaml_round_trips():
     objs = render(load_spec(EXAMPLES / "full.yaml"), "jobset")
     assert list(yaml.safe_load_all(to_yaml(objs))) == objs
+
+
+def test_prewarm_init_container_fills_the_cache_first():
+    spec = _spec(memory="8Gi", data={"source": "s3://b/shards", "cache_dir": "/cache", "cache_size": "100G",
+                                     "prewarm": True})
+    for target in ("indexed-job", "jobset", "pytorchjob"):
+        objs = render(spec, target)
+        assert manifest_errors(objs) == []
+        (c,), pod = _containers(objs[-1])
+        (init,) = pod["initContainers"]
+        assert init["command"] == ["slipstream", "data", "prewarm", "s3://b/shards", "--cache", "/cache",
+                                   "--max-cache-gb", "90", "--no-progress"]
+        assert init["volumeMounts"] == [{"name": "data-cache", "mountPath": "/cache"}]
+        assert init["image"] == c["image"] and "limits" not in init.get("resources", {})
+        broken = copy.deepcopy(objs)
+        _containers(broken[-1])[1]["initContainers"][0]["volumeMounts"][0]["name"] = "gone"
+        assert any("initContainers[0].volumeMounts" in e for e in manifest_errors(broken))
+    # TrainJob runtime patches cannot add containers: the workers get SLIPSTREAM_DATA_PREWARM instead.
+    (tj,) = render(spec, "trainjob")
+    assert {"name": "SLIPSTREAM_DATA_PREWARM", "value": "1"} in tj["spec"]["trainer"]["env"]
+    assert "initContainers" not in str(tj)

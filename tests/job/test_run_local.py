@@ -139,3 +139,24 @@ def test_run_flags_override_the_spec_env(tmp_path):
     env.update(_flag_env(args))
     assert env["SLIPSTREAM_PRECISION"] == "fp16" and env["SLIPSTREAM_ACCUMULATE_STEPS"] == "2"
     assert env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] == "30.0"
+
+
+def test_prewarm_fills_the_cache_before_replicas_start(tmp_path):
+    """data.prewarm runs the data pipeline's own `slipstream data prewarm` (locally here,
+    as an init container in pods) and a failure stops the run before any replica starts."""
+    from slipstream.data.pack import pack
+    from slipstream.job.runner import prewarm_local
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for i in range(3):
+        (raw / f"s{i}.bin").write_bytes(bytes([i]) * 100)
+    pack(str(raw), str(tmp_path / "ds"))
+    cache = tmp_path / "cache"
+    spec = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"],
+                       "data": {"source": str(tmp_path / "ds"), "cache_dir": str(cache), "prewarm": True}})
+    assert prewarm_local(spec, dict(os.environ)) == 0
+    assert any(p.is_file() and p.stat().st_size > 0 for p in cache.rglob("*"))
+    missing = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"],
+                          "data": {"source": str(tmp_path / "nope"), "cache_dir": str(cache), "prewarm": True}})
+    assert prewarm_local(missing, dict(os.environ)) != 0

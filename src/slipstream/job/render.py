@@ -27,7 +27,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import copy
+from decimal import Decimal
+
 from ..errors import ConfigError
+from .quantity import parse_quantity
 from .spec import RDZV_PORT, JobSpec
 
 try:  # the fault-tolerance work may define it centrally
@@ -60,6 +64,8 @@ class TargetUnsupported(ConfigError):
 SHM_VOLUME = "dshm"
 CKPT_VOLUME = "checkpoint"
 CACHE_VOLUME = "data-cache"
+CACHE_FILL = Decimal("0.9")
+"""Share of data.cache_size the prewarmed cache may fill."""
 
 
 def render(spec: JobSpec, target: str = DEFAULT_TARGET) -> list[dict[str, Any]]:
@@ -197,6 +203,35 @@ def _container(spec: JobSpec, name: str, command: list[str], ports: list[dict] |
     return c
 
 
+def prewarm_command(spec: JobSpec) -> list[str] | None:
+    """``slipstream data prewarm SOURCE --cache DIR ...`` when the spec asks for a prewarmed cache."""
+    d = spec.data
+    if not (d and d.prewarm and d.cache_dir):
+        return None
+    cmd = ["slipstream", "data", "prewarm", d.source, "--cache", d.cache_dir]
+    if d.cache_size:
+        # 90% of the emptyDir's sizeLimit: the kubelet evicts a pod whose
+        # emptyDir grows past its limit, so eviction by the cache must come first.
+        gigabytes = parse_quantity(d.cache_size) * CACHE_FILL / Decimal(10**9)
+        cmd += ["--max-cache-gb", format(gigabytes.quantize(Decimal("0.001")).normalize(), "f")]
+    return cmd
+
+
+def _prewarm_container(spec: JobSpec, main: dict[str, Any]) -> dict[str, Any] | None:
+    """Init container filling the node-local data cache before the trainer starts (same image)."""
+    cmd = prewarm_command(spec)
+    if cmd is None:
+        return None
+    c: dict[str, Any] = {"name": "prewarm", "image": spec.image, "command": cmd + ["--no-progress"]}
+    if main.get("env"):
+        c["env"] = copy.deepcopy(main["env"])  # object-store credentials and endpoints
+    requests = {k: v for k, v in (main.get("resources") or {}).get("requests", {}).items() if k in ("cpu", "memory")}
+    if requests:
+        c["resources"] = {"requests": requests}
+    c["volumeMounts"] = [dict(m) for m in main.get("volumeMounts", []) if m["name"] == CACHE_VOLUME]
+    return c
+
+
 def _pod_spec(spec: JobSpec, container: dict[str, Any], restart_policy: str | None) -> dict[str, Any]:
     volumes, _ = _volumes(spec)
     pod: dict[str, Any] = {}
@@ -210,6 +245,9 @@ def _pod_spec(spec: JobSpec, container: dict[str, Any], restart_policy: str | No
         pod["dnsPolicy"] = "ClusterFirstWithHostNet"
     # Time for the emergency checkpoint between SIGTERM and SIGKILL.
     pod["terminationGracePeriodSeconds"] = 120
+    init = _prewarm_container(spec, container) if spec.kind == "training" else None
+    if init is not None:
+        pod["initContainers"] = [init]
     pod["containers"] = [container]
     if volumes:
         pod["volumes"] = volumes
@@ -424,7 +462,8 @@ def to_yaml(objs: list[dict[str, Any]]) -> str:
     import yaml
 
     class _Dumper(yaml.SafeDumper):
-        pass
+        def ignore_aliases(self, data: Any) -> bool:  # never &id001 / *id001 in manifests
+            return True
 
     def _str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
         style = "|" if "\n" in data else None

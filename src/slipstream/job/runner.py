@@ -39,7 +39,7 @@ import uuid
 from typing import Any
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
-from .render import entry_argv, launcher_flags
+from .render import entry_argv, launcher_flags, prewarm_command
 from .spec import JobSpec, load_spec
 
 STOP_GRACE_S = 10.0
@@ -170,10 +170,13 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
         print(f"slipstream run: {note}", file=sys.stderr)
     if max_restarts is not None and max_restarts != spec.restarts.max_restarts:
         spec = dataclasses.replace(spec, restarts=dataclasses.replace(spec.restarts, max_restarts=max_restarts))
-    endpoint = f"127.0.0.1:{free_port()}"
-    procs: list[subprocess.Popen] = []
     base_env = dict(os.environ)
     base_env.update(env)
+    code = prewarm_local(spec, base_env)
+    if code != EXIT_OK:
+        return code
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs: list[subprocess.Popen] = []
     try:
         for i in range(spec.replicas):
             argv = [sys.executable, "-m", "slipstream", "run",
@@ -191,6 +194,20 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
         return EXIT_INTERRUPTED
     finally:
         _stop(procs)
+
+
+def prewarm_local(spec: JobSpec, env: dict[str, str]) -> int:
+    """With ``data.prewarm`` and a ``cache_dir``: fill the cache once, before any replica starts
+    (the same ``slipstream data prewarm`` the pods run as an init container). Returns its exit code."""
+    cmd = prewarm_command(spec)
+    if cmd is None:
+        return EXIT_OK
+    argv = [sys.executable, "-m", "slipstream", *cmd[1:]]
+    print(f"slipstream run: prewarming {spec.data.cache_dir} from {spec.data.source}", file=sys.stderr)
+    code = subprocess.run(argv, env=env).returncode
+    if code != EXIT_OK:
+        print(f"slipstream run: prewarm failed with exit code {code}; not starting the replicas", file=sys.stderr)
+    return code
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> int:

@@ -212,8 +212,10 @@ def _check_pod(path: str, tpl: dict, owner: str | None, errs: list[str]) -> set[
         errs.append(f"{path}.spec.containers: must list at least one container, got none")
     volumes = {v.get("name") for v in pod.get("volumes") or []}
     names = set()
-    for i, c in enumerate(containers):
-        where = f"{path}.spec.containers[{i}]"
+    every = [("containers", i, c) for i, c in enumerate(containers)]
+    every += [("initContainers", i, c) for i, c in enumerate(pod.get("initContainers") or [])]
+    for section, i, c in every:
+        where = f"{path}.spec.{section}[{i}]"
         if not c.get("image"):
             errs.append(f"{where}.image: is required, got {c.get('image')!r}")
         if c.get("name") in names:
