@@ -232,6 +232,36 @@ def test_checksum_failure_on_arrival(tmp_path, remote):
     assert loader.skipped_total == hi - lo
 
 
+def _dead_endpoint_opts():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # nothing listens on that port now; one attempt, so the test does not sit in retries
+    return {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing",
+            "config_kwargs": {"retries": {"max_attempts": 1}}, "skip_instance_cache": True}
+
+
+def test_store_unreachable_uses_the_kept_index_and_cached_shards(tmp_path, remote):
+    from slipstream.data.source import SourceUnavailable
+
+    ds_url, opts, _, idx = remote
+    dead = _dead_endpoint_opts()
+    with pytest.raises(SourceUnavailable, match=rf"cannot read {ds_url}/index.json"):
+        ShardedDataset(ds_url, cache=ShardCache(tmp_path / "empty"), storage_options=dead)
+    cache = ShardCache(tmp_path / "cache")
+    prewarm(ds_url, cache, workers=2, storage_options=opts, progress=False)
+    cache = ShardCache(tmp_path / "cache")
+    with pytest.warns(UserWarning, match="using the copy of its index"):
+        ds = ShardedDataset(ds_url, cache=cache, storage_options=dead)
+    assert _all_rows(ds) == list(range(N)) and cache.stats.index_fallbacks == 1
+    # a shard that is not cached cannot be read from a dead store: a clear error, not a hang
+    os.remove(cache.blob_path(idx.shards[-1].sha256))
+    with pytest.warns(UserWarning), pytest.raises(SourceUnavailable, match=idx.shards[-1].file):
+        ShardedDataset(ds_url, cache=cache, storage_options=dead)[N - 1]
+
+
 def test_index_is_loaded_from_the_store(remote):
     ds_url, opts, _, idx = remote
     assert load_index(Source(ds_url, opts)).to_json() == idx.to_json()

@@ -77,3 +77,12 @@ def test_prewarm_from_s3_with_progress_and_limit(tmp_path, s3, capsys, monkeypat
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
     rc = main(["data", "prewarm", "s3://no-such-bucket-here/x", "--cache", str(tmp_path / "c2"), "--endpoint-url", endpoint])
     assert rc == 2 and "slipstream data: error:" in capsys.readouterr().err
+    dead = tmp_path / "dead-port"
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rc = main(["data", "prewarm", ds_url, "--cache", str(dead), "--endpoint-url", f"http://127.0.0.1:{port}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot read" in err and "EndpointConnectionError" in err and "Traceback" not in err

@@ -6,6 +6,7 @@ Layout under the cache directory::
     tmp/<sha256>.<pid>.<n>  downloads in progress
     locks/<sha256>.lock     one file lock per shard: one downloader, the rest wait
     cache.lock              taken while evicting
+    indexes/<hash>.json     the last index read from each dataset URL (used when the store is unreachable)
 
 Rules that make it safe when several processes and data-loader workers share it:
 
@@ -38,6 +39,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -45,7 +47,7 @@ from filelock import FileLock
 
 from ..errors import ConfigError
 from .format import INDEX_NAME, DataIntegrityError, Index, ShardInfo, ShardReader
-from .source import Source
+from .source import Source, SourceUnavailable
 
 _counter = itertools.count()
 # Host (and pid namespace) of this process, for telling whose temporary files are whose.
@@ -67,6 +69,7 @@ class CacheStats:
     evictions: int = 0
     bytes_evicted: int = 0
     checksum_failures: int = 0
+    index_fallbacks: int = 0
     download_s: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -284,6 +287,34 @@ class ShardCache:
         except FileNotFoundError:
             return False
 
+    # ------------------------------------------------------------- index
+    def load_index(self, source: Source) -> Index:
+        """The dataset's index from the store, kept here too.
+
+        When the store cannot be reached (SourceUnavailable) and an earlier copy
+        is kept, that copy is used with a warning: the shards it names are
+        addressed by hash, so it can only lead to verified bytes (or to a clear
+        error for a shard not cached).
+        """
+        kept = os.path.join(self.dir, "indexes", hashlib.sha256(source.url.encode()).hexdigest()[:32] + ".json")
+        where = source.join(INDEX_NAME)
+        try:
+            data = source.read_bytes(INDEX_NAME)
+        except SourceUnavailable as exc:
+            if not os.path.exists(kept):
+                raise
+            warnings.warn(f"{exc}; using the copy of its index kept at {kept}", stacklevel=2)
+            self.stats.add(index_fallbacks=1)
+            with open(kept, "rb") as f:
+                return Index.loads(f.read(), where=f"{kept} (copy of {where})")
+        index = Index.loads(data, where=where)
+        os.makedirs(os.path.dirname(kept), exist_ok=True)
+        tmp = f"{kept}.{_tmp_name('index')}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, kept)
+        return index
+
     def __repr__(self) -> str:
         return f"ShardCache({self.dir!r}, max_bytes={self.max_bytes})"
 
@@ -341,7 +372,7 @@ def prewarm(
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
     source = Source(url, storage_options)
-    index = load_index(source)
+    index = cache.load_index(source)
     todo = [s for s in index.shards if not cache.contains(s)]
     cached = len(index.shards) - len(todo)
     todo_bytes = sum(s.size_bytes for s in todo)

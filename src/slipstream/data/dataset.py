@@ -69,7 +69,7 @@ class ShardedDataset(torch.utils.data.Dataset):
         self.cache = cache
         self.on_error = on_error
         self.verify_samples = verify_samples
-        self.index = load_index(self.source)
+        self.index = load_index(self.source) if self.cache is None else self.cache.load_index(self.source)
         self.fields = self.index.fields
         self._starts = self.index.starts().tolist()
         self._readers: dict[int, ShardReader] = {}

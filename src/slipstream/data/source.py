@@ -11,7 +11,24 @@ import shutil
 import tempfile
 from typing import Any, Mapping
 
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError, SlipstreamError, UsageError
+
+
+class SourceUnavailable(SlipstreamError, OSError):
+    """The store holding a dataset could not be read (network, endpoint, credentials).
+
+    Store clients raise their own types (botocore's EndpointConnectionError is
+    not an OSError); they are turned into this one, with the URL in the message.
+    """
+
+
+def _store_call(what: str, fn, *args):
+    try:
+        return fn(*args)
+    except (FileNotFoundError, SlipstreamError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - any client error: network, auth, throttling
+        raise SourceUnavailable(f"cannot read {what}: {type(exc).__name__}: {exc}") from exc
 
 
 def _split_protocol(url: str) -> tuple[str, str]:
@@ -84,14 +101,14 @@ class Source:
     def exists(self, name: str) -> bool:
         if self.is_local:
             return os.path.exists(self.local_path(name))
-        return bool(self.fs.exists(self._remote(name)))
+        return bool(_store_call(self.join(name), self.fs.exists, self._remote(name)))
 
     def read_bytes(self, name: str) -> bytes:
         try:
             if self.is_local:
                 with open(self.local_path(name), "rb") as f:
                     return f.read()
-            return self.fs.cat_file(self._remote(name))
+            return _store_call(self.join(name), self.fs.cat_file, self._remote(name))
         except FileNotFoundError:
             raise ConfigError(f"{self.join(name)} does not exist (is this a packed dataset? see `slipstream data pack`)") from None
 
@@ -100,7 +117,7 @@ class Source:
         if self.is_local:
             shutil.copyfile(self.local_path(name), local_path)
         else:
-            self.fs.get_file(self._remote(name), local_path)
+            _store_call(self.join(name), self.fs.get_file, self._remote(name), local_path)
 
     # -- writing (used by ShardWriter)
     def staging_dir(self) -> str:
@@ -119,7 +136,7 @@ class Source:
             if os.path.abspath(local_file) != dest:
                 os.replace(local_file, dest)
             return
-        self.fs.put_file(local_file, self._remote(name))
+        _store_call(self.join(name), self.fs.put_file, local_file, self._remote(name))
         os.remove(local_file)
 
     def put_bytes(self, name: str, data: bytes) -> None:
@@ -133,7 +150,7 @@ class Source:
                 os.fsync(f.fileno())
             os.replace(tmp, dest)
             return
-        self.fs.pipe_file(self._remote(name), data)
+        _store_call(self.join(name), self.fs.pipe_file, self._remote(name), data)
 
     def __repr__(self) -> str:
         return f"Source({self.url!r})"
