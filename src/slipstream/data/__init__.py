@@ -22,7 +22,7 @@ from .format import DataIntegrityError, Field, Index, ShardInfo, ShardReader, Sh
 from .loader import SlipstreamLoader
 from .pack import pack, pack_arrays, pack_files, pack_text
 from .sampler import ResumableSampler
-from .source import Source
+from .source import Source, SourceUnavailable
 
 __all__ = [
     "CacheStats",
@@ -39,6 +39,7 @@ __all__ = [
     "SkippedSample",
     "SlipstreamLoader",
     "Source",
+    "SourceUnavailable",
     "load_index",
     "pack",
     "pack_arrays",
