@@ -30,13 +30,21 @@ def test_every_log_record_has_the_step_breakdown(two_rank_run):
             assert r["samples"] == 16 * LOG_EVERY and r["tokens"] == 0
 
 
-def test_no_host_readback_between_log_steps(two_rank_run):
+@pytest.mark.parametrize("which", ["control", "straggler"])  # with clipping / without (norm on log steps)
+def test_no_host_readback_between_log_steps(two_rank_run, which):
     for res in two_rank_run["results"]:
-        per_step = res["control"]["items_per_step"]
+        per_step = res[which]["items_per_step"]
         for step, n in enumerate(per_step, start=1):
             if step % LOG_EVERY:
                 assert n == 0, f"step {step} read {n} tensor(s) back to the host"
         assert any(per_step[LOG_EVERY - 1 :: LOG_EVERY]), "log steps read the loss back"
+
+
+def test_grad_norm_without_clipping_matches_the_reduced_gradients(two_rank_run):
+    r0, r1 = (res["straggler"]["records"] for res in two_rank_run["results"])
+    for a, b in zip(r0, r1):
+        # Computed after the all-reduce: every rank sees the same gradients, so the same norm.
+        assert a["grad_norm"] > 0 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
 
 
 def test_slow_rank_is_named_and_fast_rank_waits_in_communication(two_rank_run):

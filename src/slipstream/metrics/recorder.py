@@ -95,6 +95,7 @@ class StepRecorder:
         self.flops_per_sample: float | None = None
         self.peak_flops: float | None = None
         self.flops_formula: str | None = None
+        self._hooks: list[Any] = []
         self._phase_totals: dict[str, float] = {}
         self._phase_steps = 0
 
@@ -137,11 +138,15 @@ class StepRecorder:
 
     # --- wiring ------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, config: Any = None, device: torch.device | None = None,
-               local_rank: int | None = None) -> None:
+               local_rank: int | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Instrument ``model`` and open the sinks ``config`` (a TrainConfig) asks for.
 
         Collective when ``world_size > 1`` only in that every rank must call it
         (the straggler gather then runs at every log step on every rank).
+        With ``optimizer`` and no clipping configured, the gradient norm is
+        computed on log steps only, just before ``optimizer.step()`` (where the
+        gradients are reduced and, with fp16, unscaled); with clipping the
+        accelerator reports the norm it clipped.
         """
         if config is not None and not getattr(config, "profile", True):
             self.profiler = None
@@ -153,6 +158,8 @@ class StepRecorder:
         if self.profiler is not None:
             self.profiler.install(params)
         get = (lambda name, default=None: getattr(config, name, default)) if config is not None else (lambda n, d=None: d)
+        if optimizer is not None and get("grad_clip_norm") is None:
+            self._hooks.append(optimizer.register_step_pre_hook(self._grad_norm_on_log_steps))
         self.flops_per_sample = get("flops_per_sample")
         self.peak_flops = get("peak_flops") or default_peak_flops(self.device, get("precision", "fp32"))
         import torch.distributed as dist
@@ -187,6 +194,14 @@ class StepRecorder:
                 print(f"[slipstream] Prometheus metrics of rank 0 at {sink.url}", file=sys.stderr, flush=True)
         if self.run_dir is not None and self.rank == 0:
             self._write_run_info(config)
+
+    def _grad_norm_on_log_steps(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        if (self.step + 1) % self.log_every_steps != 0:
+            return
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            # A tensor: read back with the loss at flush, no sync here.
+            self._last["grad_norm"] = torch.nn.utils.get_total_norm(grads)
 
     def _write_run_info(self, config: Any) -> None:
         info: dict[str, Any] = {
@@ -333,6 +348,9 @@ class StepRecorder:
         self.flush()
         if self.profiler is not None:
             self.profiler.remove()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self.timeline is not None:
             self.timeline.close()
             self.timeline = None

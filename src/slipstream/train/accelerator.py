@@ -342,7 +342,7 @@ def accelerate(
     sync_state = sync.apply(config.sync, ddp)
     if sync_state is not None and hasattr(sync_state, "stats"):
         recorder.sources.append(sync_state.stats)
-    recorder.attach(ddp.module, config, runtime.device, runtime.local_rank)  # phase hooks, optional sinks
+    recorder.attach(ddp.module, config, runtime.device, runtime.local_rank, optimizer)  # phase hooks, sinks
     run = Accelerated(ddp, model, optimizer, config, runtime, recorder, scheduler=scheduler, sync_state=sync_state)
     if config.checkpoint_dir is not None:
         run._enable_checkpoints(extra_state or {})
