@@ -204,6 +204,13 @@ def test_validator_catches(target, what, mutate, needle):
     assert errs and any(needle in e for e in errs), errs
 
 
+def test_validator_checks_deployment_selector():
+    spec = parse_spec({"name": "srv", "kind": "inference", "image": "i:1", "command": ["serve"]})
+    dep, svc = render(spec, "indexed-job")
+    dep["spec"]["selector"]["matchLabels"] = {"app": "other"}
+    assert any("matchLabels" in e for e in manifest_errors([dep, svc]))
+
+
 def test_to_yaml_round_trips():
     objs = render(load_spec(EXAMPLES / "full.yaml"), "jobset")
     assert list(yaml.safe_load_all(to_yaml(objs))) == objs

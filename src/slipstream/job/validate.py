@@ -246,7 +246,7 @@ def _check_pod(path: str, tpl: dict, owner: str | None, errs: list[str]) -> set[
 def _check_job_spec(path: str, job: dict, errs: list[str]) -> None:
     tpl = job.get("template") or {}
     pod = tpl.get("spec") or {}
-    names = {c.get("name") for c in pod.get("containers") or []}
+    names = {c.get("name") for c in (pod.get("containers") or []) + (pod.get("initContainers") or [])}
     if job.get("podFailurePolicy"):
         if pod.get("restartPolicy") != "Never":
             errs.append(f"{path}.podFailurePolicy: needs template restartPolicy Never, got {pod.get('restartPolicy')!r}")
@@ -288,6 +288,13 @@ def semantic_errors(objs: list[dict]) -> list[str]:
             pod_labels.append((tpl.get("metadata") or {}).get("labels") or {})
         if obj.get("kind") == "Job":
             _check_job_spec(f"{where} spec", obj.get("spec", {}), errs)
+        elif obj.get("kind") == "Deployment":
+            spec = obj.get("spec", {})
+            match = (spec.get("selector") or {}).get("matchLabels") or {}
+            labels = ((spec.get("template") or {}).get("metadata") or {}).get("labels") or {}
+            if not match or any(labels.get(k) != v for k, v in match.items()):
+                errs.append(f"{where}: spec.selector.matchLabels {match} must be non-empty and match the pod "
+                            f"template labels {labels}")
         elif obj.get("kind") == "JobSet":
             for i, rj in enumerate(obj["spec"].get("replicatedJobs", [])):
                 _check_job_spec(f"{where} spec.replicatedJobs[{i}].template.spec", rj["template"].get("spec", {}), errs)
