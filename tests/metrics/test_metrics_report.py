@@ -71,7 +71,8 @@ def test_page_is_self_contained_and_complete(report):
     for ref in re.findall(r"""(?:src|href)\s*=\s*['"]([^'"]+)""", page):
         assert ref.startswith("data:"), ref  # nothing fetched
     assert "@import" not in page and "url(" not in page
-    for title in ("Loss", "Throughput", "Step-time breakdown", "Per-rank comparison", "Communication volume"):
+    for title in ("Loss", "Throughput", "Step-time breakdown", "Per-rank comparison", "Communication volume",
+                  "Timeline (last steps)"):
         assert f"<h2>{title}</h2>" in page, title
     assert page.count("<img ") >= 5
     assert "rank 1 is" in page and "slower" in page  # the straggler verdict
@@ -79,7 +80,7 @@ def test_page_is_self_contained_and_complete(report):
     assert re.search(r"<th>ranks</th><td>2</td>", page)
     # PNG copies for a README, and the merged timeline for Perfetto.
     pngs = sorted(os.listdir(os.path.join(os.path.dirname(out), "report")))
-    assert {"loss.png", "throughput.png", "breakdown.png", "ranks.png", "communication.png"} <= set(pngs)
+    assert {"loss.png", "throughput.png", "breakdown.png", "ranks.png", "communication.png", "timeline.png"} <= set(pngs)
     for name in pngs:
         with open(os.path.join(os.path.dirname(out), "report", name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"

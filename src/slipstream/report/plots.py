@@ -178,6 +178,56 @@ def memory_figure(run: Run) -> Any:
     return fig
 
 
+def timeline_figure(run: Run, last_steps: int = 3) -> Any:
+    """A Gantt chart of the last few steps per rank (compute and communication rows)."""
+    import glob
+    import os
+
+    from ..metrics.timeline import COMM_TID, load_events
+
+    spans: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(glob.glob(os.path.join(run.run_dir, "timeline", "rank*.json"))):
+        try:
+            events = load_events(path)
+        except (OSError, ValueError):
+            continue
+        for e in events:
+            if e.get("ph") == "X":
+                spans.setdefault(int(e["pid"]), []).append(e)
+    if not spans:
+        return None
+    last = min(max(e["args"]["step"] for e in evs) for evs in spans.values())
+    first = max(1, last - last_steps + 1)
+    chosen = {r: [e for e in evs if first <= e["args"]["step"] <= last] for r, evs in spans.items()}
+    t0 = min((e["ts"] for evs in chosen.values() for e in evs), default=0.0)
+    colours = dict(PHASE_COLOURS)
+    colours.update({"comm_exposed_s": "#c44e52", "grad_sync_s": "#f0b0b0", "straggler_gather_s": "#e377c2"})
+    fig, ax = _new(f"Timeline of steps {first}-{last} (ms)", width=9.0, height=1.6 + 0.7 * len(chosen))
+    ticks, labels, seen = [], [], set()
+    for i, r in enumerate(sorted(chosen)):
+        for row, tid in ((2 * i, 1), (2 * i + 1, COMM_TID)):
+            base = -row
+            for e in chosen[r]:
+                if e.get("tid") != tid:
+                    continue
+                key = e["name"] + "_s"
+                label = e["name"] if e["name"] not in seen else None
+                seen.add(e["name"])
+                # grad_sync (the whole reduction window) underneath, the exposed wait on top.
+                ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"] / 1e3, 0.05))], (base - 0.4, 0.8),
+                               facecolors=colours.get(key, "#999999"), label=label,
+                               zorder=1 if e["name"] == "grad_sync" else 2)
+            ticks.append(base)
+            labels.append(f"rank {r} {'compute' if tid == 1 else 'comm'}")
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_xlabel("ms")
+    ax.set_axisbelow(True)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.legend(fontsize=7, ncol=7, loc="lower center", frameon=False)
+    return fig
+
+
 FIGURES = (
     ("loss", "Loss", loss_figure),
     ("throughput", "Throughput", throughput_figure),
@@ -185,6 +235,7 @@ FIGURES = (
     ("ranks", "Per-rank comparison", ranks_figure),
     ("communication", "Communication volume", comm_figure),
     ("memory", "Memory", memory_figure),
+    ("timeline", "Timeline (last steps)", timeline_figure),
 )
 
 __all__ = ["FIGURES", "PHASE_COLOURS"]
