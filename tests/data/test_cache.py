@@ -202,6 +202,46 @@ def test_loader_workers_share_the_cache(tmp_path, remote):
     assert len(_blobs(tmp_path / "cache")) == len(idx.shards)
 
 
+@pytest.mark.parametrize("fetch_ahead", [0, 3])
+def test_fetch_ahead_downloads_the_coming_shards(tmp_path, remote, fetch_ahead):
+    ds_url, opts, _, idx = remote
+    cache = ShardCache(tmp_path / "cache")
+    ds = ShardedDataset(ds_url, cache=cache, storage_options=opts)
+    loader = SlipstreamLoader(ds, batch_size=2, seed=9, rank=0, world_size=1, prefetch_batches=0, fetch_ahead=fetch_ahead)
+    it = iter(loader)
+    first = next(it)  # touches at most 2 shards by itself
+    deadline = time.monotonic() + 30
+    while fetch_ahead and len(_blobs(cache.dir)) < len(idx.shards) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if fetch_ahead:
+        assert len(_blobs(cache.dir)) == len(idx.shards)
+        assert loader._fetcher.planned == len(idx.shards) and loader._fetcher.failed == 0
+    else:
+        time.sleep(0.3)
+        assert len(_blobs(cache.dir)) <= 2
+    rows = sorted(int(r[0]) for b in [first, *it] for r in b)
+    assert rows == list(range(N))
+    assert cache.stats.downloads == len(idx.shards)  # fetching ahead never downloads a shard twice
+    loader.close()
+
+
+def test_fetch_ahead_stays_within_half_the_cache_limit(tmp_path, remote):
+    ds_url, opts, _, idx = remote
+    size = max(s.size_bytes for s in idx.shards)
+    cache = ShardCache(tmp_path / "cache", max_bytes=6 * size)
+    ds = ShardedDataset(ds_url, cache=cache, storage_options=opts)
+    loader = SlipstreamLoader(ds, batch_size=2, seed=9, rank=0, world_size=1, prefetch_batches=0, fetch_ahead=2)
+    it = iter(loader)
+    first = next(it)
+    assert loader._fetcher.planned == 3  # half of a six-shard cache
+    for f in loader._fetcher.futures:
+        f.result(timeout=30)
+    assert cache.used_bytes() <= cache.max_bytes
+    assert sorted(int(r[0]) for b in [first, *it] for r in b) == list(range(N))
+    assert cache.used_bytes() <= cache.max_bytes
+    loader.close()
+
+
 def test_checksum_failure_on_arrival(tmp_path, remote):
     ds_url, opts, client, idx = remote
     bucket, prefix = ds_url[len("s3://") :].split("/", 1)

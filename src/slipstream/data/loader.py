@@ -32,13 +32,15 @@ import queue
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+import numpy as np
 import torch.utils.data
 from torch.utils.data import default_collate
 
 from ..errors import ConfigError
-from .dataset import SkippedSample
+from .dataset import ShardedDataset, SkippedSample
 from .sampler import ResumableSampler
 
 _KEEP_ERRORS = 8
@@ -82,6 +84,10 @@ class SlipstreamLoader:
       ready (0: no thread, read on demand).
     * ``on_skip``: called with each skipped sample's error text when the
       dataset was opened with ``on_error="skip"``; batches then hold fewer samples.
+    * ``fetch_ahead``: for a ShardedDataset read from a URL through a cache,
+      threads that download the shards this rank will read, in order of first
+      use, while training runs (0: off). With a cache limit, at most half of
+      it is fetched ahead, so fetching ahead cannot evict what is being read.
     """
 
     def __init__(
@@ -103,7 +109,10 @@ class SlipstreamLoader:
         multiprocessing_context: Any = None,
         timeout_s: float = 0,
         on_skip: Callable[[str], None] | None = None,
+        fetch_ahead: int = 4,
     ):
+        if fetch_ahead < 0:
+            raise ConfigError(f"fetch_ahead must be >= 0, got {fetch_ahead}")
         if batch_size < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
         if prefetch_batches < 0:
@@ -145,6 +154,8 @@ class SlipstreamLoader:
         # workers to the cyclic GC, which can close their queues before telling
         # them to stop (10 s of join timeouts at exit).
         self._active: weakref.ref[_LoaderIter] | None = None
+        self.fetch_ahead = int(fetch_ahead)
+        self._fetcher: _FetchAhead | None = None
 
     # ------------------------------------------------------------- iteration
     @property
@@ -165,6 +176,9 @@ class SlipstreamLoader:
         self._stop_active()
         if self.sampler.epoch_done:
             self.sampler.set_epoch(self.sampler.epoch + 1)
+        ds = self.dataset
+        if self.fetch_ahead and isinstance(ds, ShardedDataset) and ds.cache is not None and not ds.source.is_local:
+            self._fetcher = _FetchAhead(ds, self.sampler, self.fetch_ahead)
         it = _LoaderIter(self)
         self._active = weakref.ref(it)
         return it
@@ -174,6 +188,9 @@ class SlipstreamLoader:
         if it is not None:
             it.close()
         self._active = None
+        if self._fetcher is not None:
+            self._fetcher.close()
+            self._fetcher = None
 
     def close(self) -> None:
         """Stop the prefetch thread and the worker processes (they restart on the next iter)."""
@@ -216,6 +233,44 @@ class SlipstreamLoader:
                     self.skipped_errors.append(e)
                 if self.on_skip is not None:
                     self.on_skip(e)
+
+
+class _FetchAhead:
+    """Downloads the shards this rank reads next into the node cache, in order of first use.
+
+    Runs in the training process; data-loader workers that need a shard being
+    fetched wait on its file lock and then find it cached. Failures are only
+    counted here: the reader's own fetch raises (or skips) with the full story.
+    """
+
+    def __init__(self, ds: ShardedDataset, sampler: ResumableSampler, workers: int):
+        cache, index = ds.cache, ds.index
+        samples = sampler.order()[sampler.positions() % sampler.num_samples]
+        shards = np.searchsorted(index.starts(), samples, side="right") - 1
+        _, first = np.unique(shards, return_index=True)
+        budget = cache.max_bytes // 2 if cache.max_bytes else None
+        plan, total = [], 0
+        for s in shards[np.sort(first)].tolist():
+            info = index.shards[s]
+            if cache.contains(info):
+                continue
+            if budget is not None and total + info.size_bytes > budget:
+                break
+            plan.append(info)
+            total += info.size_bytes
+        self.planned = len(plan)
+        self.failed = 0
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slipstream-fetch-ahead")
+        self.futures = [self._pool.submit(self._fetch, cache, ds.source, info) for info in plan]
+
+    def _fetch(self, cache, source, info) -> None:
+        try:
+            cache.fetch(source, info)
+        except Exception:  # noqa: BLE001 - reported by the reader that needs the shard
+            self.failed += 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 _BATCH, _END, _ERROR = 0, 1, 2
