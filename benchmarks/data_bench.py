@@ -14,7 +14,8 @@ What it does, all on this machine (no network but loopback):
    sum(data wait) / sum(step time), median over repeats. Side by side:
    warm cache with prefetch (the target: <= 2%), warm cache without any
    overlap (num_workers=0, prefetch_batches=0), and a cold cache (read-through,
-   first touch of each shard downloads it; measured from the first step).
+   measured from the first step) with and without the loader's fetch-ahead
+   threads (without them, the first touch of each shard downloads it).
 3. Prewarm throughput: ``prewarm`` into an empty cache (download + SHA-256 +
    atomic rename) against the raw read throughput of the same objects from the
    same server with the same number of parallel readers (s3fs cat_file,
@@ -113,7 +114,8 @@ def bench_wait(url, opts, work: Path, args, GPT) -> list[tuple[str, dict]]:
         ("warm cache, prefetch (num_workers=%d, prefetch_batches=2)" % args.num_workers, "warm", dict(num_workers=args.num_workers, prefetch_batches=2)),
         ("warm cache, no overlap (num_workers=0, prefetch_batches=0)", "warm", dict(num_workers=0, prefetch_batches=0)),
         # no warm-up steps here: the first steps are the ones that fetch shards
-        ("cold cache (read-through, from step 0), prefetch (num_workers=%d)" % args.num_workers, "cold", dict(num_workers=args.num_workers, prefetch_batches=2)),
+        ("cold cache (read-through, from step 0), prefetch, fetch_ahead=4", "cold", dict(num_workers=args.num_workers, prefetch_batches=2, fetch_ahead=4)),
+        ("cold cache (read-through, from step 0), prefetch, fetch_ahead=0", "cold", dict(num_workers=args.num_workers, prefetch_batches=2, fetch_ahead=0)),
     ]
     results = []
     for name, cache_kind, kw in cases:
