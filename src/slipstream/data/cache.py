@@ -88,6 +88,12 @@ class ShardCache:
     ``max_bytes`` limits the blobs kept (None: no limit). ``retries`` is how
     many times a download whose checksum fails is tried again before the
     DataIntegrityError is raised.
+
+    Example::
+
+        cache = ShardCache("/nvme/cache", max_bytes=50 << 30)
+        path = cache.fetch(Source("s3://bucket/tokens"), index.shards[0])   # verified local copy
+        print(cache.stats.hits, cache.stats.downloads)
     """
 
     def __init__(self, cache_dir: str | os.PathLike, max_bytes: int | None = None, *, retries: int = 2):

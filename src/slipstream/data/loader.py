@@ -88,6 +88,14 @@ class SlipstreamLoader:
       threads that download the shards this rank will read, in order of first
       use, while training runs (0: off). With a cache limit, at most half of
       it is fetched ahead, so fetching ahead cannot evict what is being read.
+
+    Example::
+
+        loader = SlipstreamLoader(ShardedDataset("/data/tokens"), batch_size=8, seed=0, num_workers=2)
+        for batch in loader:
+            train_step(batch)
+            recorder.add("data_wait_s", loader.last_wait_s)
+        ckpt["data"] = loader.state_dict()
     """
 
     def __init__(
