@@ -77,7 +77,7 @@ def floor_worker(steps: int, warmup: int) -> dict:
 
 
 def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps: int, warmup: int,
-                ifname: str | None, out: str) -> None:
+                ifname: str | None, out: str, bucket_cap_mb: float = 25.0) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -112,7 +112,7 @@ def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps:
                 psgd.powerSGD_hook,
             )
         else:
-            ddp = DDP(model, bucket_cap_mb=25)
+            ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
             if name == "torch_fp16":
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -198,7 +198,8 @@ class TwoNodes:
             _sh("ip", "netns", "del", ns, check=False)
 
 
-def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, timeout_s: float = 900) -> dict:
+def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, timeout_s: float = 900,
+             bucket_cap_mb: float = 25.0) -> dict:
     port = 20000 + os.getpid() % 20000
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
@@ -208,7 +209,8 @@ def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, ti
             cmd = ["ip", "netns", "exec", nodes.ns[rank], "taskset", "-c", str(rank % (os.cpu_count() or 1)),
                    sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--master", nodes.addrs[0],
                    "--port", str(port), "--strategies", ",".join(strategies), "--steps", str(steps),
-                   "--warmup", str(warmup), "--ifname", nodes.ifs[rank], "--out", out]
+                   "--warmup", str(warmup), "--ifname", nodes.ifs[rank], "--out", out,
+                   "--bucket-cap-mb", str(bucket_cap_mb)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
             logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
@@ -258,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per strategy (losses from step 0)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                    help="DDP bucket size for every strategy but torch_powersgd (one bucket: it aborts with more)")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--master", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -266,13 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     strategies = a.strategies.split(",")
     if a.worker is not None:
-        dist_worker(a.worker, a.master, a.port, strategies, a.steps, a.warmup, a.ifname, a.out)
+        dist_worker(a.worker, a.master, a.port, strategies, a.steps, a.warmup, a.ifname, a.out, a.bucket_cap_mb)
         return 0
     by_rate = {}
     with TwoNodes() as nodes:
         for rate in a.rates.split(","):
             nodes.shape(rate)
-            by_rate[rate] = run_pair(nodes, strategies, a.steps, a.warmup)
+            by_rate[rate] = run_pair(nodes, strategies, a.steps, a.warmup, bucket_cap_mb=a.bucket_cap_mb)
             print(f"{rate}: done", file=sys.stderr, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"rates": by_rate}))

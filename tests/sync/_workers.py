@@ -150,6 +150,14 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
                              check_every_steps=5)
         return {"mode": st.mode, "reason": st.fallback_reason, "stats": st.stats()}
 
+    def auto():
+        _, g, _, st, _ = run("auto", widths, 7, bucket_cap_mb=0.005, observe_steps=2)
+        mine = [st.mode, st.decision_summary(), sorted(st.decisions.items())]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        return {"mode": st.mode, "agree": all(e == everyone[0] for e in everyone), "decision": st.decision.explain(),
+                "same_on_ranks": same_on_all_ranks(g), "n_decisions": len(st.decisions)}
+
     def convergence():
         # A learnable task: a fixed random teacher labels the inputs.
         out = {}
@@ -163,9 +171,9 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
                           "error_ratio": s.get("sync_error_ratio")}
         return out
 
-    which = os.environ.get("SYNC_TEST_CHECKS", "equality,stress,roundtrip,guard,convergence").split(",")
+    which = os.environ.get("SYNC_TEST_CHECKS", "equality,stress,roundtrip,guard,auto,convergence").split(",")
     for name, fn in (("equality", equality), ("stress", stress), ("roundtrip", roundtrip), ("guard", guard),
-                     ("convergence", convergence)):
+                     ("auto", auto), ("convergence", convergence)):
         if name in which:
             _check(res, name, fn)
     if rank == 0:

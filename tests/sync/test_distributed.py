@@ -53,6 +53,13 @@ def test_guard_falls_back_with_reason(suite_results):
     assert r["stats"]["sync_compression_ratio"] == pytest.approx(1.0)  # uncompressed after the fallback
 
 
+def test_auto_decides_the_same_plan_on_every_rank(suite_results):
+    r = _ok(suite_results["auto"])
+    assert r["mode"] == "run", r  # observed 2 steps after DDP's first, then decided
+    assert r["agree"] and r["same_on_ranks"], r
+    assert r["n_decisions"] >= 2 and "predicted" in r["decision"], r
+
+
 CONVERGENCE_MARGIN = 0.05  # final loss within 5 % (relative) of uncompressed all-reduce's
 
 

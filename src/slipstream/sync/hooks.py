@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -407,9 +406,8 @@ class HookSync:
             return
         last = self._observed[-1]
         order = sorted(last.ready, key=lambda i: last.ready[i])
-        ready = [
-            statistics.median(s.ready[i] - s.t_backward_start for s in self._observed if i in s.ready) for i in order
-        ]
+        # Per bucket, the earliest ready time seen: the least disturbed by other processes.
+        ready = [min(s.ready[i] - s.t_backward_start for s in self._observed if i in s.ready) for i in order]
         costs = self._measure_costs(order, last)
         names = list(self.policy["candidates"])
         vec = torch.tensor(ready + [costs[(i, nm)] for i in order for nm in names], dtype=torch.float64)
