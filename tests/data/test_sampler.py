@@ -27,6 +27,18 @@ def test_order_is_deterministic_per_seed_and_epoch():
     assert list(ResumableSampler(10, shuffle=False, rank=0, world_size=1)) == list(range(10))
 
 
+def test_epoch_loop_semantics(ds):
+    loader = SlipstreamLoader(ds, batch_size=50, seed=1, rank=0, world_size=1)
+    e0 = _run(loader)
+    assert loader.state_dict()["epoch"] == 1
+    loader.set_epoch(0)  # asking for a finished epoch again replays it
+    assert _run(loader) == e0
+    loader.set_epoch(1)
+    e1 = _run(loader)
+    assert _run(loader) != e1  # a plain second loop moves on to epoch 2
+    assert loader.state_dict()["epoch"] == 3
+
+
 @pytest.mark.parametrize("n,world,drop_last", [(100, 4, False), (103, 4, False), (103, 4, True), (5, 3, False)])
 def test_ranks_split_the_epoch(n, world, drop_last):
     parts = [list(ResumableSampler(n, seed=1, rank=r, world_size=world, drop_last=drop_last)) for r in range(world)]

@@ -132,8 +132,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     # ------------------------------------------------------------- epochs and state
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (no-op when already in it)."""
-        if int(epoch) != self.epoch:
+        """Start ``epoch`` from its beginning; a no-op while inside it (a resumed epoch keeps its position)."""
+        if int(epoch) != self.epoch or self.epoch_done:
             self.epoch = int(epoch)
             self.start = 0
 
