@@ -77,7 +77,7 @@ def floor_worker(steps: int, warmup: int) -> dict:
 
 
 def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps: int, warmup: int,
-                ifname: str | None, out: str, bucket_cap_mb: float = 25.0) -> None:
+                ifname: str | None, out: str, bucket_cap_mb: float = 25.0, rounds: int = 1) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -95,10 +95,20 @@ def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps:
     x, y = _batch(rank)
     # The compute floor, in this process, on this core, at this time: both ranks
     # compute with no communication, as in a step where communication is free.
-    dist.barrier()
-    results["floor"] = floor_worker(steps, warmup)
-    dist.barrier()
-    for name in strategies:
+    # Rounds alternate the order, so slow drifts of the shared machine fall on every strategy;
+    # the floor is measured in every round too.
+    names = ["floor", *strategies]
+    plan = [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
+    for name in plan:
+        if name == "floor":
+            dist.barrier()
+            rec = floor_worker(steps, warmup)
+            dist.barrier()
+            if name in results:
+                results[name]["step_s"] += rec["step_s"]
+            else:
+                results[name] = rec
+            continue
         torch.manual_seed(0)
         model = build_model()
         state = None
@@ -147,7 +157,10 @@ def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps:
                 rec["decision"] = state.decision.explain()
             if hasattr(state, "close"):
                 state.close()
-        results[name] = rec
+        if name in results:  # a later round: pool the step times, keep the first round's curve
+            results[name]["step_s"] += rec["step_s"]
+        else:
+            results[name] = rec
         del ddp, model, opt
     if rank == 0:
         Path(out).write_text(json.dumps(results))
@@ -199,7 +212,7 @@ class TwoNodes:
 
 
 def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, timeout_s: float = 900,
-             bucket_cap_mb: float = 25.0) -> dict:
+             bucket_cap_mb: float = 25.0, rounds: int = 1) -> dict:
     port = 20000 + os.getpid() % 20000
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
@@ -210,7 +223,7 @@ def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, ti
                    sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--master", nodes.addrs[0],
                    "--port", str(port), "--strategies", ",".join(strategies), "--steps", str(steps),
                    "--warmup", str(warmup), "--ifname", nodes.ifs[rank], "--out", out,
-                   "--bucket-cap-mb", str(bucket_cap_mb)]
+                   "--bucket-cap-mb", str(bucket_cap_mb), "--rounds", str(rounds)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
             logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
@@ -260,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per strategy (losses from step 0)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write raw results here")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the strategies, alternating order; pooled medians")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="DDP bucket size for every strategy but torch_powersgd (one bucket: it aborts with more)")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
@@ -270,13 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     strategies = a.strategies.split(",")
     if a.worker is not None:
-        dist_worker(a.worker, a.master, a.port, strategies, a.steps, a.warmup, a.ifname, a.out, a.bucket_cap_mb)
+        dist_worker(a.worker, a.master, a.port, strategies, a.steps, a.warmup, a.ifname, a.out, a.bucket_cap_mb, a.rounds)
         return 0
     by_rate = {}
     with TwoNodes() as nodes:
         for rate in a.rates.split(","):
             nodes.shape(rate)
-            by_rate[rate] = run_pair(nodes, strategies, a.steps, a.warmup, bucket_cap_mb=a.bucket_cap_mb)
+            by_rate[rate] = run_pair(nodes, strategies, a.steps, a.warmup, bucket_cap_mb=a.bucket_cap_mb, rounds=a.rounds)
             print(f"{rate}: done", file=sys.stderr, flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps({"rates": by_rate}))
