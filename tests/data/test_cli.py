@@ -65,6 +65,12 @@ def test_prewarm_from_s3_with_progress_and_limit(tmp_path, s3, capsys, monkeypat
     assert main(args + ["--no-progress"]) == 0
     assert f"{len(idx.shards)} already cached, 0 downloaded" in capsys.readouterr().out
 
+    # The endpoint can come from the environment, as in the job renderer's init containers.
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    assert main(["data", "prewarm", ds_url, "--cache", str(tmp_path / "env"), "--no-progress"]) == 0
+    assert f"{len(idx.shards)} downloaded" in capsys.readouterr().out
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+
     # A limit smaller than the dataset keeps at most that much.
     limit_gb = 3 * max(s.size_bytes for s in idx.shards) / 1e9
     small = tmp_path / "small"
