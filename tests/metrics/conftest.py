@@ -11,7 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "distributed"))  # harness.run_ranks
 sys.path.insert(0, HERE)  # metrics_workers, importable in spawned ranks too
 
-from metrics_workers import LOG_EVERY, SLEEP_S, STEPS  # noqa: E402
+from metrics_workers import LOG_EVERY, SLEEP_S, STEPS
 
 
 @pytest.fixture(scope="session")

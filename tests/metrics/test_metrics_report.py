@@ -33,7 +33,7 @@ def render(html_path: str, png_path: str, height: int = 3000) -> list[str]:
     proc = subprocess.run(
         [exe, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--enable-logging=stderr",
          "--v=0", f"--window-size=1100,{height}", f"--screenshot={png_path}", "file://" + os.path.abspath(html_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, check=False,
     )
     assert os.path.exists(png_path), proc.stderr[-2000:]
     return [line for line in proc.stderr.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
@@ -66,7 +66,8 @@ def report(two_rank_run, tmp_path_factory):
 
 def test_page_is_self_contained_and_complete(report):
     run_dir, out = report
-    page = open(out, encoding="utf-8").read()
+    with open(out, encoding="utf-8") as f:
+        page = f.read()
     assert "<script" not in page.lower() and "<link" not in page.lower()
     for ref in re.findall(r"""(?:src|href)\s*=\s*['"]([^'"]+)""", page):
         assert ref.startswith("data:"), ref  # nothing fetched
@@ -84,7 +85,8 @@ def test_page_is_self_contained_and_complete(report):
     for name in pngs:
         with open(os.path.join(os.path.dirname(out), "report", name), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-    trace = json.load(open(os.path.join(run_dir, "timeline.json")))
+    with open(os.path.join(run_dir, "timeline.json")) as f:
+        trace = json.load(f)
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
 
 

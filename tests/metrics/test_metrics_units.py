@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 import pytest
 import torch
 from torch import nn
 
-from slipstream.metrics.profiler import CudaClock, StepProfiler, model_flops, process_rss_bytes, window_means
+from slipstream.metrics.profiler import (
+    CudaClock,
+    StepProfiler,
+    model_flops,
+    process_rss_bytes,
+    window_means,
+)
 from slipstream.metrics.straggler import StragglerDetector
 
 
@@ -91,7 +98,7 @@ class FakeEvent:
     """Stands in for torch.cuda.Event: records the simulated device time."""
 
     device_t = 0.0
-    synced: list = []
+    synced: ClassVar[list] = []
 
     def __init__(self, enable_timing=True):
         self.t = None

@@ -10,4 +10,4 @@ from .recorder import StepRecorder
 from .sinks import ConsoleSink, JsonlSink, Sink
 from .straggler import StragglerDetector, Verdict
 
-__all__ = ["ConsoleSink", "JsonlSink", "PHASES", "Sink", "StepProfiler", "StepRecorder", "StragglerDetector", "Verdict"]
+__all__ = ["PHASES", "ConsoleSink", "JsonlSink", "Sink", "StepProfiler", "StepRecorder", "StragglerDetector", "Verdict"]

@@ -47,8 +47,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -326,9 +327,9 @@ def model_flops(
 
 __all__ = [
     "BUSY_PHASES",
+    "PHASES",
     "CudaClock",
     "HostClock",
-    "PHASES",
     "Span",
     "StepProfiler",
     "default_peak_flops",

@@ -65,7 +65,12 @@ class PrometheusSink:
     """Serves the latest record on ``http://ADDR:PORT/metrics`` (a daemon thread)."""
 
     def __init__(self, rank: int, port: int, addr: str = "127.0.0.1") -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+        from prometheus_client import (
+            CollectorRegistry,
+            Counter,
+            Gauge,
+            start_http_server,
+        )
 
         self.rank = rank
         self.registry = CollectorRegistry()

@@ -31,12 +31,21 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError, UsageError
-from .profiler import CudaClock, HostClock, StepProfiler, default_peak_flops, model_flops, process_rss_bytes, window_means
+from .profiler import (
+    CudaClock,
+    HostClock,
+    StepProfiler,
+    default_peak_flops,
+    model_flops,
+    process_rss_bytes,
+    window_means,
+)
 from .sinks import ConsoleSink, JsonlSink, Sink
 from .straggler import GATHERED, StragglerDetector, gather_vectors
 from .timeline import TimelineWriter

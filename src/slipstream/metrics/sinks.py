@@ -69,7 +69,13 @@ class ConsoleSink:
         tty = sys.stderr.isatty()
         self._bar = None
         if use_progress_bar if use_progress_bar is not None else tty:
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._bar = Progress(
                 TextColumn("[bold]train"),

@@ -22,7 +22,8 @@ import glob
 import json
 import os
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .profiler import COMM_PHASES, Span
 

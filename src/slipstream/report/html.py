@@ -127,11 +127,11 @@ def _phase_table(run: Run) -> str:
             f"<tr><td>{r}</td>{cells}<td class='num'>{(busy or 0) * 1e3:.2f}</td>"
             f"<td class='num'>{(step or 0) * 1e3:.2f}</td></tr>"
         )
-    return (
-        "<table><tr><th>rank</th>" + head + "<th>busy</th><th>step</th></tr>" + "".join(body) + "</table>"
+    note = (
         "<p class='sub'>Milliseconds per step, median over the log windows after the first. "
         "busy = data wait + forward + backward + optimizer (time outside gradient synchronisation).</p>"
     )
+    return "<table><tr><th>rank</th>" + head + "<th>busy</th><th>step</th></tr>" + "".join(body) + "</table>" + note
 
 
 def render_html(run: Run, png_dir: str | None = None) -> tuple[str, list[str]]:
@@ -142,8 +142,10 @@ def render_html(run: Run, png_dir: str | None = None) -> tuple[str, list[str]]:
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         f"<title>Slipstream run report: {html.escape(os.path.basename(os.path.abspath(run.run_dir)))}</title>",
         f"<style>{_CSS}</style></head><body>",
-        f"<h1>Slipstream run report</h1><div class='sub'>{html.escape(os.path.abspath(run.run_dir))} &middot; "
-        f"generated {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</div>",
+        (
+            f"<h1>Slipstream run report</h1><div class='sub'>{html.escape(os.path.abspath(run.run_dir))} &middot; "
+            f"generated {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}</div>"
+        ),
     ]
     if s["hang"]:
         parts.append(f"<h2>Hang diagnosis</h2><div class='alert'><pre>{html.escape(s['hang'])}</pre></div>")
