@@ -147,3 +147,17 @@ def test_timeline_cut_short_still_loads(tmp_path):
     events = load_events(str(tmp_path / "rank0.json"))
     assert [e["name"] for e in events if e["ph"] == "X"] == ["forward"]
     assert os.path.getsize(tmp_path / "rank0.json") > 0
+
+
+def test_profiler_phases_win_over_a_component_figure_of_the_same_name(tmp_path):
+    model = nn.Linear(4, 2)
+    rec = StepRecorder(rank=0, world_size=1, run_dir=None, log_every_steps=2, progress=False, sinks=[])
+    rec.attach(model)
+    rec.sources.append(lambda: {"data_wait_s": 123.0, "data_wait_s_total": 456.0})
+    for _ in range(2):
+        rec.add("data_wait_s", 99.0)  # a loader reporting its own wait, summed
+        t = rec.begin("forward"); model(torch.randn(2, 4)); rec.end("forward", t)
+        record = rec.end_step()
+    assert record["data_wait_s"] < 1.0 and record["data_wait_s_total"] == 456.0
+    assert record["data_wait_s"] + record["forward_s"] + record["other_s"] == pytest.approx(record["step_time_s"])
+    rec.close()

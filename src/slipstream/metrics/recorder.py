@@ -261,13 +261,13 @@ class StepRecorder:
         record["tokens_per_s"] = self._tokens * self.world_size / elapsed if self._tokens else None
         record["samples"] = self._samples  # this rank, this window
         record["tokens"] = self._tokens
+        means: dict[str, float] = {}
         if self.profiler is not None:
             rows = self.profiler.resolve()  # reads CUDA events: the window's one wait
             means = window_means(rows)
             if means:
                 covered = sum(v for k, v in means.items() if k != "busy_s")
                 means["other_s"] = max(0.0, record["step_time_s"] - covered)
-                record.update(means)
                 for k, v in means.items():
                     self._phase_totals[k] = self._phase_totals.get(k, 0.0) + v * len(rows)
                 self._phase_steps += len(rows)
@@ -289,6 +289,9 @@ class StepRecorder:
         for source in self.sources:
             record.update(source())
         record.update(fields)
+        # The profiler's per-step phases win over a component's figure of the same
+        # name (a data loader's own data_wait_s), so the breakdown adds up.
+        record.update(means)
         for key, value in record.items():
             if isinstance(value, torch.Tensor):
                 record[key] = value.item()  # read back here, once per log window
