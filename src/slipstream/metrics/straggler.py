@@ -116,6 +116,8 @@ def gather_vectors(values: Sequence[float], device: torch.device) -> list[list[f
     """
     import torch.distributed as dist
 
+    if dist.get_backend() != "nccl":
+        device = torch.device("cpu")  # gloo (and mpi) gather host tensors
     mine = torch.tensor(list(values), dtype=torch.float64, device=device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(out, mine)
