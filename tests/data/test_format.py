@@ -248,3 +248,16 @@ def test_every_single_byte_corruption_is_caught_or_harmless(tmp_path):
 
 def test_file_url_is_a_local_path(numbered):
     assert int(ShardedDataset("file://" + numbered)[7][0]) == 7
+
+
+@pytest.mark.parametrize("field,value", [("file", "../../etc/passwd"), ("file", "a/b.slp"), ("sha256", "../x"), ("sha256", "AB" * 32)])
+def test_index_with_unsafe_names_is_refused(numbered, field, value):
+    import json
+
+    p = os.path.join(numbered, "index.json")
+    d = json.load(open(p))
+    d["shards"][0][field] = value
+    with open(p, "w") as f:
+        json.dump(d, f)
+    with pytest.raises(DataIntegrityError, match="unsafe shard entry"):
+        ShardedDataset(numbered)

@@ -292,6 +292,8 @@ class ShardCache:
             return True
         except FileNotFoundError:
             return False
+        except PermissionError:  # a cache filled by another user: usable, not ours to reorder
+            return os.path.exists(path)
 
     # ------------------------------------------------------------- index
     def load_index(self, source: Source) -> Index:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ TABLE_DTYPE = np.dtype([("offset", "<u8"), ("length", "<u8"), ("crc32", "<u4"), 
 ALIGN_BYTES = 8
 
 DEFAULT_SHARD_SIZE_BYTES = 64 << 20
+_SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class DataIntegrityError(SlipstreamError):
@@ -185,7 +188,16 @@ class Index:
                 f"{where}: format version {d.get('version')} is not supported (this Slipstream reads {FORMAT_VERSION})",
                 shard=where,
             )
-        shards = [ShardInfo(s["file"], int(s["num_samples"]), int(s["size_bytes"]), s["sha256"]) for s in d["shards"]]
+        try:
+            shards = [ShardInfo(str(s["file"]), int(s["num_samples"]), int(s["size_bytes"]), str(s["sha256"])) for s in d["shards"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise DataIntegrityError(f"{where}: malformed shard entry ({exc!r})", shard=where) from None
+        for s in shards:
+            # Names become paths (the source's, the cache's): plain names and hex digests only.
+            if not _SAFE_NAME.fullmatch(s.file) or s.file in (".", "..") or not _SHA256_HEX.fullmatch(s.sha256):
+                raise DataIntegrityError(f"{where}: unsafe shard entry file={s.file!r} sha256={s.sha256!r}", shard=where)
+            if s.num_samples < 0 or s.size_bytes < 0:
+                raise DataIntegrityError(f"{where}: negative sizes in the entry of {s.file}", shard=where)
         idx = cls(
             shards=shards,
             fields=tuple(Field.from_json(f) for f in d.get("fields") or ()),
