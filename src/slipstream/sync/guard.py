@@ -60,14 +60,13 @@ class ConvergenceGuard:
         self.checks = 0
 
     def observe_loss(self, loss: float | torch.Tensor) -> None:
-        """Report this rank's loss for the step (any thread; a tensor is read here)."""
-        value = float(loss)
-        if not math.isfinite(value):
-            value = float("inf")
+        """Report this rank's loss for the step. A tensor stays on its device until the
+        next check (no host sync per step)."""
+        value = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
         if self.compressing:
             self.recent.append(value)
         else:
-            self.baseline_sum += value
+            self.baseline_sum = self.baseline_sum + value
             self.baseline_count += 1
 
     def check(self, wire: Wire, codecs: Iterable[Codec]) -> str | None:
@@ -77,9 +76,10 @@ class ConvergenceGuard:
         grad = sum(float(c.grad_sq) for c in codecs if c.error_feedback)
         for c in codecs:
             c.reset_signal()
-        recent = list(self.recent)
+        recent = [float(x) for x in self.recent]  # one host read per check, not per step
+        recent = [x if math.isfinite(x) else float("inf") for x in recent]
         v = torch.tensor(
-            [res, grad, self.baseline_sum, float(self.baseline_count), sum(recent), float(len(recent))],
+            [res, grad, float(self.baseline_sum), float(self.baseline_count), sum(recent), float(len(recent))],
             dtype=torch.float64,
         )
         wire.allreduce(v)
@@ -104,9 +104,9 @@ class ConvergenceGuard:
     def state_dict(self) -> dict[str, Any]:
         return {
             "compressing": self.compressing,
-            "baseline_sum": self.baseline_sum,
+            "baseline_sum": float(self.baseline_sum),
             "baseline_count": self.baseline_count,
-            "recent": list(self.recent),
+            "recent": [float(x) for x in self.recent],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
