@@ -206,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slipstream", help="comma list of Slipstream strategies to add (or 'all')")
     p.add_argument("--repeats", type=int)
     p.add_argument("--steps", type=int)
+    p.add_argument("--collectives", metavar="TOPO@LINK[:MAXBYTES],...",
+                   help="collective runs instead of the preset's, e.g. 2x2@1gbit:64M")
+    p.add_argument("--bucket-sweep", help="DDP bucket sizes (MiB) to tune over, e.g. 5,25 (one value: no tuning)")
     p.add_argument("--no-collectives", action="store_true")
     p.add_argument("--no-training", action="store_true")
     p.add_argument("--out", default=None, help="results directory (default benchmarks/results/<UTC time>)")
@@ -221,6 +224,10 @@ def main(argv: list[str] | None = None) -> int:
 
     preset = dict(PRESETS["full" if args.full else "quick"])
     preset_name = "full" if args.full else "quick"
+    if args.collectives:
+        preset["collectives"] = [_collective_spec(c) for c in args.collectives.split(",") if c]
+    if args.bucket_sweep:
+        preset["bucket_sweep"] = args.bucket_sweep
     for key in ("repeats", "steps"):
         if getattr(args, key) is not None:
             preset[key] = getattr(args, key)
@@ -299,6 +306,14 @@ def main(argv: list[str] | None = None) -> int:
     report.render(results, out, update_markdown=not args.no_markdown)
     print(f"results: {out / 'results.json'} ({results['meta']['wall_s']:.0f} s)", file=sys.stderr)
     return 0
+
+
+def _collective_spec(text: str) -> dict:
+    """``"2x2@1gbit:64M"`` -> {"topology": "2x2", "link": "1gbit", "max_bytes": "64M", "iters": 5}."""
+    topo, _, rest = text.partition("@")
+    link, _, max_bytes = rest.partition(":")
+    parse_topology(topo)
+    return {"topology": topo, "link": link or "unshaped", "max_bytes": max_bytes or "16M", "iters": 5}
 
 
 def _save(results: dict, out: Path) -> None:

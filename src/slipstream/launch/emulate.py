@@ -36,7 +36,7 @@ Example::
 
     with EmulatedCluster(2, link="200mbit") as cluster:   # for tests and benchmarks
         cluster.run(LaunchOptions("train.py"), procs_per_node=1)
-        cluster.cut_link(1)        # node 1 is partitioned away (packets vanish)
+        cluster.cut_link(1)        # node 1 is partitioned away (its packets vanish)
         cluster.restore_link(1)
         cluster.tx_bytes(0)        # bytes node 0 has sent on its shaped link
 """
@@ -58,8 +58,9 @@ from dataclasses import dataclass, field
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
 from .api import LaunchOptions
 
-NS_PREFIX = "ss-"
-"""Every namespace this module creates starts with this."""
+NS_PREFIX = os.environ.get("SLIPSTREAM_EMULATE_NS_PREFIX", "ss-")
+"""Every namespace this module creates starts with this (tests set their own, to tell their
+namespaces from those of runs going on beside them)."""
 RDZV_PORT = 29400
 """Rendezvous port on node 0; free by construction, the namespace is new."""
 ADDR_PREFIX = "198.18"
@@ -155,21 +156,25 @@ def missing_privileges() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"the '{tool}' command (iproute2) is not installed"
-    if os.geteuid() == 0:
-        return None
+    # Capabilities, not the user id, decide: root in a container may lack them.
     try:
         with open("/proc/self/status") as fh:
-            caps = next((int(line.split()[1], 16) for line in fh if line.startswith("CapEff:")), 0)
+            caps = next((int(line.split()[1], 16) for line in fh if line.startswith("CapEff:")), None)
     except OSError:
-        caps = 0
+        caps = None
+    if caps is None:
+        caps = ~0 if os.geteuid() == 0 else 0
     needed = (1 << _CAP_NET_ADMIN) | (1 << _CAP_SYS_ADMIN)
     if caps & needed != needed:
-        return "it needs root, or CAP_NET_ADMIN and CAP_SYS_ADMIN (ip netns add mounts a namespace)"
+        who = "root without those capabilities" if os.geteuid() == 0 else f"user id {os.geteuid()}"
+        return (f"it needs root with CAP_NET_ADMIN and CAP_SYS_ADMIN (ip netns add mounts a namespace), "
+                f"and this process is {who}")
     return None
 
 
-def list_namespaces(prefix: str = NS_PREFIX) -> list[str]:
-    """Names of network namespaces starting with ``prefix`` (``ip netns list``)."""
+def list_namespaces(prefix: str | None = None) -> list[str]:
+    """Names of network namespaces starting with ``prefix`` (default :data:`NS_PREFIX`)."""
+    prefix = NS_PREFIX if prefix is None else prefix
     try:
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.TimeoutExpired):
@@ -213,6 +218,8 @@ class EmulatedCluster:
         if not re.fullmatch(r"[0-9a-z]{1,8}", self.run_id):
             raise UsageError(f"run id must be 1-8 lower-case letters or digits, got {self.run_id!r}")
         self.link_bits_per_s = parse_rate(self.link)
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", NS_PREFIX):
+            raise UsageError(f"namespace prefix must be 1-40 letters, digits, '_', '.' or '-', got {NS_PREFIX!r}")
         subnet = int(self.run_id, 36) % 250 + 1
         self.switch_ns = f"{NS_PREFIX}{self.run_id}-sw"
         self.bridge = "ssbr"
@@ -325,19 +332,23 @@ class EmulatedCluster:
         self.link, self.link_bits_per_s = format_rate(bits), bits
 
     def cut_link(self, node: int) -> None:
-        """Partition node ``node`` away: its bridge port stops forwarding, its packets vanish.
+        """Partition node ``node`` away: its port leaves the bridge, its packets vanish.
 
-        The node's own interface stays up (no carrier loss), as when a switch or
-        a route fails: the node's TCP connections see silence, not an error.
+        The port and the node's interface stay up (no carrier loss), as when a
+        switch or a route fails: the node's TCP connections see silence, not an
+        error. (Setting the bridge port's STP state to disabled is silently
+        undone by the kernel when STP is off, and tc drop actions are not in
+        every kernel, ours included; unplugging the port from the bridge works
+        everywhere.)
         """
         port = self.node_list[node].port
-        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "type", "bridge_slave", "state", "0")
+        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "nomaster")
         self._cut.add(node)
 
     def restore_link(self, node: int) -> None:
-        """Undo :meth:`cut_link`: the bridge port forwards again."""
+        """Undo :meth:`cut_link`: the port joins the bridge again and forwards at once (STP is off)."""
         port = self.node_list[node].port
-        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "type", "bridge_slave", "state", "3")
+        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "master", self.bridge)
         self._cut.discard(node)
 
     def tx_bytes(self, node: int, ifname: str | None = None) -> int:

@@ -1,0 +1,167 @@
+"""Pure parts of the emulated cluster, the benchmark report and `slipstream bench` (no root, milliseconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from benchmarks import report
+from slipstream.bench import cli as bench_cli
+from slipstream.errors import UsageError
+from slipstream.launch import emulate
+
+
+def test_parse_shape():
+    assert emulate.parse_shape("2x2") == (2, 2)
+    assert emulate.parse_shape(" 4X1 ") == (4, 1)
+    for bad in ("2", "0x1", "2x0", "axb", "", "2x2x2"):
+        with pytest.raises(UsageError):
+            emulate.parse_shape(bad)
+
+
+def test_parse_and_format_rate():
+    assert emulate.parse_rate("1gbit") == 10**9
+    assert emulate.parse_rate("200mbit") == 200 * 10**6
+    assert emulate.parse_rate("5G") == 5 * 10**9
+    assert emulate.parse_rate("2.5gbit") == 2_500_000_000
+    assert emulate.parse_rate("unshaped") is None and emulate.parse_rate(None) is None
+    for bad in ("fast", "1gbyte", "5bit", "-1gbit"):
+        with pytest.raises(UsageError):
+            emulate.parse_rate(bad)
+    for text in ("1gbit", "200mbit", "5gbit", "unshaped", "1500kbit"):
+        assert emulate.format_rate(emulate.parse_rate(text)) == text
+
+
+def test_tbf_burst_holds_a_gso_segment_and_scales_with_rate():
+    slow = emulate.tbf_args(10**7)
+    fast = emulate.tbf_args(10**10)
+    assert slow[:2] == ["rate", "10000000bit"] and int(slow[3]) >= 64 * 1024
+    assert int(fast[3]) == 10**10 // 8 * 4 // 1000  # 4 ms of traffic
+
+
+def test_names_are_unique_and_fit_interface_limits():
+    a, b = emulate.EmulatedCluster(3, "1gbit"), emulate.EmulatedCluster(3, "1gbit")
+    assert set(a.namespaces).isdisjoint(b.namespaces)
+    assert all(ns.startswith(emulate.NS_PREFIX) for ns in a.namespaces)
+    assert all(len(n.ifname) <= 15 and len(n.port) <= 15 for n in a.node_list)
+    assert len({n.addr for n in a.node_list}) == 3
+    assert all(n.addr.startswith("198.18.") for n in a.node_list)
+
+
+def test_agent_command_line():
+    from slipstream.launch import LaunchOptions
+
+    c = emulate.EmulatedCluster(2, "1gbit", run_id="abc123")
+    argv = c.agent_argv(1, LaunchOptions("train.py", ["--steps", "3"], max_restarts=2), procs_per_node=2)
+    joined = " ".join(argv)
+    assert "--nnodes 2 --node-rank 1" in joined and "-n 2" in joined and "--max-restarts 2" in joined
+    assert f"--rdzv-endpoint {c.node_list[0].addr}:{emulate.RDZV_PORT}" in joined
+    assert f"--local-addr {c.node_list[1].addr}" in joined
+    assert argv[-4:] == ["train.py", "--", "--steps", "3"]
+    assert c.exec_argv(1, ["x"]) == ["ip", "netns", "exec", "ss-abc123-n1", "x"]
+    assert c.node_env(1, {})["GLOO_SOCKET_IFNAME"] == "ssn1"
+
+
+def test_cli_refuses_without_privileges(monkeypatch, tmp_path, capsys):
+    from slipstream.cli import main
+
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    monkeypatch.setattr(emulate, "missing_privileges", lambda: "it needs root, or CAP_NET_ADMIN")
+    code = main(["run", "--emulate", "2x1", "--link", "1gbit", str(script)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--emulate cannot build a cluster here: it needs root" in err and "Traceback" not in err
+
+
+def test_cli_rejects_bad_shape_and_rate(tmp_path, capsys):
+    from slipstream.cli import main
+
+    script = tmp_path / "t.py"
+    script.write_text("print('hi')\n")
+    assert main(["run", "--emulate", "2by2", str(script)]) == 2
+    assert "--emulate must be NODESxPROCS" in capsys.readouterr().err
+    assert main(["run", "--emulate", "2x1", "--link", "quick", str(script)]) == 2
+    assert "--link must be a rate" in capsys.readouterr().err
+
+
+# --- benchmark report ---------------------------------------------------------
+
+
+def _run(system, step_s, losses, wire=None, rep=0):
+    return {
+        "system": system, "repeat": rep, "steps": len(losses), "warmup_steps": 1, "losses": losses,
+        "step_times_s": [step_s] * len(losses), "step_times_max_s": [step_s] * len(losses),
+        "median_step_s": step_s, "wire_bytes_per_step_per_node": {"0": wire, "1": wire},
+        "loopback_bytes_per_step_per_node": {"0": 0, "1": 0}, "sync_stats": None,
+    }
+
+
+def test_summary_ratios_and_time_to_target():
+    losses_ddp = [2.0, 1.8, 1.6, 1.4, 1.2, 1.0, 0.9, 0.8]
+    doc = {
+        "kind": "train", "workload": "mlp", "topology": "2x1", "link": "1gbit", "samples_per_step": 128,
+        "runs": [
+            _run("floor", 0.1, [2.0] * 8, 0),
+            *[_run("ddp", 0.4, losses_ddp, 3.0e7, rep) for rep in range(3)],
+            *[_run("fast", 0.2, [l + 0.05 for l in losses_ddp], 1.0e7, rep) for rep in range(3)],
+            *[_run("never", 0.1, [2.0] * 8, 1.0e6, rep) for rep in range(3)],
+        ],
+    }
+    rows = {r["system"]: r for r in report.summarize_train(doc)}
+    assert rows["ddp"]["x_ddp"] == pytest.approx(1.0)
+    assert rows["fast"]["x_ddp"] == pytest.approx(0.5) and rows["fast"]["x_floor"] == pytest.approx(2.0)
+    assert rows["ddp"]["samples_per_s"] == pytest.approx(320)
+    assert rows["fast"]["wire_MB_per_step_node"] == pytest.approx(10.0)
+    w = 2  # min(5, 8 // 4)
+    target = sum(losses_ddp[-w:]) / w
+    assert rows["ddp"]["target_loss"] == pytest.approx(target)
+    # DDP reaches its own final (smoothed) loss at the last step: 8 steps x 0.4 s
+    assert rows["ddp"]["time_to_target_s"] == pytest.approx(3.2)
+    assert rows["never"]["time_to_target_s"] is None and rows["never"]["reached"] == "0/3"
+    assert rows["fast"]["time_to_target_s"] is None  # its loss stays 0.05 above DDP's
+    table = report.train_table(doc)
+    assert "| never |" in table and "not reached" in table
+
+
+def test_update_markdown_keeps_hand_written_text(tmp_path):
+    md = tmp_path / "B.md"
+    md.write_text(f"# T\n\nmine above\n\n{report.MARK_BEGIN}\nold\n{report.MARK_END}\n\nmine below\n")
+    report.update_benchmarks_md("new table", md)
+    text = md.read_text()
+    assert "mine above" in text and "mine below" in text and "new table" in text and "old" not in text
+    report.update_benchmarks_md("newer", md)
+    assert md.read_text().count(report.MARK_BEGIN) == 1 and "new table" not in md.read_text()
+
+
+# --- slipstream bench -----------------------------------------------------------
+
+
+def test_bench_options_after_script_args_are_taken():
+    ns = argparse.Namespace(sync="allreduce", emulate=None, link="unshaped", nproc_per_node=2, repeats=1,
+                            timeout_s=10.0, json=None, module=False)
+    rest = bench_cli.split_own_options(["--steps", "5", "--sync=a,b", "-n", "3", "--", "--sync", "x"], ns)
+    assert rest == ["--steps", "5", "--sync", "x"]
+    assert ns.sync == "a,b" and ns.nproc_per_node == "3"
+
+
+def test_bench_parses_jsonl_metrics(tmp_path):
+    (tmp_path / "metrics").mkdir()
+    recs = [{"step": 10, "samples_per_s": 5.0, "loss": 2.0}, {"step": 20, "samples_per_s": 100.0, "loss": 1.5},
+            {"step": 30, "samples_per_s": 120.0, "loss": 1.2}, {"step": 40, "samples_per_s": 110.0, "loss": 1.1}]
+    (tmp_path / "metrics" / "rank0.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\nnot json\n")
+    rate, loss = bench_cli.parse_metrics(tmp_path)
+    assert rate == 110.0 and loss == 1.1  # first window dropped, median of the rest
+    assert bench_cli.parse_metrics(tmp_path / "missing") == (None, None)
+
+
+def test_bench_table_ratios():
+    a = bench_cli.BenchResult("allreduce", wall_s=[20.0], samples_per_s=[100.0], final_loss=[1.0], exit_codes=[0])
+    b = bench_cli.BenchResult("auto", wall_s=[10.0], samples_per_s=[250.0], final_loss=[1.1], exit_codes=[0])
+    c = bench_cli.BenchResult("topk", exit_codes=[1])
+    table = bench_cli.format_table([a, b, c], "1 node x 2")
+    line = next(l for l in table.splitlines() if l.startswith("auto"))
+    assert "250.0" in line and "2.50" in line and "2.00" in line
+    assert "failed (exit 1)" in table
