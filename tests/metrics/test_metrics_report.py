@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 from metrics_workers import IN_CI
@@ -124,3 +125,14 @@ def test_report_skips_a_line_cut_short(two_rank_run, tmp_path):
     run = load_run(str(run_dir))
     assert run.bad_lines == 1 and max(r["step"] for r in run.ranks[0]) < 99
     assert run.summary()["ranks"] == 2
+
+
+def test_missing_chromium_fails_in_ci_instead_of_skipping(monkeypatch):
+    me = sys.modules[__name__]
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(me, "IN_CI", True)
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        me._chromium()
+    monkeypatch.setattr(me, "IN_CI", False)
+    with pytest.raises(pytest.skip.Exception):
+        me._chromium()

@@ -161,3 +161,14 @@ def test_profiler_phases_win_over_a_component_figure_of_the_same_name(tmp_path):
     assert record["data_wait_s"] < 1.0 and record["data_wait_s_total"] == 456.0
     assert record["data_wait_s"] + record["forward_s"] + record["other_s"] == pytest.approx(record["step_time_s"])
     rec.close()
+
+
+def test_timeline_samples_steps_after_the_first_ones(tmp_path):
+    from slipstream.metrics.profiler import Span
+    from slipstream.metrics.timeline import TimelineWriter
+
+    tl = TimelineWriter(str(tmp_path / "rank0.json"), rank=0, full_steps=5, sample_every=10)
+    tl.write_spans([Span("forward", float(i), 0.1, i) for i in range(1, 41)])
+    tl.close()
+    steps = [e["args"]["step"] for e in load_events(str(tmp_path / "rank0.json")) if e["ph"] == "X"]
+    assert steps == [1, 2, 3, 4, 5, 10, 20, 30, 40]

@@ -31,10 +31,15 @@ COMPUTE_TID, COMM_TID = 1, 2
 
 
 class TimelineWriter:
-    def __init__(self, path: str, rank: int) -> None:
+    """Streams one rank's spans. Every step up to ``full_steps``, then one step in
+    ``sample_every`` (about 1 KB per step written: a long run stays loadable)."""
+
+    def __init__(self, path: str, rank: int, full_steps: int = 2000, sample_every: int = 100) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.rank = rank
+        self.full_steps = full_steps
+        self.sample_every = sample_every
         # One anchor: host perf_counter -> wall clock, so ranks line up.
         self._offset_us = time.time() * 1e6 - time.perf_counter() * 1e6
         self._file = open(path, "w", encoding="utf-8")
@@ -53,6 +58,8 @@ class TimelineWriter:
 
     def write_spans(self, spans: Iterable[Span]) -> None:
         for s in spans:
+            if s.step > self.full_steps and s.step % self.sample_every:
+                continue
             self._emit(
                 {
                     "name": s.phase,
