@@ -18,7 +18,9 @@ Run (the GUIDE's MLP workload: 8 x Linear(1024, 1024) + ReLU, batch 64)::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -84,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rt = slipstream.init()
+    scratch = tempfile.TemporaryDirectory(prefix="slipstream-overhead-")  # JSONL goes here, not ./runs
     runs = {}
     for profile in (True, False):
         torch.manual_seed(0)
         model = mlp(args.width, args.depth)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         runs[profile] = slipstream.accelerate(
-            model, opt, profile=profile, progress=False, run_dir=None, log_every_steps=args.log_every_steps
+            model, opt, profile=profile, progress=False, log_every_steps=args.log_every_steps,
+            run_dir=os.path.join(scratch.name, f"profile-{profile}"),
         )
     g = torch.Generator().manual_seed(rt.rank)
     x = torch.randn(args.batch, args.width, generator=g).to(rt.device)
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     iso = hot_path_cost_s(n_params, log_every_steps=args.log_every_steps)
     for run in runs.values():
         run.finish()
+    scratch.cleanup()
     if rt.is_main:
         print(
             f"world_size {rt.world_size}, {n_params} parameter tensors, "
