@@ -390,6 +390,9 @@ class EmulatedCluster:
             "-n", str(procs_per_node),
             "--max-restarts", str(base.max_restarts),
         ]
+        rdzv_conf = getattr(base, "rdzv_conf", None) or {}
+        if rdzv_conf:
+            argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())]
         if base.module:
             argv.append("-m")
         argv.append(base.entrypoint)
