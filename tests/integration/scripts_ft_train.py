@@ -3,8 +3,8 @@
 Deterministic: sample i of the job is a pure function of i; step s consumes
 global samples [s*G, (s+1)*G), split in contiguous blocks over the ranks, so
 the same samples are used whatever the world size. Each rank appends
-"step world_size first_id last_id" to OUT/ids_rank<R>.log after every step it
-completes; rank 0 writes OUT/final.pt (model and optimizer) at the end and
+"step world_size first_id last_id" to OUT/ids_rank<R>.log for every step it
+runs (a step redone after a restart appears again; the last line counts); rank 0 writes OUT/final.pt (model and optimizer) at the end and
 OUT/resumed_<attempt>.pt right after resuming.
 
 Failures are injected on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)
@@ -97,9 +97,10 @@ while run.step_count < args.steps:
     xs, ys = zip(*(sample(i) for i in range(first, first + B)))
     loss = F.cross_entropy(run.model(torch.stack(xs)), torch.tensor(ys))
     run.backward(loss)
-    run.step()
+    # Logged before run.step(), which may end the process (preemption) once the step is saved.
     log.write(f"{step} {W} {first} {first + B - 1}\n")
     log.flush()
+    run.step()
     if args.step_sleep_s:
         time.sleep(args.step_sleep_s)
 

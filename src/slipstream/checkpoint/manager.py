@@ -73,10 +73,13 @@ class CheckpointManager:
         self.async_save = async_save
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        # Checkpoint collectives get their own gloo group: async saves run in a
-        # background thread and must not interleave with training collectives,
-        # and the per-step flag exchange stays on the CPU whatever the backend.
+        # Checkpoint collectives get their own gloo groups, so they stay on the
+        # CPU whatever the training backend: `group` for the main thread (flag
+        # exchange, barriers, synchronous saves, loads) and `writer_group` for
+        # asynchronous saves, whose collectives run in a background thread and
+        # must never interleave with the main thread's on one group.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.writer_group = dist.new_group(backend="gloo") if dist.is_initialized() and async_save else None
         self._shared: dict[str, Stateful] = {}
         self._per_rank: dict[str, Stateful] = {}
         self._pending: Future | None = None
@@ -145,7 +148,7 @@ class CheckpointManager:
             os.replace(tmp, os.path.join(partial, f"rank{self.rank}.pt"))
         info = {"step": step, "world_size": self.world_size}
         if self.async_save and not blocking:
-            future = dcp.async_save(dict(self._shared), checkpoint_id=partial, process_group=self.group)
+            future = dcp.async_save(dict(self._shared), checkpoint_id=partial, process_group=self.writer_group)
             self._pending, self._pending_step = future, step
             if self.rank == 0:
                 future.add_done_callback(lambda f: self._finish(f, partial, final, info))
