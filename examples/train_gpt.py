@@ -102,6 +102,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--corpus-mb", type=float, default=4.0)
     p.add_argument("--out", default=None, help="directory for the final model's state_dict")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest complete one")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="save every N optimizer steps")
     args = p.parse_args()
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
@@ -115,24 +117,26 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
     )
-    run = slipstream.accelerate(model, optimizer, scheduler=schedule, total_steps=args.steps)  # slipstream
+    run = slipstream.accelerate(  # slipstream
+        model, optimizer, scheduler=schedule, total_steps=args.steps,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every,
+    )
     if rt.is_main:
         params = sum(p.numel() for p in model.parameters())
         print(f"GPT: {params / 1e6:.2f}M parameters, corpus {corpus.numel() / 2**20:.1f} MiB, "
               f"{rt.world_size} rank(s) on {rt.device}, precision {run.config.precision}, sync {run.config.sync}")
 
     started = time.perf_counter()
-    step = 0
-    micro = 0
-    while step < args.steps:
-        x, y = batch_for(micro, rt.rank, corpus, args.batch_size, args.context, args.seed)
+    # run.step_count and run.micro_step_count come back from a checkpoint on
+    # resume, so the loop and the data continue where they stopped.
+    while run.step_count < args.steps:
+        x, y = batch_for(run.micro_step_count, rt.rank, corpus, args.batch_size, args.context, args.seed)
         x, y = x.to(rt.device), y.to(rt.device)
         logits = run.model(x)
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
         run.backward(loss)  # slipstream (was: loss.backward())
-        micro += 1
-        if run.step():  # slipstream (was: optimizer.step(); optimizer.zero_grad())
-            step += 1
+        run.step()  # slipstream (was: optimizer.step(); optimizer.zero_grad())
+    step = run.step_count
 
     summary = run.finish()
     if rt.is_main:

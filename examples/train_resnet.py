@@ -77,6 +77,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for the final model's state_dict")
+    p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest complete one")
+    p.add_argument("--checkpoint-every", type=int, default=None, help="save every N optimizer steps")
     args = p.parse_args()
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
@@ -85,26 +87,27 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = ResNet18(width=args.width)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
-    run = slipstream.accelerate(model, optimizer, total_steps=args.steps)  # slipstream
+    run = slipstream.accelerate(  # slipstream
+        model, optimizer, total_steps=args.steps,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every,
+    )
     if rt.is_main:
         params = sum(p.numel() for p in model.parameters())
         print(f"ResNet-18 (width {args.width}): {params / 1e6:.2f}M parameters, {rt.world_size} rank(s) on {rt.device}")
 
     started = time.perf_counter()
-    step = micro = 0
     correct = seen = 0
-    while step < args.steps:
-        x, y = make_batch(micro, rt.rank, args.batch_size, args.seed)
+    while run.step_count < args.steps:  # restored from a checkpoint on resume
+        x, y = make_batch(run.micro_step_count, rt.rank, args.batch_size, args.seed)
         x, y = x.to(rt.device), y.to(rt.device)
         logits = run.model(x)
         loss = F.cross_entropy(logits, y)
         run.backward(loss)  # slipstream
-        micro += 1
-        if step >= args.steps - 10:  # accuracy over the last 10 steps
+        if run.step_count >= args.steps - 10:  # accuracy over the last 10 steps
             correct += (logits.argmax(1) == y).sum().item()
             seen += y.numel()
-        if run.step():  # slipstream
-            step += 1
+        run.step()  # slipstream
+    step = run.step_count
 
     summary = run.finish()
     if rt.is_main:

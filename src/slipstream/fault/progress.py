@@ -35,6 +35,7 @@ BACKWARD = "backward (gradient all-reduce)"
 BACKWARD_LOCAL = "backward (accumulating, no all-reduce)"
 OPTIMIZER = "optimizer step"
 CHECKPOINT = "checkpoint"
+METRICS = "metrics exchange (straggler detection)"
 USER = "user code between steps"
 
 

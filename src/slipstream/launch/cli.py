@@ -30,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="launch a training script on this node (torchrun-compatible)",
         description="Launch SCRIPT in N worker processes through torch's elastic agent. "
         "An unmodified torchrun script runs unchanged.",
+        # No prefix matching: the script's own flags (--checkpoint-every, say)
+        # must reach the script, not be taken as abbreviations of ours.
+        allow_abbrev=False,
     )
     p.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
     p.add_argument("--nnodes", default="1", metavar="MIN[:MAX]", help="number of nodes, or an elastic range (default 1)")

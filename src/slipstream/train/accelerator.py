@@ -243,10 +243,15 @@ class Accelerated:
                 self._raise_diagnosed(exc)
             if preempted:
                 self._exit_preempted()
-        self._mark(progress.USER, self.step_count)
         if self.last_grad_norm is not None:
             self.recorder.set("grad_norm", self.last_grad_norm)  # a tensor: read back at log time only
-        self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
+        self._mark(progress.METRICS)
+        try:
+            # On log steps this exchanges per-rank timings (straggler detection).
+            self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
+        except Exception as exc:  # noqa: BLE001
+            self._raise_diagnosed(exc)
+        self._mark(progress.USER, self.step_count)
         return True
 
     def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
@@ -307,6 +312,8 @@ def accelerate(
         raise ConfigError("model is already wrapped in DistributedDataParallel; pass the plain module")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    # An option given as None counts as not given: the environment's default stays.
+    options = {key: value for key, value in options.items() if value is not None}
     if config is None:
         config = TrainConfig.from_env(**options)
     elif options:

@@ -1,0 +1,135 @@
+"""Recovery cost on the GPT example: kill-to-first-step time, work lost, checkpoint blocking time.
+
+Part 1 (recovery): `slipstream run -n 2 --max-restarts 1` trains the GPT example
+with a checkpoint every K steps; once rank 1 has logged step S, the benchmark
+SIGKILLs rank 1's process and measures the wall time from the kill to the
+first step logged after the resume, and how many steps were redone.
+
+Part 2 (blocking): one process trains a larger GPT for N steps with a
+checkpoint every K steps, synchronous against asynchronous (staged to CPU
+memory, written in a background thread), and reports the median time each
+save held the training loop, next to the median step time.
+
+    python benchmarks/recovery.py            # both parts, about 2 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GPT = str(REPO / "examples" / "train_gpt.py")
+
+
+def worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The worker process of ``rank`` among the agent's descendants (from /proc)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"train_gpt.py" in cmdline and f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b" ".join(environ):
+            return int(entry)
+    return None
+
+
+def read_steps(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def recovery(every: int, kill_at: int, steps: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir, ckpt = Path(tmp) / "run", Path(tmp) / "ckpt"
+        cmd = [sys.executable, "-m", "slipstream", "run", "-n", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
+               "--log-every-steps", "1", GPT, "--steps", str(steps), "--layers", "2",
+               "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]
+        agent = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = run_dir / "metrics" / "rank1.jsonl"
+        while not read_steps(log) or read_steps(log)[-1] < kill_at:
+            time.sleep(0.02)
+            if agent.poll() is not None:
+                raise RuntimeError("training ended before the kill")
+        done_before = read_steps(log)[-1]
+        pid = worker_pid(agent.pid, 1)
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        seen = len(read_steps(log))
+        first_after = None
+        while first_after is None:
+            steps_now = read_steps(log)
+            if len(steps_now) > seen:
+                first_after = time.monotonic()
+                resumed_step = steps_now[seen] - 1
+            time.sleep(0.01)
+        agent.wait(timeout=300)
+        return {"every": every, "killed_after_step": done_before, "resumed_from_step": resumed_step,
+                "steps_lost": done_before - resumed_step, "kill_to_first_step_s": first_after - killed_at,
+                "exit_code": agent.returncode}
+
+
+def blocking(async_save: bool, steps: int, every: int) -> dict:
+    code = f"""
+import sys, time, statistics, torch
+sys.path.insert(0, {str(REPO / 'examples')!r})
+import train_gpt, slipstream
+rt = slipstream.init()
+torch.manual_seed(0)
+corpus = train_gpt.load_corpus(1 << 20)
+model = train_gpt.GPT(dim=256, layers=6, context=64)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+run = slipstream.accelerate(model, opt, checkpoint_dir={tempfile.mkdtemp()!r}, checkpoint_every_steps={every},
+                            checkpoint_async={async_save}, progress=False, run_dir={tempfile.mkdtemp()!r})
+times = []
+while run.step_count < {steps}:
+    t = time.perf_counter()
+    x, y = train_gpt.batch_for(run.step_count, 0, corpus, 8, 64, 0)
+    logits = run.model(x)
+    run.backward(torch.nn.functional.cross_entropy(logits.view(-1, 256), y.view(-1)))
+    run.step()
+    times.append(time.perf_counter() - t)
+blocks = run.checkpoints.blocking_s
+run.finish()
+params = sum(p.numel() for p in model.parameters())
+print(statistics.median(blocks), statistics.median(times), params, len(blocks))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    block_s, step_s, params, saves = out.stdout.split()[-4:]
+    return {"async": async_save, "median_blocking_s": float(block_s), "median_step_s": float(step_s),
+            "params": int(params), "saves": int(saves)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trials", type=int, default=3)
+    args = p.parse_args()
+    rows = [recovery(every=10, kill_at=25, steps=60) for _ in range(args.trials)]
+    print("| trial | checkpoint every | killed after step | resumed from | steps redone | kill -> first step after resume |")
+    print("|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| {i} | {r['every']} | {r['killed_after_step']} | {r['resumed_from_step']} | {r['steps_lost']} | "
+              f"{r['kill_to_first_step_s']:.1f} s |")
+    print(f"\nmedian kill -> first step: {statistics.median(r['kill_to_first_step_s'] for r in rows):.1f} s\n")
+    print("| save | model parameters | median time the loop was held per save | median step time |")
+    print("|---|---|---|---|")
+    for mode in (False, True):
+        r = blocking(mode, steps=40, every=5)
+        print(f"| {'asynchronous' if mode else 'synchronous'} | {r['params'] / 1e6:.1f}M | "
+              f"{r['median_blocking_s'] * 1000:.0f} ms | {r['median_step_s'] * 1000:.0f} ms |")
+
+
+if __name__ == "__main__":
+    main()
