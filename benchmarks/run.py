@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -281,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         pass
     runner = Runner(out)
     t_start = time.monotonic()
+    # SIGTERM must reach the finally below, or the clusters' namespaces outlive us.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         if not args.no_collectives:
             for spec in preset["collectives"]:
@@ -306,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     report.render(results, out, update_markdown=not args.no_markdown)
     print(f"results: {out / 'results.json'} ({results['meta']['wall_s']:.0f} s)", file=sys.stderr)
     return 0
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _collective_spec(text: str) -> dict:

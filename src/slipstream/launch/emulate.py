@@ -235,6 +235,7 @@ class EmulatedCluster:
         ]
         self._created: list[str] = []
         self._cut: set[int] = set()
+        self._jobs = 0
 
     # -- building and deleting ---------------------------------------------------
 
@@ -375,7 +376,9 @@ class EmulatedCluster:
 
     @property
     def rdzv_endpoint(self) -> str:
-        return f"{self.node_list[0].addr}:{RDZV_PORT}"
+        # A new port for every job on this cluster: the previous job's store socket may
+        # linger in TIME_WAIT, and the launcher's free-port check would refuse the old one.
+        return f"{self.node_list[0].addr}:{RDZV_PORT + self._jobs % 1000}"
 
     def agent_argv(self, node: int, base: LaunchOptions, procs_per_node: int) -> list[str]:
         """The ``slipstream run`` command line of node ``node``'s elastic agent."""
@@ -427,6 +430,7 @@ class EmulatedCluster:
             return self._wait(procs, timeout_s, failure_grace_s)
         finally:
             _stop(procs)
+            self._jobs += 1
             if log is not None:
                 log.close()
 
