@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from slipstream.launch.proc import kill_tree
+
 REPO = Path(__file__).resolve().parents[1]
 WORKER = REPO / "tests" / "integration" / "scripts_restart_worker.py"
 
@@ -27,30 +29,42 @@ LAUNCHERS = {
 }
 
 
-def trial(cmd: list[str]) -> tuple[bool, float, str]:
+def trial(cmd: list[str], timeout_s: float = 120) -> tuple[bool, float, str]:
     with tempfile.TemporaryDirectory() as out:
         started = time.perf_counter()
-        proc = subprocess.run([*cmd, str(WORKER), "--out", out, "--kill-rank", "1"], capture_output=True, text=True, timeout=300)
+        proc = subprocess.Popen([*cmd, str(WORKER), "--out", out, "--kill-rank", "1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _, stderr = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_tree(proc.pid)  # the workers live in sessions of their own
+            proc.communicate()
+            return False, time.perf_counter() - started, f"hung: no exit within {timeout_s:.0f} s"
         elapsed = time.perf_counter() - started
         ok = proc.returncode == 0 and all(
             json.loads((Path(out) / f"rank{r}.json").read_text())["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
             for r in range(2)
         )
-        reason = "" if ok else (proc.stderr.strip().splitlines() or ["?"])[-1][:160]
+        reason = "" if ok else (stderr.strip().splitlines() or ["?"])[-1][:160]
         return ok, elapsed, reason
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--launchers", default=",".join(LAUNCHERS), help="comma-separated subset of: " + ", ".join(LAUNCHERS))
     args = p.parse_args()
     print("| launcher | restarts that succeeded | median time per trial |")
     print("|---|---|---|")
     for name, cmd in LAUNCHERS.items():
+        if name not in args.launchers.split(","):
+            continue
         results = [trial(cmd) for _ in range(args.trials)]
         ok = sum(r[0] for r in results)
+        hung = sum(r[2].startswith("hung") for r in results)
         times = sorted(r[1] for r in results)
-        print(f"| {name} | {ok}/{args.trials} | {times[len(times) // 2]:.1f} s |", flush=True)
+        note = f" ({hung} hung)" if hung else ""
+        print(f"| {name} | {ok}/{args.trials}{note} | {times[len(times) // 2]:.1f} s |", flush=True)
         for r in results:
             if not r[0]:
                 print(f"  failure: {r[2]}", file=sys.stderr)

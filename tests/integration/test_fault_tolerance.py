@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from slipstream.launch.proc import kill_tree
+
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 SCRIPT = str(HERE / "scripts_ft_train.py")
@@ -171,29 +173,6 @@ def test_resharding_4_to_2_to_4(tmp_path):
     pieces = {**global_ids(tmp_path / "a", 4), **global_ids(tmp_path / "b", 2), **global_ids(tmp_path / "c", 4)}
     assert pieces == global_ids(ref, 4)
     assert_state_equal(final(ref), final(tmp_path / "c"), exact=False)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and all its descendants (the agent starts workers in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    todo, victims = [pid], []
-    while todo:
-        current = todo.pop()
-        victims.append(current)
-        todo.extend(children.get(current, []))
-    for victim in victims:
-        try:
-            os.kill(victim, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _free_port() -> int:
