@@ -321,3 +321,16 @@ def render(results: dict, out: Path, update_markdown: bool = True) -> str:
     if update_markdown:
         update_benchmarks_md(section)
     return section
+
+
+def render_many(paths: list[Path], update_markdown: bool = True) -> str:
+    """Plots and summaries for several results files; one BENCHMARKS.md section holding them all."""
+    sections = []
+    for path in paths:
+        results = json.loads(Path(path).read_text())
+        sections.append(render(results, Path(path).parent, update_markdown=False))
+    section = "\n\n---\n\n".join(sections)
+    if update_markdown:
+        update_benchmarks_md(section)
+    return section
+

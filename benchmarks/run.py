@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="the <= 10 minute subset (default)")
     mode.add_argument("--full", action="store_true", help="everything (hours on 2 cores)")
-    mode.add_argument("--report-only", metavar="JSON", help="only regenerate tables/plots from a results file")
+    mode.add_argument("--report-only", metavar="JSON[,JSON]",
+                      help="only regenerate tables/plots (and BENCHMARKS.md) from results files")
     p.add_argument("--workloads", help="comma list (mlp,gpt,resnet)")
     p.add_argument("--topologies", help="comma list of NODESxPROCS (1xP runs locally, without root)")
     p.add_argument("--links", help="comma list of rates (unshaped,5gbit,1gbit,200mbit)")
@@ -219,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks import report
 
     if args.report_only:
-        results = json.loads(Path(args.report_only).read_text())
-        report.render(results, Path(args.report_only).parent, update_markdown=not args.no_markdown)
+        # Several results files (comma-separated) share the generated section, in the order given.
+        report.render_many([Path(p) for p in args.report_only.split(",") if p], update_markdown=not args.no_markdown)
         return 0
 
     preset = dict(PRESETS["full" if args.full else "quick"])
