@@ -159,8 +159,20 @@ def test_interrupt_removes_everything(tmp_path, sig):
     assert code == 130
     assert "emulated cluster removed" in proc.stderr.read()
     assert list_namespaces() == []
-    leftovers = subprocess.run(["pgrep", "-f", f"{PROBE} {tmp_path}"], capture_output=True, text=True).stdout.split()
-    assert leftovers == []
+    assert _processes_with(f"{PROBE}\0{tmp_path}") == []
+
+
+def _processes_with(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (NUL-separated arguments), read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
 
 
 def test_refused_without_privileges(tmp_path):
