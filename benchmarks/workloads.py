@@ -8,8 +8,9 @@ a pure function of (step, rank), so every system sees exactly the same data.
   1024)+ReLU, Linear(1024, 10); 8.4M parameters, 33.6 MB of fp32 gradients;
   batch 64; SGD lr 0.01). The guide trains it on random labels, which no model
   can learn, so a loss target would be meaningless: here each sample is one of
-  10 fixed random class templates under Gaussian noise (std 3), which the MLP
-  learns in tens of steps (He init; see build()). Step time is unchanged.
+  10 fixed random class templates under Gaussian noise (std 3), scaled to unit
+  variance, which the MLP learns steadily (He init; see build()): the loss falls
+  from 2.30 to about 1.7 in 60 steps. Step time is unchanged.
 * ``gpt``: the model and data of examples/train_gpt.py (bytes of the Python
   standard library), AdamW at a constant lr.
 * ``resnet``: the model and data of examples/train_resnet.py, SGD + momentum.
@@ -78,7 +79,10 @@ def mlp(batch_size: int = 64, dim: int = 1024, depth: int = 8, noise: float = 3.
     def batch(step: int, rank: int):
         g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
         y = torch.randint(0, 10, (batch_size,), generator=g)
-        return templates[y] + noise * torch.randn(batch_size, dim, generator=g), y
+        # Unit variance per feature: with He init, raw inputs of std ~3 make the first SGD step
+        # overshoot (loss 2.3 -> 8); normalised, the loss falls smoothly from ln(10).
+        x = (templates[y] + noise * torch.randn(batch_size, dim, generator=g)) / math.sqrt(1 + noise**2)
+        return x, y
 
     return Workload("mlp", build, batch, F.cross_entropy,
                     lambda params: torch.optim.SGD(params, lr=0.01), batch_size)
