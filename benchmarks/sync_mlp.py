@@ -1,9 +1,10 @@
 """Gradient-sync strategies side by side on the guide's MLP workload, over shaped links.
 
 Two ranks in two network namespaces joined by a veth pair, each end shaped
-with tbf (GUIDE.md section 5), one core each; the single-worker compute floor
-is measured in the same run. Every strategy runs in the same pair of worker
-processes, one after another, so their figures are comparable as ratios.
+with tbf (GUIDE.md section 5), one core each. Every strategy, and the compute
+floor (the same model with no communication), runs in the same pair of worker
+processes, interleaved step by step in a rotating order, so the load of a
+shared machine falls on all of them alike and their ratios are comparable.
 
     sudo python benchmarks/sync_mlp.py --rates unshaped,1gbit,200mbit \
         --strategies ddp,allreduce,torch_fp16,torch_powersgd,fp16,bf16,powersgd,auto --steps 10
@@ -76,14 +77,47 @@ def floor_worker(steps: int, warmup: int) -> dict:
     return {"step_s": times, "losses": losses}
 
 
-def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps: int, warmup: int,
-                ifname: str | None, out: str, bucket_cap_mb: float = 25.0, rounds: int = 1) -> None:
+def _build(name: str, bucket_cap_mb: float):
+    """(model, ddp or None, state) for one strategy; ``floor`` has no DDP at all."""
     import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from slipstream import sync
+
+    torch.manual_seed(0)
+    model = build_model()
+    if name == "floor":
+        return model, None, None
+    state = None
+    if name == "torch_powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        # One bucket: with several, torch's hook aborts under gloo (GUIDE.md section 4).
+        ddp = DDP(model, bucket_cap_mb=64, gradient_as_bucket_view=True)
+        ddp.register_comm_hook(
+            psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2),
+            psgd.powerSGD_hook,
+        )
+    else:
+        # Gradients as views of the buckets: no copy in and out of them (DDP configured well).
+        ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
+        if name == "torch_fp16":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif name != "ddp":
+            state = sync.apply(name, ddp)
+    return model, ddp, state
+
+
+def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps: int, warmup: int,
+                ifname: str | None, out: str, bucket_cap_mb: float = 25.0, rounds: int = 1) -> None:
+    """All strategies (and the floor) side by side, interleaved step by step: step t of
+    every strategy runs before step t+1 of any, in a rotating order, so the load of the
+    shared machine falls on all of them alike."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2)
@@ -91,77 +125,50 @@ def dist_worker(rank: int, master: str, port: int, strategies: list[str], steps:
     os.environ.setdefault("WORLD_SIZE", "2")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # one rank per emulated node
-    results = {}
     x, y = _batch(rank)
-    # The compute floor, in this process, on this core, at this time: both ranks
-    # compute with no communication, as in a step where communication is free.
-    # Rounds alternate the order, so slow drifts of the shared machine fall on every strategy;
-    # the floor is measured in every round too.
     names = ["floor", *strategies]
-    plan = [n for r in range(rounds) for n in (names if r % 2 == 0 else names[::-1])]
-    for name in plan:
-        if name == "floor":
-            dist.barrier()
-            rec = floor_worker(steps, warmup)
-            dist.barrier()
-            if name in results:
-                results[name]["step_s"] += rec["step_s"]
-            else:
-                results[name] = rec
-            continue
-        torch.manual_seed(0)
-        model = build_model()
-        state = None
-        if name == "torch_powersgd":
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-            # One bucket: with several, torch's hook aborts under gloo (GUIDE.md section 4).
-            ddp = DDP(model, bucket_cap_mb=64)
-            ddp.register_comm_hook(
-                psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2),
-                psgd.powerSGD_hook,
-            )
-        else:
-            ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
-            if name == "torch_fp16":
-                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            elif name != "ddp":
-                state = sync.apply(name, ddp)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        extra = 5 if name == "auto" else 0  # auto observes 3 steps after DDP's first
-        times, losses = [], []
-        tx0 = None
-        for i in range(warmup + extra + steps):
-            if i == warmup + extra:
-                dist.barrier()
-                tx0 = tx_bytes(ifname)
-                reported0 = state.stats().get("sync_bytes_sent_total", 0.0) if state is not None else 0.0
+    runs = {}
+    for name in names:
+        model, ddp, state = _build(name, bucket_cap_mb)
+        runs[name] = {"model": model, "ddp": ddp, "state": state,
+                      "opt": torch.optim.SGD(model.parameters(), lr=0.01),
+                      "step_s": [], "losses": [], "tx": 0, "reported0": None}
+    extra = 5 if "auto" in names else 0  # auto observes 3 steps after DDP's first
+    total = warmup + extra + steps
+    for i in range(total):
+        timed = i >= warmup + extra
+        order = names[i % len(names):] + names[: i % len(names)]
+        for name in order:
+            r = runs[name]
+            net = r["ddp"] if r["ddp"] is not None else r["model"]
+            if timed and r["reported0"] is None:
+                st = r["state"]
+                r["reported0"] = st.stats().get("sync_bytes_sent_total", 0.0) if st is not None else 0.0
+            dist.barrier()  # both ranks start this strategy's step together
+            tx0 = tx_bytes(ifname) if r["ddp"] is not None else 0
             t0 = time.perf_counter()
-            loss = F.cross_entropy(ddp(x), y)
+            loss = F.cross_entropy(net(x), y)
             loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if i >= warmup + extra:
-                times.append(time.perf_counter() - t0)
-            losses.append(float(loss.detach()))
-        tx1 = tx_bytes(ifname)
-        dist.barrier()
-        rec = {"step_s": times, "losses": losses, "tx_bytes_per_step": (tx1 - tx0) / steps if ifname else None}
-        if state is not None:
-            st = state.stats()
-            rec["stats"] = st
-            rec["reported_bytes_per_step"] = (st.get("sync_bytes_sent_total", 0.0) - reported0) / steps
-            if getattr(state, "decision", None) is not None:
-                rec["decision"] = state.decision.explain()
-            if hasattr(state, "close"):
-                state.close()
-        if name in results:  # a later round: pool the step times, keep the first round's curve
-            results[name]["step_s"] += rec["step_s"]
-        else:
-            results[name] = rec
-        del ddp, model, opt
+            r["opt"].step()
+            r["opt"].zero_grad(set_to_none=True)
+            dt = time.perf_counter() - t0
+            if timed:
+                r["step_s"].append(dt)
+                if r["ddp"] is not None:
+                    r["tx"] += tx_bytes(ifname) - tx0
+            r["losses"].append(float(loss.detach()))
+    results = {}
+    for name, r in runs.items():
+        rec = {"step_s": r["step_s"], "losses": r["losses"],
+               "tx_bytes_per_step": r["tx"] / steps if ifname and r["ddp"] is not None else None}
+        st = r["state"]
+        if st is not None:
+            stats = st.stats()
+            rec["stats"] = stats
+            rec["reported_bytes_per_step"] = (stats.get("sync_bytes_sent_total", 0.0) - r["reported0"]) / steps
+            if getattr(st, "decision", None) is not None:
+                rec["decision"] = st.decision.explain()
+        results[name] = rec
     if rank == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -273,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed steps per strategy (losses from step 0)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--json", help="write raw results here")
-    ap.add_argument("--rounds", type=int, default=1, help="repeat the strategies, alternating order; pooled medians")
+    ap.add_argument("--rounds", type=int, default=1, help=argparse.SUPPRESS)  # kept for old command lines
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0,
                     help="DDP bucket size for every strategy but torch_powersgd (one bucket: it aborts with more)")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)

@@ -44,14 +44,14 @@ def batch(step: int, rank: int, n: int, width_in: int, classes: int) -> tuple[to
 
 def run(strategy: str | None, widths: list[int], steps: int, bucket_cap_mb: float = 25.0, lr: float = 0.05,
         batch_size: int = 16, sync_state: dict | None = None, start_step: int = 0, model_state: dict | None = None,
-        opt_state: dict | None = None, **options):
+        opt_state: dict | None = None, bucket_view: bool = False, **options):
     """Train ``steps`` steps; returns (model, last grads, losses, state, optimizer)."""
     from slipstream import sync
 
     model = mlp(widths)
     if model_state is not None:
         model.load_state_dict(model_state)
-    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=bucket_view)
     state = sync.apply(strategy, ddp, **options) if strategy is not None else None
     if sync_state is not None:
         state.load_state_dict(sync_state)
@@ -105,6 +105,11 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
             _, g, _, st, _ = run(strat, widths, 3, bucket_cap_mb=0.005)
             out[strat] = {"rel_diff": max_rel_diff(g, ref), "same_on_ranks": same_on_all_ranks(g),
                           "stats": st.stats()}
+        # Gradients as views of DDP's buckets (no copies): the same results as with copies.
+        for strat in ("hierarchical", "bf16", "powersgd", "sign"):
+            m1, _, _, _, _ = run(strat, widths, 3, bucket_cap_mb=0.005)
+            m2, _, _, _, _ = run(strat, widths, 3, bucket_cap_mb=0.005, bucket_view=True)
+            out[f"view_{strat}"] = max_rel_diff(list(m2.parameters()), list(m1.parameters()))
         return out
 
     def stress():
@@ -151,12 +156,33 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
         return {"mode": st.mode, "reason": st.fallback_reason, "stats": st.stats()}
 
     def auto():
-        _, g, _, st, _ = run("auto", widths, 7, bucket_cap_mb=0.005, observe_steps=2)
+        from slipstream import sync
+
+        model = mlp(widths)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        st = sync.apply("auto", ddp, observe_steps=2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        modes = []
+
+        def step(i):
+            x, y = batch(i, dist.get_rank(), 16, widths[0], widths[-1])
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            modes.append(st.mode)
+
+        for i in range(5):
+            step(i)
+        first = st.decision
+        st.request_probe()  # re-measure: the next step probes, then 2 steps are observed again
+        for i in range(5, 10):
+            step(i)
         mine = [st.mode, st.decision_summary(), sorted(st.decisions.items())]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
         return {"mode": st.mode, "agree": all(e == everyone[0] for e in everyone), "decision": st.decision.explain(),
-                "same_on_ranks": same_on_all_ranks(g), "n_decisions": len(st.decisions)}
+                "same_on_ranks": same_on_all_ranks(list(model.parameters())), "n_decisions": len(st.decisions),
+                "modes": modes, "redecided": st.decision is not first}
 
     def convergence():
         # A learnable task: a fixed random teacher labels the inputs.

@@ -22,7 +22,11 @@ def test_uncompressed_strategies_give_ddp_gradients(suite_results):
     # 16-bit casts: within their rounding (bf16 has 8 mantissa bits, fp16 11).
     assert eq["bf16"]["rel_diff"] <= 2 ** -7, eq["bf16"]
     assert eq["fp16"]["rel_diff"] <= 2 ** -9, eq["fp16"]
+    for strat in ("hierarchical", "bf16", "powersgd", "sign"):
+        assert eq[f"view_{strat}"] == 0.0, (strat, eq[f"view_{strat}"])  # gradient_as_bucket_view=True
     for strat, r in eq.items():
+        if strat.startswith("view_"):
+            continue
         assert r["same_on_ranks"], strat
         assert r["stats"]["sync_steps"] == 3, (strat, r["stats"])
     assert eq["bf16"]["stats"]["sync_compression_ratio"] == pytest.approx(2.0)
@@ -58,6 +62,10 @@ def test_auto_decides_the_same_plan_on_every_rank(suite_results):
     assert r["mode"] == "run", r  # observed 2 steps after DDP's first, then decided
     assert r["agree"] and r["same_on_ranks"], r
     assert r["n_decisions"] >= 2 and "predicted" in r["decision"], r
+    # Steps 2-3 are observed (DDP's first is not used), then it runs; after request_probe()
+    # it observes again and decides anew.
+    assert r["modes"][:5] == ["observe", "observe", "run", "run", "run"], r["modes"]
+    assert "observe" in r["modes"][5:] and r["modes"][-1] == "run" and r["redecided"], r["modes"]
 
 
 CONVERGENCE_MARGIN = 0.05  # final loss within 5 % (relative) of uncompressed all-reduce's
