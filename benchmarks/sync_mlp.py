@@ -33,7 +33,7 @@ PEERS = ("ddp", "torch_fp16", "torch_powersgd")  # torch's bf16 hook refuses CPU
 
 
 def build_model():
-    import torch.nn as nn
+    from torch import nn
 
     layers = []
     for _ in range(8):
@@ -191,7 +191,7 @@ class TwoNodes:
         octet = 16 + os.getpid() % 200
         self.addrs = (f"10.213.{octet}.1", f"10.213.{octet}.2")
 
-    def __enter__(self) -> "TwoNodes":
+    def __enter__(self) -> TwoNodes:
         try:
             for ns in self.ns:
                 _sh("ip", "netns", "add", ns)

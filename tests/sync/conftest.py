@@ -17,9 +17,8 @@ def free_port() -> int:
 
 
 def spawn(fn_name: str, world: int, local_world: int, tmp_path, env: dict | None = None) -> dict:
-    import torch.multiprocessing as mp
-
     import _workers
+    import torch.multiprocessing as mp
 
     out = str(tmp_path / f"{fn_name}.json")
     old = dict(os.environ)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 
-
 def require_root() -> None:
     """tests/conftest.py's require_root (skip locally, fail in CI), loaded by path: both
     conftest files are modules named ``conftest``."""

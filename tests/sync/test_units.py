@@ -6,7 +6,17 @@ import pytest
 import torch
 
 from slipstream import sync
-from slipstream.sync.compress import Cast, Codec, Piece, PowerSGD, ScaledSign, TopK, Wire, layout_from_shapes, sub_layout
+from slipstream.sync.compress import (
+    Cast,
+    Codec,
+    Piece,
+    PowerSGD,
+    ScaledSign,
+    TopK,
+    Wire,
+    layout_from_shapes,
+    sub_layout,
+)
 from slipstream.sync.compress.sign import pack_signs, unpack_signs
 from slipstream.sync.guard import ConvergenceGuard
 from slipstream.sync.policy import BucketInfo, decide, predict

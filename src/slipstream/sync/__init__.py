@@ -29,7 +29,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -213,6 +214,7 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
     state = HookSync("auto", FlatReducer(g.flat), codecs, "allreduce", control_group=g.flat, guard=guard,
                      policy=policy, link=link)
     import logging
+
     import torch.distributed as dist
 
     if dist.get_rank() == 0:

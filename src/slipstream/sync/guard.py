@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

@@ -32,8 +32,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -157,7 +158,7 @@ class HookSync:
             guard.compressing = self._compressing()
 
     # -- installation ------------------------------------------------------------------
-    def install(self, ddp: DistributedDataParallel) -> "HookSync":
+    def install(self, ddp: DistributedDataParallel) -> HookSync:
         def on_forward(module: Any, args: Any, output: Any) -> None:
             self._t_forward_end = time.perf_counter()
 

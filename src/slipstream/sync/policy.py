@@ -32,8 +32,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from .compress.base import Codec, Layout
 from .probe import LinkFigures

@@ -17,8 +17,8 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch.distributed as dist
 

@@ -12,7 +12,15 @@ from typing import Any
 
 import torch
 
-from .base import Codec, ErrorFeedback, Layout, Piece, Wire, layout_from_shapes, sub_layout
+from .base import (
+    Codec,
+    ErrorFeedback,
+    Layout,
+    Piece,
+    Wire,
+    layout_from_shapes,
+    sub_layout,
+)
 from .cast import Cast
 from .powersgd import PowerSGD
 from .sign import ScaledSign

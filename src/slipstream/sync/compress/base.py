@@ -21,8 +21,9 @@ residual it carries (``residual_sq``/``grad_sq``): the convergence guard's signa
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -22,7 +22,8 @@ Example::
 from __future__ import annotations
 
 import zlib
-from typing import Any, Hashable
+from collections.abc import Hashable
+from typing import Any
 
 import torch
 
