@@ -178,3 +178,13 @@ def test_topology_from_environment():
     assert (t.node_rank, t.num_nodes, t.peer_ranks(1), t.node_ranks(1)) == (1, 2, [1, 3], [2, 3])
     with pytest.raises(ValueError, match="multiple of local_world_size"):
         Topology(0, 3, 0, 2)
+
+
+def test_topk_fast_selection_is_exact():
+    torch.manual_seed(0)
+    codec = TopK(density=0.01)
+    for n in (1000, 200_000):
+        x = torch.randn(n) * torch.rand(n)
+        k = codec.k_of(n)
+        fast = set(codec.select(x, k).tolist())
+        assert fast == set(torch.topk(x.abs(), k).indices.tolist())

@@ -37,10 +37,29 @@ class TopK(ErrorFeedback):
     def k_of(self, numel: int) -> int:
         return max(1, min(numel, int(round(self.density * numel))))
 
+    def select(self, c: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices of the k largest |c|: exactly torch.topk's set (up to ties), faster.
+
+        A strided sample gives a threshold that about 2k values pass; if at least k
+        pass, the top k are all among them and topk runs on that short list only.
+        (Full torch.topk with k in the tens of thousands is slow on CPU.)
+        """
+        a = c.abs()
+        n = a.numel()
+        if n < 1 << 16 or k * 4 > n:
+            return torch.topk(a, k, sorted=False).indices
+        sample = a[:: max(1, n // (1 << 15))]
+        rank = max(1, min(sample.numel(), int(sample.numel() * (1 - 2.0 * k / n))))
+        threshold = sample.kthvalue(rank).values
+        candidates = (a >= threshold).nonzero().view(-1)
+        if candidates.numel() < k:
+            return torch.topk(a, k, sorted=False).indices
+        return candidates[torch.topk(a[candidates], k, sorted=False).indices]
+
     def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
         c = self._compensate(key, flat, layout)
         k = self.k_of(c.numel())
-        _, idx = torch.topk(c.abs(), k, sorted=False)
+        idx = self.select(c, k)
         vals = c[idx]
         residual = c.clone()
         residual[idx] = 0.0
