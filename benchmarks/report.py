@@ -197,7 +197,7 @@ def plots(results: dict, out: Path) -> list[Path]:
         made.append(path)
         # loss against wall time, one panel per link
         fig, axes = plt.subplots(1, len(docs), figsize=(4.2 * len(docs), 3.8), squeeze=False)
-        for ax, d in zip(axes[0], docs):
+        for ax, d in zip(axes[0], docs, strict=True):
             first: dict[str, dict] = {}
             for r in d["runs"]:
                 first.setdefault(r["system"], r)

@@ -34,7 +34,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
