@@ -188,3 +188,24 @@ def test_topk_fast_selection_is_exact():
         k = codec.k_of(n)
         fast = set(codec.select(x, k).tolist())
         assert fast == set(torch.topk(x.abs(), k).indices.tolist())
+
+
+def test_one_rank_keeps_ddp_reducer_and_counts_steps(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        for name in ("allreduce", "powersgd", "auto"):
+            model = torch.nn.Linear(4, 4)
+            ddp = DDP(model)
+            state = sync.apply(name, ddp)
+            ddp(torch.randn(2, 4)).sum().backward()
+            with ddp.no_sync():  # accumulation micro-step: no synchronisation, not counted
+                ddp(torch.randn(2, 4)).sum().backward()
+            s = state.stats()
+            assert (s["sync_strategy"], s["sync_steps"], s["sync_bytes_sent"]) == (name, 1, 0.0)
+        with pytest.raises(KeyError, match="unknown sync strategy"):
+            sync.apply("gzip", DDP(torch.nn.Linear(2, 2)))
+    finally:
+        dist.destroy_process_group()

@@ -91,9 +91,10 @@ class AllreduceState:
     counted once per synchronising backward.
     """
 
-    def __init__(self, ddp_model: DistributedDataParallel):
+    def __init__(self, ddp_model: DistributedDataParallel, name: str = "allreduce"):
         import torch.distributed as dist
 
+        self.name = name
         n = dist.get_world_size(ddp_model.process_group) if ddp_model.process_group is not None else 1
         params = [p for p in ddp_model.module.parameters() if p.requires_grad]
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
@@ -110,7 +111,7 @@ class AllreduceState:
 
     def stats(self) -> dict[str, Any]:
         return {
-            "sync_strategy": "allreduce",
+            "sync_strategy": self.name,
             "sync_mode": "run",
             "sync_steps": self.steps,
             "sync_bytes_sent": self.bytes_per_step,
@@ -121,7 +122,7 @@ class AllreduceState:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        return {"name": "allreduce", "steps": self.steps}
+        return {"name": self.name, "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state.get("steps", 0))
@@ -133,6 +134,19 @@ def _split_options(codec: str, options: dict[str, Any]) -> tuple[dict, dict, dic
     guard_opts = {k: v for k, v in options.items() if k in _GUARD_OPTIONS}
     rest = {k: v for k, v in options.items() if k not in mine and k not in _GUARD_OPTIONS}
     return codec_opts, guard_opts, rest
+
+
+def _single_rank(ddp_model: DistributedDataParallel) -> bool:
+    """One rank: nothing to synchronise, so nothing to compress (a codec would only lose
+    accuracy); DDP's reducer is left as it is."""
+    import logging
+
+    import torch.distributed as dist
+
+    if dist.get_world_size() > 1:
+        return False
+    logging.getLogger("slipstream.sync").info("sync: one rank, nothing to synchronise: DDP's reducer left as is")
+    return True
 
 
 def _make_guard(enabled: bool, guard_opts: dict[str, Any]):
@@ -151,6 +165,8 @@ def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hi
     guard_on = rest.pop("guard", True)
     if rest:
         raise TypeError(f"sync strategy {name!r} got unknown options: {', '.join(sorted(rest))}")
+    if _single_rank(ddp_model):
+        return AllreduceState(ddp_model, name)
     g = groups()
     reducer = Hierarchical(g) if hierarchical else FlatReducer(g.flat)
     c = make_codec(codec, **codec_opts)
@@ -205,6 +221,8 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
         raise TypeError(f"sync strategy 'auto' got unknown options: {', '.join(sorted(unknown))}")
     if "allreduce" not in candidates:
         candidates = ("allreduce", *candidates)
+    if _single_rank(ddp_model):
+        return AllreduceState(ddp_model, "auto")
     g = groups()
     link = probe_link(g.flat)
     codecs = {c: make_codec(c, **per_codec.get(c, {})) for c in candidates}
