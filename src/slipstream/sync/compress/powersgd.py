@@ -30,6 +30,13 @@ import torch
 from .base import ErrorFeedback, Layout, Piece, Wire, param_units
 
 
+_BLOCK_BYTES = 256 << 10  # rows of a matrix processed together: fits in L2 with room
+
+
+def _block_rows(cols: int) -> int:
+    return max(1, _BLOCK_BYTES // (4 * cols))
+
+
 def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
     """Columns of p made orthonormal (reduced QR); zero columns stay finite."""
     q, _ = torch.linalg.qr(p, mode="reduced")
@@ -86,37 +93,58 @@ class PowerSGD(ErrorFeedback):
         q = torch.randn(p.cols, min(self.rank, p.rows, p.cols), generator=g, dtype=like.dtype)
         return q.to(like.device)
 
+    def _residual(self, rkey: Hashable, m: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """This matrix's residual storage and whether it holds last step's residual."""
+        e = self.residuals.get(rkey)
+        if e is None or e.numel() != m.numel() or e.device != m.device:
+            e = torch.empty_like(m)
+            self.residuals[rkey] = e
+            return e, False
+        e = e.view(m.shape)
+        self.residuals[rkey] = e
+        return e, True
+
     # -- communication -------------------------------------------------------------
     def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
         n = wire.size
         mats, rest = self.split(flat.numel(), layout)
-        if self.use_error_feedback and mats:
-            self._compensate(key, flat, layout)
         ms = [flat[p.offset : p.offset + p.numel].view(p.rows, p.cols) for p in mats]
         units = param_units(key, layout)
         if units is not None:
-            by_piece = dict(zip(layout, units))
+            by_piece = dict(zip(layout, units, strict=True))
             qkeys = [by_piece[p] for p in mats]
         else:
             qkeys = [(key, i) for i in range(len(mats))]
         qs = []
-        for qk, p in zip(qkeys, mats):
+        for qk, p in zip(qkeys, mats, strict=True):
             q = self.q.get(qk) if self.warm_start else None
             if q is None or q.shape != (p.cols, min(self.rank, p.rows, p.cols)):
                 q = self._initial_q(qk, p, flat)
             qs.append(q)
+        ef = self.use_error_feedback
+        if ef and mats and self.track_signal:
+            self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))
+        # Residual storage per matrix (per parameter when the layout allows; 1-D and small
+        # tensors are sent exactly, so they carry none).
+        es = [self._residual(qk, m) if ef else (None, False) for qk, m in zip(qkeys, ms, strict=True)]
         # Collective 1: the Ps and the uncompressed pieces, in one buffer.
         rest_numel = sum(p.numel for p in rest)
-        p_sizes = [m.shape[0] * q.shape[1] for m, q in zip(ms, qs)]
+        p_sizes = [m.shape[0] * q.shape[1] for m, q in zip(ms, qs, strict=True)]
         buf1 = torch.empty(rest_numel + sum(p_sizes), dtype=flat.dtype, device=flat.device)
         off = 0
         for p in rest:
             buf1[off : off + p.numel].copy_(flat[p.offset : p.offset + p.numel])
             off += p.numel
         ps = []
-        for m, q, size in zip(ms, qs, p_sizes):
+        # Pass 1, by blocks of rows that stay in cache: C = G + E, then P = C Q from cache.
+        for m, q, size, (e, carried) in zip(ms, qs, p_sizes, es, strict=True):
             out = buf1[off : off + size].view(m.shape[0], q.shape[1])
-            torch.matmul(m, q, out=out)
+            step = _block_rows(m.shape[1])
+            for r0 in range(0, m.shape[0], step):
+                mb = m[r0 : r0 + step]
+                if carried:
+                    mb.add_(e[r0 : r0 + step])
+                torch.matmul(mb, q, out=out[r0 : r0 + step])
             ps.append(out)
             off += size
         wire.allreduce(buf1)
@@ -131,39 +159,29 @@ class PowerSGD(ErrorFeedback):
         # Collective 2: the Qs.
         buf2 = torch.empty(sum(q.numel() for q in qs), dtype=flat.dtype, device=flat.device)
         new_qs, off = [], 0
-        for m, p, q in zip(ms, ps, qs):
+        for m, p, q in zip(ms, ps, qs, strict=True):
             out = buf2[off : off + q.numel()].view(q.shape)
             torch.matmul(m.t(), p, out=out)
             new_qs.append(out)
             off += q.numel()
         wire.allreduce(buf2)
         buf2.div_(n)
-        # Residual and result in three passes over each matrix: E' = C - P Q^T written
-        # into last step's residual storage (already added in), then C = P Q^T in place.
-        units_by_piece = dict(zip(layout, units)) if units is not None else {}
-        old = self.residuals.get(key) if units is None else None
-        whole = old if old is not None and old.shape == flat.shape else None
-        if self.use_error_feedback and units is None and whole is None:
-            whole = torch.zeros_like(flat)
-        for piece, m, p, q in zip(mats, ms, ps, new_qs):
-            if self.use_error_feedback:
-                if units is None:
-                    e = whole[piece.offset : piece.offset + piece.numel].view(m.shape)
-                else:
-                    unit = units_by_piece[piece]
-                    e = self.residuals.get(unit)
-                    if e is None or e.numel() != piece.numel:
-                        e = torch.empty_like(m)
-                    e = e.view(m.shape)
-                    self.residuals[unit] = e
-                torch.addmm(m, p, q.t(), alpha=-1.0, out=e)
-                if self.track_signal:
-                    ev = e.reshape(-1)
-                    self.residual_sq = self.residual_sq + torch.dot(ev, ev)
-            torch.matmul(p, q.t(), out=m)
-        if self.use_error_feedback and units is None:
-            self.residuals[key] = whole
-        for qk, q in zip(qkeys, new_qs):
+        # Pass 3, by blocks: A = P Q^T in cache, E' = C - A into the residual, C = A.
+        tmp = torch.empty(max(_block_rows(m.shape[1]) * m.shape[1] for m in ms), dtype=flat.dtype, device=flat.device)
+        for m, p, q, (e, _) in zip(ms, ps, new_qs, es, strict=True):
+            qt = q.t()
+            step = _block_rows(m.shape[1])
+            for r0 in range(0, m.shape[0], step):
+                rows = min(step, m.shape[0] - r0)
+                a = tmp[: rows * m.shape[1]].view(rows, m.shape[1])
+                torch.matmul(p[r0 : r0 + rows], qt, out=a)
+                if e is not None:
+                    torch.sub(m[r0 : r0 + rows], a, out=e[r0 : r0 + rows])
+                m[r0 : r0 + rows].copy_(a)
+            if e is not None and self.track_signal:
+                ev = e.reshape(-1)
+                self.residual_sq = self.residual_sq + torch.dot(ev, ev)
+        for qk, q in zip(qkeys, new_qs, strict=True):
             self.q[qk] = q.clone()
         return flat
 
