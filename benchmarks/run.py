@@ -328,12 +328,6 @@ def _save(results: dict, out: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(results, indent=1))
     os.replace(tmp, path)
-    latest = RESULTS / "latest.json"
-    if out.parent == RESULTS:
-        latest.parent.mkdir(parents=True, exist_ok=True)
-        tmp2 = latest.with_suffix(".tmp")
-        tmp2.write_text(json.dumps(results, indent=1))
-        os.replace(tmp2, latest)
 
 
 if __name__ == "__main__":
