@@ -153,7 +153,13 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
     def guard():
         _, _, _, st, _ = run("topk", widths, 12, bucket_cap_mb=0.005, density=0.001, max_error_ratio=0.5,
                              check_every_steps=5)
-        return {"mode": st.mode, "reason": st.fallback_reason, "stats": st.stats()}
+        # Loss rule: 3 uncompressed warm-up steps give the baseline; a loss tolerance of -50 %
+        # (the compressed loss must halve) cannot hold over 3 steps, so the guard must fall back.
+        _, _, _, st2, _ = run("powersgd", widths, 12, bucket_cap_mb=0.005, rank=1, warmup_steps=3,
+                              loss_window=3, loss_tolerance=-0.5, check_every_steps=5)
+        return {"mode": st.mode, "reason": st.fallback_reason, "stats": st.stats(),
+                "loss_mode": st2.mode, "loss_reason": st2.fallback_reason,
+                "baseline_count": st2.guard.baseline_count}
 
     def auto():
         from slipstream import sync

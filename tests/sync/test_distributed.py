@@ -55,6 +55,9 @@ def test_guard_falls_back_with_reason(suite_results):
     assert r["mode"] == "fallback"
     assert "error-feedback residual" in r["reason"]
     assert r["stats"]["sync_compression_ratio"] == pytest.approx(1.0)  # uncompressed after the fallback
+    # Losses reported after backwards 1 and 2 (the third backward already switched on compression).
+    assert r["baseline_count"] == 2, r
+    assert r["loss_mode"] == "fallback" and "mean loss" in r["loss_reason"], r
 
 
 def test_auto_decides_the_same_plan_on_every_rank(suite_results):

@@ -163,6 +163,7 @@ def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hi
 
     codec_opts, guard_opts, rest = _split_options(codec, options)
     guard_on = rest.pop("guard", True)
+    warmup_steps = int(rest.pop("warmup_steps", 0))
     if rest:
         raise TypeError(f"sync strategy {name!r} got unknown options: {', '.join(sorted(rest))}")
     if _single_rank(ddp_model):
@@ -171,7 +172,8 @@ def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hi
     reducer = Hierarchical(g) if hierarchical else FlatReducer(g.flat)
     c = make_codec(codec, **codec_opts)
     guard = _make_guard(guard_on and c.error_feedback, guard_opts)
-    return HookSync(name, reducer, {codec: c}, codec, control_group=g.flat, guard=guard).install(ddp_model)
+    return HookSync(name, reducer, {codec: c}, codec, control_group=g.flat, guard=guard,
+                    warmup_steps=warmup_steps).install(ddp_model)
 
 
 @register("allreduce")

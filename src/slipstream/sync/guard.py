@@ -46,8 +46,9 @@ class ConvergenceGuard:
     ):
         if check_every_steps < 1:
             raise ValueError(f"check_every_steps must be >= 1, got {check_every_steps}")
-        if max_error_ratio <= 0 or loss_tolerance < 0 or loss_window < 1:
-            raise ValueError("max_error_ratio must be > 0, loss_tolerance >= 0, loss_window >= 1")
+        if max_error_ratio <= 0 or loss_tolerance <= -1 or loss_window < 1:
+            raise ValueError("max_error_ratio must be > 0, loss_tolerance > -1 (a negative one demands a drop), "
+                             "loss_window >= 1")
         self.check_every_steps = check_every_steps
         self.max_error_ratio = max_error_ratio
         self.loss_window = loss_window

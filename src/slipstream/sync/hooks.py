@@ -125,6 +125,7 @@ class HookSync:
         guard: ConvergenceGuard | None = None,
         policy: dict[str, Any] | None = None,
         link: LinkFigures | None = None,
+        warmup_steps: int = 0,
     ):
         self.name = name
         self.reducer = reducer
@@ -140,7 +141,11 @@ class HookSync:
         self.world_size = self.control.size
         self.decisions: dict[int, str] = {}
         self.decision: Decision | None = None
-        self.mode = "observe" if policy is not None else "run"
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        self.warmup_steps = warmup_steps
+        # observe (auto), warmup (uncompressed first steps), run, fallback.
+        self.mode = "observe" if policy is not None else ("warmup" if warmup_steps else "run")
         self.fallback_reason: str | None = None
         self.steps = 0
         self.bytes_sent_total = 0.0
@@ -169,8 +174,9 @@ class HookSync:
 
     # -- public API ----------------------------------------------------------------------
     def observe_loss(self, loss: float | torch.Tensor) -> None:
-        """Feed this step's loss to the convergence guard (optional; reads the tensor)."""
-        if self.guard is not None:
+        """Feed this step's loss to the convergence guard (optional; a tensor stays on its
+        device until the next check). Call it after backward."""
+        if self.guard is not None and self.mode != "fallback":
             self.guard.observe_loss(loss)
 
     def request_probe(self) -> None:
@@ -246,7 +252,7 @@ class HookSync:
 
     # -- per bucket (hook thread) --------------------------------------------------------
     def _codec_name(self, index: int) -> str:
-        if self.mode in ("observe", "fallback"):
+        if self.mode in ("observe", "warmup", "fallback"):
             return "allreduce"
         return self.decisions.get(index, self.default)
 
@@ -367,6 +373,11 @@ class HookSync:
     def _finish(self, step: _Step) -> None:
         step.t_done = time.perf_counter()
         self.steps += 1
+        if self.mode == "warmup" and self.steps >= self.warmup_steps:
+            # Same step count on every rank, so every rank switches at the same step.
+            self.mode = "run"
+            if self.guard is not None:
+                self.guard.compressing = self._compressing()
         self.bytes_sent_total += step.bytes_sent
         self.uncompressed_bytes_total += step.uncompressed_bytes
         self.last = step
