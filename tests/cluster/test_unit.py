@@ -167,3 +167,22 @@ def test_bench_table_ratios():
     line = next(l for l in table.splitlines() if l.startswith("auto"))
     assert "250.0" in line and "2.50" in line and "2.00" in line
     assert "failed (exit 1)" in table
+
+
+def test_bench_timeout_stops_the_trial_gently(tmp_path):
+    # SIGTERM first, so an emulated run can delete its namespaces; SIGKILL would leave them behind.
+    marker = tmp_path / "got-sigterm"
+    child = (
+        "import signal, sys, time\n"
+        f"signal.signal(signal.SIGTERM, lambda *a: (open({str(marker)!r}, 'w').close(), sys.exit(7)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    import sys
+    import time
+
+    t0 = time.monotonic()
+    code = bench_cli.run_one([sys.executable, "-c", child], timeout_s=2.0, grace_s=10.0)
+    assert code == 124
+    assert marker.exists()
+    assert time.monotonic() - t0 < 15

@@ -28,15 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
 
 # Options of `slipstream bench` that may also be written after the script's own
 # arguments: (flags, dest, takes a value).
@@ -173,6 +175,46 @@ def run_command(args: argparse.Namespace, strategy: str, run_dir: str) -> list[s
     return cmd
 
 
+def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
+    """Run one trial; its exit code, 124 past ``timeout_s``.
+
+    The trial is stopped with SIGTERM first (SIGINT on Ctrl-C), and SIGKILL only
+    after ``grace_s``: an emulated run needs the chance to delete its namespaces.
+    """
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"[bench] run exceeded {timeout_s:.0f} s; stopping it", file=sys.stderr)
+            _stop(proc, signal.SIGTERM, grace_s)
+            return 124
+        except KeyboardInterrupt:
+            _stop(proc, signal.SIGINT, grace_s)
+            return EXIT_INTERRUPTED
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def bench(args: argparse.Namespace, out=sys.stdout) -> list[BenchResult]:
     """Run every strategy ``args.repeats`` times, interleaved; the results in the order given."""
     strategies = [s.strip() for s in args.sync.split(",") if s.strip()]
@@ -185,11 +227,10 @@ def bench(args: argparse.Namespace, out=sys.stdout) -> list[BenchResult]:
                 cmd = run_command(args, strategy, run_dir)
                 print(f"[bench] {strategy} (run {rep + 1}/{args.repeats}): {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
                 t0 = time.perf_counter()
-                try:
-                    code = subprocess.run(cmd, timeout=args.timeout_s).returncode
-                except subprocess.TimeoutExpired:
-                    code = 124
+                code = run_one(cmd, args.timeout_s)
                 wall = time.perf_counter() - t0
+                if code == EXIT_INTERRUPTED:
+                    raise KeyboardInterrupt
                 r = results[strategy]
                 r.exit_codes.append(code)
                 if code != 0:
