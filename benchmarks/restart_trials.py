@@ -45,7 +45,8 @@ def trial(cmd: list[str], timeout_s: float = 120) -> tuple[bool, float, str]:
             json.loads((Path(out) / f"rank{r}.json").read_text())["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
             for r in range(2)
         )
-        reason = "" if ok else (stderr.strip().splitlines() or ["?"])[-1][:160]
+        lines = [line for line in stderr.splitlines() if "refused" in line or "Error" in line]
+        reason = "" if ok else (lines or stderr.strip().splitlines() or ["?"])[0][-200:]
         return ok, elapsed, reason
 
 

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -43,6 +44,9 @@ class TrainConfig:
     # --- gradient synchronisation -------------------------------------------------
     sync: str = "allreduce"
     """Strategy name (see ``slipstream.sync.available()``)."""
+    sync_options: dict = field(default_factory=dict)
+    """Options for the strategy (e.g. {"rank": 4} for powersgd, {"density": 0.01} for topk;
+    docs/sync.md lists them). From the environment: SLIPSTREAM_SYNC_OPTIONS as JSON."""
     bucket_cap_mb: float = 25.0
     """DDP bucket size in MiB: gradients are fused into buckets of this size and
     each bucket is reduced as soon as its gradients are ready (overlap with backward)."""
@@ -150,6 +154,7 @@ class TrainConfig:
         )
         _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
         _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
+        _require(isinstance(self.sync_options, dict), f"sync_options must be a dict, got {self.sync_options!r}")
         if isinstance(self.activation_checkpointing, str):
             object.__setattr__(self, "activation_checkpointing", _split_names(self.activation_checkpointing))
         else:
@@ -185,9 +190,12 @@ class TrainConfig:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if value != f.default and not (f.name == "activation_checkpointing" and value == ()):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if value != default and not (f.name == "activation_checkpointing" and value == ()):
                 if isinstance(value, tuple):
                     value = ",".join(value)
+                elif isinstance(value, dict):
+                    value = json.dumps(value)
                 out[ENV_PREFIX + f.name.upper()] = str(value)
         return out
 
@@ -215,7 +223,12 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
             return float(raw)
         if kind.startswith("tuple"):
             return _split_names(raw)
-    except ValueError:
+        if kind.startswith("dict"):
+            value = json.loads(raw)
+            if not isinstance(value, dict):
+                raise ValueError
+            return value
+    except ValueError:  # json.JSONDecodeError is a ValueError too
         raise ConfigError(f"{name} must be a {kind.split(' ')[0]}, got {raw!r}") from None
     return raw
 

@@ -102,6 +102,20 @@ def test_failure_resumes_with_bitwise_equal_result(mode, async_save, reference, 
     assert "rank 1 failed first" in proc.stderr or mode == "exception"
 
 
+def test_compressed_sync_state_is_restored_bitwise(tmp_path):
+    """PowerSGD's error-feedback buffers and low-rank factors are per-rank checkpoint state."""
+    common = ["--sync", "powersgd", "--sync-options", '{"rank": 2, "min_compression": 1.0}', "-n", "2"]
+    ref = tmp_path / "ref"
+    proc = launch(*common, SCRIPT, "--out", str(ref), "--steps", "8", "--dropout", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "killed"
+    proc = launch(*common, "--max-restarts", "1", SCRIPT, "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
+                  "--every", "2", "--steps", "8", "--dropout", "0", "--mode", "sigkill", "--fail-step", "5")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "step_00000004" / "rank1.pt").exists()
+    assert_state_equal(final(ref), final(out), exact=True)
+
+
 def test_checkpoint_killed_mid_write_is_never_loaded(reference, tmp_path):
     proc = launch("-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt"),
                   "--every", str(EVERY), "--steps", str(STEPS), "--mode", "kill-in-save", "--fail-step", "5")

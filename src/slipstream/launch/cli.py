@@ -10,7 +10,8 @@ from .api import LaunchOptions, launch
 
 # Flags that feed defaults into the training config of every worker.
 _TRAIN_FLAGS = (
-    ("--sync", "sync", str, "gradient sync strategy (allreduce, bf16, fp16, ...)"),
+    ("--sync", "sync", str, "gradient sync strategy (allreduce, bf16, fp16, powersgd, topk, sign, hierarchical[+X], auto)"),
+    ("--sync-options", "sync_options", lambda text: _json_object(text), 'strategy options as JSON, e.g. \'{"rank": 4}\''),
     ("--precision", "precision", str, "fp32, bf16 or fp16"),
     ("--accumulate-steps", "accumulate_steps", int, "micro-steps per optimizer step"),
     ("--bucket-cap-mb", "bucket_cap_mb", float, "DDP bucket size in MiB"),
@@ -22,6 +23,18 @@ _TRAIN_FLAGS = (
     ("--checkpoint-every-s", "checkpoint_every_s", float, "save when N seconds passed since the last save"),
     ("--checkpoint-keep-last", "checkpoint_keep_last", int, "complete checkpoints kept (default 3)"),
 )
+
+
+def _json_object(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

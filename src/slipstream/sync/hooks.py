@@ -81,6 +81,10 @@ class OrderedQueue:
 
     def close(self) -> None:
         self._q.put((None, None))
+        # Joined so no collective of this thread is alive when the process
+        # group is destroyed (a C++ worker torn down mid-use aborts the process).
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
 
 @dataclass

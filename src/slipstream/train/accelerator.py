@@ -116,6 +116,7 @@ class Accelerated:
         self.checkpoints: CheckpointManager | None = None
         self.progress = ProgressReporter(runtime.rank, runtime.world_size) if runtime.world_size > 1 else None
         model._sl_progress = self.progress
+        self._observe_loss = getattr(sync_state, "observe_loss", None)
 
     @property
     def micro_step_count(self) -> int:
@@ -189,6 +190,8 @@ class Accelerated:
         if self._micro.accumulate_steps > 1:
             loss = loss / self._micro.accumulate_steps
         self._mark(progress.BACKWARD if self._micro.syncs else progress.BACKWARD_LOCAL)
+        if self._micro.syncs and self._observe_loss is not None:
+            self._observe_loss(loss.detach())  # the convergence guard's loss trend (read only at its checks)
         timing = self.recorder.begin("backward")
         try:
             if self.scaler is not None:
@@ -266,6 +269,8 @@ class Accelerated:
             self.checkpoints.close()
         if self.progress is not None:
             self.progress.close()
+        if hasattr(self.sync_state, "close"):
+            self.sync_state.close()
         self.recorder.flush()
         summary = self.recorder.summary()
         self.recorder.close()
@@ -346,7 +351,10 @@ def accelerate(
         static_graph=config.static_graph,
     )
     ddp._slipstream_setup(micro, config.precision, runtime.device, recorder)
-    sync_state = sync.apply(config.sync, ddp)
+    try:
+        sync_state = sync.apply(config.sync, ddp, **config.sync_options)
+    except TypeError as exc:  # an option the strategy does not take
+        raise ConfigError(f"sync_options for {config.sync!r}: {exc}") from None
     if sync_state is not None and hasattr(sync_state, "stats"):
         recorder.sources.append(sync_state.stats)
     recorder.attach(ddp.module, config, runtime.device, runtime.local_rank, optimizer)  # phase hooks, sinks
