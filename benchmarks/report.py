@@ -257,7 +257,8 @@ def markdown(results: dict, out: Path, images: list[Path]) -> str:
         f"on {meta.get('cores', '?')} cores (load average at start {_load(meta.get('load_avg_start'))}, "
         f"at end {_load(meta.get('load_avg_end'))}), torch {meta.get('torch', '?')}, "
         f"{meta.get('repeats', '?')} repeats x {meta.get('steps', '?')} steps "
-        f"({meta.get('warmup_steps', '?')} warm-up), wall {_fmt(meta.get('wall_s'), '.0f')} s. "
+        f"({meta.get('warmup_steps', '?')} warm-up), wall {_fmt(meta.get('wall_s'), '.0f')} s"
+        + (f", commit {meta['git_commit']}" if meta.get("git_commit") else "") + ". "
         f"Raw data: `{rel}/results.json`.",
         "",
     ]

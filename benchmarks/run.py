@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
             "cores": len(os.sched_getaffinity(0)),
             "load_avg_start": os.getloadavg(),
             "python": platform.python_version(),
+            "git_commit": _git_commit(),
             "repeats": preset["repeats"],
             "steps": preset["steps"],
             "warmup_steps": preset["warmup"],
@@ -309,6 +310,18 @@ def main(argv: list[str] | None = None) -> int:
     report.render(results, out, update_markdown=not args.no_markdown)
     print(f"results: {out / 'results.json'} ({results['meta']['wall_s']:.0f} s)", file=sys.stderr)
     return 0
+
+
+def _git_commit() -> str | None:
+    """The commit measured (strategies change under the suite's feet); '+dirty' when edited."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (head + ("+dirty" if dirty else "")) or None
 
 
 def _terminate(signum: int, frame: object) -> None:
