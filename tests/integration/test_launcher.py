@@ -66,6 +66,7 @@ def test_exhausted_restarts_fail_with_a_summary(tmp_path):
     assert "training failed" in proc.stderr and "3 attempt(s)" in proc.stderr
     summary = proc.stderr.split("training failed")[-1]
     assert "first failure: rank 0" in summary and "exit code 1" in summary
+    assert all(f"attempt {i}: local rank" in summary for i in (1, 2, 3))  # every attempt, not just the last
     assert proc.stderr.count("fails on purpose (attempt") == 3
     assert "Traceback" not in proc.stderr.split("training failed")[-1]
 

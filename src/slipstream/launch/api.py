@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import signal
 import socket
@@ -131,6 +132,20 @@ def check_port_free(host: str, port: int) -> None:
             raise
 
 
+class _AttemptHistory(logging.Handler):
+    """Collects the agent's one "failed (exitcode ...)" record per failed attempt,
+    so the final summary can list every attempt, not just the last."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.failures: list[tuple[float, object, object, object]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("failed (exitcode") and isinstance(record.args, tuple) and len(record.args) >= 3:
+            exitcode, local_rank, pid = record.args[:3]
+            self.failures.append((record.created, exitcode, local_rank, pid))
+
+
 def _default_threads(nproc_per_node: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // nproc_per_node)
@@ -180,10 +195,13 @@ def launch(opts: LaunchOptions) -> int:
     )
     cmd_args = ["-u", "-m", opts.entrypoint, *opts.args] if opts.module else ["-u", opts.entrypoint, *opts.args]
     started = time.monotonic()
+    history = _AttemptHistory()
+    agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    agent_log.addHandler(history)
     try:
         elastic_launch(config, sys.executable)(*cmd_args)
     except ChildFailedError as exc:
-        _report_failure(exc, opts, time.monotonic() - started)
+        _report_failure(exc, opts, time.monotonic() - started, history.failures)
         return EXIT_TRAINING_FAILED
     except RendezvousError as exc:
         print(f"slipstream run: rendezvous failed at {endpoint}: {exc}", file=sys.stderr)
@@ -197,16 +215,25 @@ def launch(opts: LaunchOptions) -> int:
         # checkpoint at all.
         print(f"slipstream run: stopped by {exc.sigval.name}; workers were told to checkpoint and exit", file=sys.stderr)
         return EXIT_PREEMPTED if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
+    finally:
+        agent_log.removeHandler(history)
     return EXIT_OK
 
 
-def _report_failure(exc: "Exception", opts: LaunchOptions, elapsed_s: float) -> None:
-    """A short summary: the root cause first (the earliest failure), then the rest."""
+def _report_failure(
+    exc: "Exception", opts: LaunchOptions, elapsed_s: float, attempts: list[tuple[float, object, object, object]]
+) -> None:
+    """A short summary: one line per failed attempt on this node, then the last
+    attempt's failures, root cause (the earliest real failure) first."""
     failures = getattr(exc, "failures", {})
     lines = [
         f"slipstream run: training failed after {opts.max_restarts + 1} attempt(s) in {elapsed_s:.1f} s "
         f"(--max-restarts {opts.max_restarts} spent)."
     ]
+    for i, (when, exitcode, local_rank, pid) in enumerate(attempts):
+        stamp = time.strftime("%H:%M:%S", time.localtime(when))
+        lines.append(f"  attempt {i + 1}: local rank {local_rank} (pid {pid}) failed first, exit code {exitcode}, at {stamp}")
+    lines.append("  last attempt:")
     # Ranks the agent stopped with SIGTERM after the first failure come last.
     ordered = sorted(failures.items(), key=lambda item: (item[1].exitcode == -15, item[1].timestamp, item[0]))
     for i, (global_rank, failure) in enumerate(ordered):
@@ -218,7 +245,7 @@ def _report_failure(exc: "Exception", opts: LaunchOptions, elapsed_s: float) -> 
             reason = text.splitlines()[-1]
         role = "first failure" if i == 0 else "then"
         lines.append(
-            f"  {role}: rank {global_rank} (local {failure.local_rank}, pid {failure.pid}): "
+            f"    {role}: rank {global_rank} (local {failure.local_rank}, pid {failure.pid}): "
             f"exit code {failure.exitcode}: {reason}"
         )
     print("\n".join(lines), file=sys.stderr)
