@@ -243,5 +243,14 @@ def shutdown() -> None:
     """Destroy the process group (idempotent)."""
     global _RUNTIME
     if dist.is_initialized():
+        if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+            # Leave together: a rank tearing down gloo while a peer still
+            # talks to it can abort at exit ("terminate called without an
+            # active exception"). Bounded, so a peer that never calls
+            # shutdown() costs at most 30 s.
+            try:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+            except Exception:  # noqa: BLE001 - a peer already gone: nothing to wait for
+                pass
         dist.destroy_process_group()
     _RUNTIME = None

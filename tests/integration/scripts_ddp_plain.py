@@ -26,4 +26,5 @@ for step in range(20):
     opt.step()
 if rank == 0:
     torch.save(model.module.state_dict(), os.path.join(args.out, "model.pt"))
+dist.barrier()  # leave together: gloo torn down under a live peer can abort at exit
 dist.destroy_process_group()

@@ -33,4 +33,5 @@ keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "M
         "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_MAX_RESTARTS", "SLIPSTREAM_PRECISION"]
 with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
     json.dump({"env": {k: os.environ.get(k) for k in keys}, "sum": t.item()}, f)
+dist.barrier()  # leave together: gloo torn down under a live peer can abort at exit
 dist.destroy_process_group()
