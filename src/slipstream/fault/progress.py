@@ -95,6 +95,10 @@ class ProgressReporter:
 
     def close(self) -> None:
         self._stop.set()
+        # Joined: a daemon thread killed inside a store call at interpreter
+        # exit can abort the process ("terminate called without an active exception").
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
 
     def read_all(self) -> dict[int, dict | None]:
         """Every rank's last record (None where the store has nothing or is gone)."""
