@@ -234,6 +234,16 @@ def hierarchy(rank: int, world: int, port: int, out_path: str, local_world: int)
             m, g, _, st, _ = run(strat, [512] * 12 + [8], 3, bucket_cap_mb=1.0, batch_size=4)
             out[strat] = {"same_on_ranks": same_on_all_ranks(list(m.parameters())),
                           "buckets": len(st.last.numel), "stats": st.stats()}
+        # hierarchical+auto: both levels probed, one agreed plan; the run goes on under it.
+        m, g, _, st, _ = run("hierarchical+auto", [512] * 12 + [8], 6, bucket_cap_mb=1.0, batch_size=4,
+                             observe_steps=2)
+        mine = [st.mode, sorted(st.decisions.items())]
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        out["hierarchical+auto"] = {"same_on_ranks": same_on_all_ranks(list(m.parameters())),
+                                    "agree": all(e == everyone[0] for e in everyone), "mode": st.mode,
+                                    "n_decisions": len(st.decisions), "explain": st.decision.explain(),
+                                    "stats": st.stats()}
         return out
 
     _check(res, "hierarchy", equal)

@@ -108,3 +108,11 @@ def test_hierarchical_compressed_consistent_across_ranks(hierarchy_results, stra
     # Only the inter-node step is compressed: fp32 would put S/2 per rank on it (a third
     # of the 1.5 S a rank sends in all); every codec here cuts that at least tenfold.
     assert st["sync_inter_node_bytes_sent"] <= st["sync_uncompressed_bytes"] / 3 / 10, st
+
+
+def test_hierarchical_auto_probes_both_levels_and_agrees(hierarchy_results):
+    r = _ok(hierarchy_results["hierarchy"])["hierarchical+auto"]
+    assert r["mode"] == "run" and r["n_decisions"] >= 10, r
+    assert r["agree"] and r["same_on_ranks"], r
+    assert "intra-node" in r["explain"] and "inter-node" in r["explain"], r["explain"]
+    assert r["stats"]["sync_strategy"] == "hierarchical+auto"

@@ -19,7 +19,7 @@ from slipstream.sync.compress import (
 )
 from slipstream.sync.compress.sign import pack_signs, unpack_signs
 from slipstream.sync.guard import ConvergenceGuard
-from slipstream.sync.policy import BucketInfo, decide, predict
+from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide, predict
 from slipstream.sync.probe import LinkFigures
 from slipstream.sync.topology import Topology, detect
 
@@ -155,6 +155,31 @@ def test_policy_mixes_when_compression_compute_costs_more_than_a_small_bucket_sa
     assert d.choices[1] == d.choices[2] == "powersgd"
     assert d.choices[0] != "powersgd"
     assert predict(buckets, d.choices, link, 2, costs, CANDIDATES) == pytest.approx(d.predicted_s)
+
+
+def test_hierarchical_cost_charges_the_node_link_in_full_and_the_codec_on_a_shard():
+    intra = LinkFigures(2, 1e-5, 10e9)
+    inter = LinkFigures(2, 2e-4, 25e6)  # 200 Mbit/s between nodes
+    cost = HierarchicalCost(intra, inter, local_world_size=2, num_nodes=2)
+    b = _buckets([8], backward_s=0.05)[0]
+    s_bytes = b.numel * 4
+    # Uncompressed: RS + AG inside the node (2 collectives, (k-1)/k * S each) + all-reduce of S/2.
+    want = intra.seconds(2 * 0.5 * s_bytes, 2) + inter.seconds(2 * 0.5 * (s_bytes / 2), 1)
+    assert cost.bucket_seconds(b, Codec()) == pytest.approx(want)
+    shard, layout = cost.codec_input(b.numel, b.layout)
+    assert shard == b.numel // 2 and sum(p.numel for p in layout) == shard
+    # PowerSGD only changes the inter-node term: the node's link still carries everything.
+    psgd = cost.bucket_seconds(b, CANDIDATES["powersgd"])
+    assert intra.seconds(s_bytes, 2) < psgd < 0.05 * want
+    # On the slow inter link the policy compresses, and says which links it saw.
+    buckets = _buckets([4, 12, 12], backward_s=0.08)
+    costs = {(x.index, n): (0.002 if n == "powersgd" else 0.0005) for x in buckets for n in CANDIDATES}
+    d = decide(buckets, cost, 4, costs, CANDIDATES)
+    assert d.choices[1] == d.choices[2] == "powersgd" and "allreduce" not in d.choices.values(), d.choices
+    assert "intra-node" in d.explain() and "inter-node" in d.explain()
+    # With one node the inter term vanishes: nothing to gain by compressing.
+    one_node = HierarchicalCost(intra, inter, local_world_size=4, num_nodes=1)
+    assert one_node.bucket_seconds(b, CANDIDATES["powersgd"]) == one_node.bucket_seconds(b, Codec())
 
 
 def test_guard_error_ratio_and_loss_rules():

@@ -12,6 +12,7 @@ A strategy is applied to a DistributedDataParallel model once, after wrapping:
 ``hierarchical``       intra-node reduce-scatter, inter-node all-reduce, intra-node all-gather
 ``hierarchical+X``     the same with codec X on the inter-node step only (X: any codec above)
 ``auto``               probes the link, observes backward, picks per bucket from an alpha-beta model
+``hierarchical+auto``  two levels; probes both links, and picks per bucket the codec of the inter-node step
 =====================  ==================================================================
 
 Every strategy but ``allreduce`` runs through :mod:`.hooks`, which keeps one
@@ -200,12 +201,40 @@ def _hierarchical(ddp_model: DistributedDataParallel, **options: Any):
     return _hook_strategy("hierarchical", ddp_model, "allreduce", hierarchical=True, **options)
 
 
+def _probe_levels(g: Any) -> Any:
+    """Both links of a two-level topology, agreed on every rank (the slowest figures).
+
+    Collective on every rank: each node probes its own intra group, each local
+    index its inter group, then one all-reduce MAX on the flat group makes the
+    figures (and so every decision taken from them) identical everywhere.
+    """
+    import torch.distributed as dist
+
+    from .policy import HierarchicalCost
+    from .probe import LinkFigures, probe_link
+
+    topo = g.topology
+    intra = probe_link(g.intra) if topo.local_world_size > 1 else LinkFigures(1, 0.0, float("inf"))
+    inter = probe_link(g.inter) if topo.num_nodes > 1 else LinkFigures(1, 0.0, float("inf"))
+    vec = torch.tensor([intra.alpha_s, 1 / intra.bytes_per_s, inter.alpha_s, 1 / inter.bytes_per_s],
+                       dtype=torch.float64)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=g.flat)
+    a1, inv1, a2, inv2 = vec.tolist()
+    intra = LinkFigures(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
+    inter = LinkFigures(inter.ranks, a2, 1 / inv2 if inv2 > 0 else float("inf"), inter.samples)
+    return HierarchicalCost(intra, inter, topo.local_world_size, topo.num_nodes)
+
+
 @register("auto")
 def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("allreduce", "bf16", "powersgd"),
-          observe_steps: int = 3, hidden_tolerance: float = 0.05, **options: Any):
-    """Probe the link now; observe ``observe_steps`` uncompressed steps; decide per bucket."""
+          observe_steps: int = 3, hidden_tolerance: float = 0.05, hierarchical: bool = False, **options: Any):
+    """Probe the link now; observe ``observe_steps`` uncompressed steps; decide per bucket.
+
+    ``hierarchical=True`` (the ``hierarchical+auto`` strategy): two-level reduction, both
+    levels probed, and the per-bucket choice is the codec of the inter-node step.
+    """
     from .guard import ConvergenceGuard
-    from .hierarchical import FlatReducer
+    from .hierarchical import FlatReducer, Hierarchical
     from .hooks import HookSync
     from .probe import probe_link
     from .topology import groups
@@ -224,19 +253,29 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
     if "allreduce" not in candidates:
         candidates = ("allreduce", *candidates)
     if _single_rank(ddp_model):
-        return AllreduceState(ddp_model, "auto")
+        return AllreduceState(ddp_model, "hierarchical+auto" if hierarchical else "auto")
     g = groups()
-    link = probe_link(g.flat)
+    if hierarchical:
+        reducer, prober = Hierarchical(g), (lambda: _probe_levels(g))
+    else:
+        reducer, prober = FlatReducer(g.flat), (lambda: probe_link(g.flat))
+    link = prober()
     codecs = {c: make_codec(c, **per_codec.get(c, {})) for c in candidates}
     guard = ConvergenceGuard(**guard_opts) if guard_on else None
     policy = {"candidates": candidates, "observe_steps": observe_steps, "hidden_tolerance": hidden_tolerance,
               "options": per_codec}
-    state = HookSync("auto", FlatReducer(g.flat), codecs, "allreduce", control_group=g.flat, guard=guard,
-                     policy=policy, link=link)
+    name = "hierarchical+auto" if hierarchical else "auto"
+    state = HookSync(name, reducer, codecs, "allreduce", control_group=g.flat, guard=guard,
+                     policy=policy, link=link, prober=prober)
     import logging
 
     import torch.distributed as dist
 
     if dist.get_rank() == 0:
-        logging.getLogger("slipstream.sync").info("sync auto: probed link: %s", link.summary())
+        logging.getLogger("slipstream.sync").info("sync %s: probed link: %s", name, link.summary())
     return state.install(ddp_model)
+
+
+@register("hierarchical+auto")
+def _hierarchical_auto(ddp_model: DistributedDataParallel, **options: Any):
+    return _auto(ddp_model, hierarchical=True, **options)

@@ -43,8 +43,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .compress.base import Codec, Layout, Wire, layout_from_shapes
 from .compress.cast import Cast
 from .guard import ConvergenceGuard
-from .policy import BucketInfo, Decision, decide
-from .probe import LinkFigures, probe_link
+from .policy import BucketInfo, Decision, as_cost, decide
+from .probe import probe_link
 
 log = logging.getLogger("slipstream.sync")
 
@@ -128,8 +128,9 @@ class HookSync:
         control_group: Any = None,
         guard: ConvergenceGuard | None = None,
         policy: dict[str, Any] | None = None,
-        link: LinkFigures | None = None,
+        link: Any = None,
         warmup_steps: int = 0,
+        prober: Any = None,
     ):
         self.name = name
         self.reducer = reducer
@@ -141,7 +142,9 @@ class HookSync:
         self.control = Wire(control_group)
         self.guard = guard
         self.policy = policy  # None, or options of policy.decide plus observe_steps
-        self.link = link
+        self.link = link  # LinkFigures, or a cost object of .policy (hierarchical+auto)
+        # Measures the link(s) again; collective on every rank, from the comm thread after start.
+        self._prober = prober if prober is not None else (lambda: probe_link(self.control.group))
         self.world_size = self.control.size
         self.decisions: dict[int, str] = {}
         self.decision: Decision | None = None
@@ -389,7 +392,7 @@ class HookSync:
     def _control(self) -> None:
         if self._probe_requested:
             self._probe_requested = False
-            self.link = probe_link(self.control.group)
+            self.link = self._prober()
             log.info("sync: re-probed link: %s", self.link.summary())
             if self.policy is not None and self.mode != "fallback":
                 self.mode, self.decisions, self._observed = "observe", {}, []
@@ -424,6 +427,8 @@ class HookSync:
         order = sorted(last.ready, key=lambda i: last.ready[i])
         # Per bucket, the earliest ready time seen: the least disturbed by other processes.
         ready = [min(s.ready[i] - s.t_backward_start for s in self._observed if i in s.ready) for i in order]
+        if self.link is None:
+            self.link = self._prober()
         costs = self._measure_costs(order, last)
         names = list(self.policy["candidates"])
         vec = torch.tensor(ready + [costs[(i, nm)] for i in order for nm in names], dtype=torch.float64)
@@ -434,9 +439,8 @@ class HookSync:
         buckets = [
             BucketInfo(i, last.numel[i], r, self._layouts.get(last.keys.get(i))) for i, r in zip(order, ready)
         ]
-        link = self.link if self.link is not None else probe_link(self.control.group)
         self.decision = decide(
-            buckets, link, self.world_size, agreed, {nm: self.codecs[nm] for nm in names},
+            buckets, self.link, self.world_size, agreed, {nm: self.codecs[nm] for nm in names},
             hidden_tolerance=self.policy.get("hidden_tolerance", 0.05),
         )
         self.decisions = dict(self.decision.choices)
@@ -451,6 +455,7 @@ class HookSync:
         from .compress import make_codec
 
         solo = Wire(None, size=1)
+        cost_model = as_cost(self.link, self.world_size)
         costs: dict[tuple[int, str], float] = {}
         for name in self.policy["candidates"]:
             for i in order:
@@ -459,8 +464,9 @@ class HookSync:
                     costs[(i, name)] = 0.0
                     continue
                 trial = make_codec(name, **self.policy.get("options", {}).get(name, {}))
+                # What the codec is given: the bucket, or (hierarchical) its 1/k shard.
+                numel, layout = cost_model.codec_input(numel, self._layouts.get(step.keys.get(i)))
                 x = torch.randn(numel)
-                layout = self._layouts.get(step.keys.get(i))
                 times = []
                 for _ in range(3):  # later runs have warm-start state, like steady state
                     t0 = time.perf_counter()

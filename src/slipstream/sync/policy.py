@@ -13,8 +13,13 @@ Model (one core per rank, as on the target machines, so compression compute
 adds to compute rather than hiding behind it; communication waits do hide):
 
     core_end  = backward_s + sum(compute_i)
-    chan_i    = max(ready_i, chan_{i-1}) + compute_i + link.seconds(bytes_i, collectives_i)
+    chan_i    = max(ready_i, chan_{i-1}) + compute_i + comm_i
     step_end  = max(core_end, chan_last)
+
+``comm_i`` comes from a cost object: :class:`FlatCost` (one all-reduce group:
+``link.seconds(codec wire bytes, collectives)``) or :class:`HierarchicalCost`
+(an uncompressed reduce-scatter + all-gather on the node's link, plus the codec
+on 1/k of the bucket over the inter-node link, as :mod:`.hierarchical` runs it).
 
 Start from plain all-reduce everywhere. If its predicted ``step_end`` is within
 ``hidden_tolerance`` of ``backward_s``, communication is already hidden: keep
@@ -35,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .compress.base import Codec, Layout
+from .compress.base import Codec, Layout, sub_layout
 from .probe import LinkFigures
 
 
@@ -47,13 +52,71 @@ class BucketInfo:
     layout: Layout | None = None
 
 
+class FlatCost:
+    """Time of a codec's collectives on a bucket, all ranks in one group."""
+
+    def __init__(self, link: LinkFigures, world_size: int):
+        self.link = link
+        self.world_size = world_size
+
+    def bucket_seconds(self, bucket: BucketInfo, codec: Codec) -> float:
+        wire = codec.wire_bytes(bucket.numel, self.world_size, bucket.layout)
+        return self.link.seconds(wire, codec.collectives_per_call)
+
+    def codec_input(self, numel: int, layout: Layout | None) -> tuple[int, Layout | None]:
+        """What the codec itself is given for a bucket: here, the whole bucket."""
+        return numel, layout
+
+    def summary(self) -> str:
+        return self.link.summary()
+
+
+class HierarchicalCost:
+    """Two levels: nodes of ``local_world_size`` ranks on ``intra``, nodes joined by ``inter``.
+
+    Per bucket of S fp32 bytes: reduce-scatter + all-gather inside the node move
+    2(k-1)/k * S per rank uncompressed (two collectives on the intra link); the
+    codec runs on the 1/k shard over ``num_nodes`` ranks on the inter link.
+    """
+
+    def __init__(self, intra: LinkFigures, inter: LinkFigures, local_world_size: int, num_nodes: int):
+        self.intra, self.inter = intra, inter
+        self.local_world_size, self.num_nodes = local_world_size, num_nodes
+
+    def codec_input(self, numel: int, layout: Layout | None) -> tuple[int, Layout | None]:
+        """The shard the codec compresses (local rank 0's: every rank predicts from the same one)."""
+        k = self.local_world_size
+        if k == 1:
+            return numel, layout
+        shard = -(-numel // k)
+        return shard, sub_layout(layout, 0, min(shard, numel))
+
+    def bucket_seconds(self, bucket: BucketInfo, codec: Codec) -> float:
+        k = self.local_world_size
+        t = 0.0
+        if k > 1:
+            t += self.intra.seconds(2 * (k - 1) / k * bucket.numel * 4, 2)
+        if self.num_nodes > 1:
+            shard, layout = self.codec_input(bucket.numel, bucket.layout)
+            t += self.inter.seconds(codec.wire_bytes(shard, self.num_nodes, layout), codec.collectives_per_call)
+        return t
+
+    def summary(self) -> str:
+        return f"intra-node {self.intra.summary()}; inter-node {self.inter.summary()}"
+
+
+def as_cost(link: LinkFigures | FlatCost | HierarchicalCost, world_size: int) -> FlatCost | HierarchicalCost:
+    """A cost object for ``link``: plain link figures mean one flat group of ``world_size`` ranks."""
+    return FlatCost(link, world_size) if isinstance(link, LinkFigures) else link
+
+
 @dataclass
 class Decision:
     choices: dict[int, str]
     predicted_s: float  # backward + exposed communication, chosen plan
     predicted_allreduce_s: float
     backward_s: float
-    link: LinkFigures
+    link: LinkFigures | FlatCost | HierarchicalCost
     reason: str
     alternatives: dict[str, float] = field(default_factory=dict)  # every bucket with one codec
 
@@ -73,12 +136,16 @@ class Decision:
 def predict(
     buckets: list[BucketInfo],
     choices: Mapping[int, str],
-    link: LinkFigures,
+    link: LinkFigures | FlatCost | HierarchicalCost,
     world_size: int,
     compute_s: Mapping[tuple[int, str], float],
     codecs: Mapping[str, Codec],
 ) -> float:
-    """Predicted end of backward + exposed communication, in seconds after backward starts."""
+    """Predicted end of backward + exposed communication, in seconds after backward starts.
+
+    ``link``: a :class:`LinkFigures` (one flat group of ``world_size`` ranks) or a cost object.
+    """
+    cost_model = as_cost(link, world_size)
     backward = max((b.ready_s for b in buckets), default=0.0)
     core = backward
     chan = 0.0
@@ -87,14 +154,14 @@ def predict(
         codec = codecs[name]
         cost = compute_s.get((b.index, name), 0.0)
         core += cost
-        comm = link.seconds(codec.wire_bytes(b.numel, world_size, b.layout), codec.collectives_per_call)
+        comm = cost_model.bucket_seconds(b, codec)
         chan = max(b.ready_s, chan) + cost + comm
     return max(core, chan)
 
 
 def decide(
     buckets: list[BucketInfo],
-    link: LinkFigures,
+    link: LinkFigures | FlatCost | HierarchicalCost,
     world_size: int,
     compute_s: Mapping[tuple[int, str], float],
     candidates: Mapping[str, Codec],
