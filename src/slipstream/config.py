@@ -25,6 +25,10 @@ from typing import Any, Mapping
 from .errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("gpipe", "1f1b")
+ZERO_STAGES = (2, 3)
+DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Parallel degrees, in the order of the device mesh's dimensions (outermost first)."""
 ENV_PREFIX = "SLIPSTREAM_"
 
 
@@ -64,6 +68,28 @@ class TrainConfig:
     """Clip the global gradient 2-norm to this value (None: no clipping)."""
     activation_checkpointing: tuple[str, ...] = ()
     """Class names of modules whose activations are recomputed in backward."""
+
+    # --- parallel layout (see docs/parallel.md) -----------------------------------------
+    dp_replicate: int = -1
+    """Replicated data parallel degree (DDP, or HSDP's replica dimension with dp_shard).
+    -1: the rest of the world once the other degrees are divided out, so a run
+    that sets nothing is plain DDP over every rank."""
+    dp_shard: int = 1
+    """Sharded data parallel degree: FSDP2 (``fully_shard``) over this many ranks;
+    -1: the rest of the world (dp_replicate, unless given, is then 1)."""
+    tp: int = 1
+    """Tensor parallel degree (DTensor column/row-wise sharding of the model's plan)."""
+    pp: int = 1
+    """Pipeline parallel degree (stages of ``torch.distributed.pipelining``)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b."""
+    pp_microbatches: int | None = None
+    """Micro-batches per pipeline step (must divide the batch); None: pp."""
+    zero_stage: int = 3
+    """With dp_shard > 1: 3 reshards parameters after forward (ZeRO-3: least memory,
+    gathers them again in backward); 2 keeps them gathered until backward ends
+    (``reshard_after_forward=False``: one all-gather per step instead of two).
+    FSDP2 cannot do ZeRO-1 (replicated gradients, sharded optimizer state only)."""
 
     # --- checkpoints and failures ----------------------------------------------------
     checkpoint_dir: str | None = None
@@ -155,10 +181,71 @@ class TrainConfig:
         _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
         _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
         _require(isinstance(self.sync_options, dict), f"sync_options must be a dict, got {self.sync_options!r}")
+        self._check_layout()
         if isinstance(self.activation_checkpointing, str):
             object.__setattr__(self, "activation_checkpointing", _split_names(self.activation_checkpointing))
         else:
             object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
+
+    def _check_layout(self) -> None:
+        for name in DEGREES:
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and (value >= 1 or value == -1),
+                f"{name} must be >= 1 (or -1: the rest of the world), got {value!r}",
+            )
+        _require(self.tp != -1 and self.pp != -1, f"only dp_replicate or dp_shard may be -1, got tp({self.tp}) pp({self.pp})")
+        _require(self.pp_schedule in PP_SCHEDULES, f"pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
+        _require(
+            self.pp_microbatches is None or (isinstance(self.pp_microbatches, int) and self.pp_microbatches >= 1),
+            f"pp_microbatches must be >= 1 or None, got {self.pp_microbatches!r}",
+        )
+        if self.pp_microbatches is not None and self.pp_schedule == "1f1b" and self.pp > 1:
+            _require(
+                self.pp_microbatches >= self.pp,
+                f"pp_microbatches({self.pp_microbatches}) must be >= pp({self.pp}) for the 1f1b schedule",
+            )
+        if self.zero_stage == 1:
+            raise ConfigError(
+                "zero_stage 1 (sharded optimizer state only) is not available: FSDP2 shards parameters, "
+                "gradients and optimizer state together; use zero_stage 2 or 3"
+            )
+        _require(self.zero_stage in ZERO_STAGES, f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
+
+    def degrees(self, world_size: int) -> dict[str, int]:
+        """The four degrees with -1 resolved against ``world_size``, checked to multiply to it.
+
+        Example::
+
+            TrainConfig(tp=2).degrees(8)   # {"pp": 1, "dp_replicate": 4, "dp_shard": 1, "tp": 2}
+            TrainConfig(dp_replicate=2, tp=3).degrees(4)
+            # ConfigError: dp_replicate(2) * dp_shard(1) * tp(3) * pp(1) != world_size(4)
+        """
+        values = {name: getattr(self, name) for name in DEGREES}
+        if values["dp_shard"] == -1 and values["dp_replicate"] == -1:
+            values["dp_replicate"] = 1  # dp_shard=-1 alone: every data-parallel rank shards
+        rest = [name for name, value in values.items() if value == -1]
+        known = 1
+        for name, value in values.items():
+            if value != -1:
+                known *= value
+        if rest:
+            others = " * ".join(f"{n}({values[n]})" for n in ("dp_replicate", "dp_shard", "tp", "pp") if n != rest[0])
+            if world_size % known:
+                raise ConfigError(f"world_size({world_size}) is not divisible by {others} = {known}, so {rest[0]}=-1 has no value")
+            values[rest[0]] = world_size // known
+        product = values["dp_replicate"] * values["dp_shard"] * values["tp"] * values["pp"]
+        if product != world_size:
+            raise ConfigError(
+                f"dp_replicate({values['dp_replicate']}) * dp_shard({values['dp_shard']}) * tp({values['tp']}) "
+                f"* pp({values['pp']}) != world_size({world_size})"
+            )
+        return values
+
+    def is_plain_data_parallel(self, world_size: int) -> bool:
+        """True when the layout is DDP over every rank (the default): no sharding, TP or PP."""
+        d = self.degrees(world_size)
+        return d["dp_shard"] == 1 and d["tp"] == 1 and d["pp"] == 1
 
     def replace(self, **changes: Any) -> "TrainConfig":
         """A copy with some fields changed (validated again)."""
@@ -233,4 +320,4 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     return raw
 
 
-__all__ = ["TrainConfig", "PRECISIONS"]
+__all__ = ["DEGREES", "PP_SCHEDULES", "PRECISIONS", "TrainConfig"]

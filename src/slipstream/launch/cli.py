@@ -22,6 +22,14 @@ _TRAIN_FLAGS = (
     ("--checkpoint-every-steps", "checkpoint_every_steps", int, "save every N optimizer steps"),
     ("--checkpoint-every-s", "checkpoint_every_s", float, "save when N seconds passed since the last save"),
     ("--checkpoint-keep-last", "checkpoint_keep_last", int, "complete checkpoints kept (default 3)"),
+    # Parallel layout (docs/parallel.md): dp_replicate * dp_shard * tp * pp = world size.
+    ("--dp-replicate", "dp_replicate", int, "replicated data-parallel degree (-1: the rest of the world, the default)"),
+    ("--dp-shard", "dp_shard", int, "FSDP2 sharded data-parallel degree (-1: the rest of the world)"),
+    ("--tp", "tp", int, "tensor-parallel degree"),
+    ("--pp", "pp", int, "pipeline-parallel stages"),
+    ("--pp-schedule", "pp_schedule", str, "pipeline schedule: gpipe or 1f1b"),
+    ("--pp-microbatches", "pp_microbatches", int, "micro-batches per pipeline step (must divide the batch)"),
+    ("--zero-stage", "zero_stage", int, "with --dp-shard: 3 (reshard after forward) or 2 (keep gathered)"),
 )
 
 
@@ -108,6 +116,10 @@ def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
     }
     try:
         cfg = TrainConfig.from_env(environ={}, **overrides)
+        nproc = getattr(args, "nproc_per_node", None)
+        nnodes = getattr(args, "nnodes", None)
+        if isinstance(nproc, int) and isinstance(nnodes, str) and nnodes.isdigit() and not getattr(args, "emulate", None):
+            cfg.degrees(nproc * int(nnodes))  # a layout that cannot fit the world fails now, not in every worker
     except ConfigError as exc:
         raise UsageError(f"invalid training flag: {exc}") from None
     env = cfg.to_env()

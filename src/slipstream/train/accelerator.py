@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -133,7 +133,7 @@ class Accelerated:
             async_save=cfg.checkpoint_async,
             preemption_deadline_s=cfg.preemption_deadline_s,
         )
-        mgr.register("model_optimizer", ModelOptimizerState(self.model, self.optimizer))
+        mgr.register("model_optimizer", ModelOptimizerState(self._checkpointed_model(), self.optimizer))
         mgr.register("train", CallbackState(self._counters_state, self._load_counters_state))
         for name, obj in extra_state.items():
             mgr.register(f"extra.{name}", obj)
@@ -146,6 +146,38 @@ class Accelerated:
             self.resumed_from_step = step
             if self.runtime.is_main:
                 print(f"[slipstream] resumed from {cfg.checkpoint_dir} at step {step}", flush=True)
+
+    def _checkpointed_model(self) -> nn.Module:
+        return self.model  # DDP: the state-dict API strips its ``module.`` prefix
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks: pick the data slice by it."""
+        return self.runtime.rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel ranks there are (global batch = per-rank batch * dp_size)."""
+        return self.runtime.world_size
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: Any) -> torch.Tensor:
+        """One micro-step: forward, ``loss_fn(output, target)``, backward, :meth:`step`.
+
+        The same loop then works for every layout, pipeline parallelism included
+        (where forward and backward run interleaved in a schedule). Returns the
+        loss (detached; on every rank).
+
+        Example::
+
+            loss = run.train_step(x, y, lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        """
+        loss = loss_fn(self.model(inputs), target)
+        self.backward(loss)
+        self.step()
+        return loss.detach()
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
     def _counters_state(self) -> dict[str, Any]:
         return {
@@ -226,7 +258,7 @@ class Accelerated:
         if self.config.grad_clip_norm is not None:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
-            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip_norm)
+            self.last_grad_norm = self._clip_gradients(self.config.grad_clip_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -277,6 +309,25 @@ class Accelerated:
         return summary
 
 
+def _build_optimizer(optimizer: Any, params: Any) -> torch.optim.Optimizer:
+    """An optimizer as given, or built by the factory given."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    built = optimizer(params)
+    if not isinstance(built, torch.optim.Optimizer):
+        raise ConfigError(f"the optimizer factory must return a torch.optim.Optimizer, got {type(built).__name__}")
+    return built
+
+
+def _build_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """A scheduler as given, or built by the factory given (a callable without ``step``)."""
+    if scheduler is None or hasattr(scheduler, "step"):
+        return scheduler
+    if callable(scheduler):
+        return scheduler(optimizer)
+    raise ConfigError(f"scheduler must have step() or be a factory optimizer -> scheduler, got {type(scheduler).__name__}")
+
+
 def _agree_run_dir(config: TrainConfig, runtime: Runtime) -> str:
     """Every rank writes under the same run directory; rank 0 chooses it."""
     chosen = [config.run_dir or os.environ.get("SLIPSTREAM_RUN_DIR")]
@@ -289,11 +340,13 @@ def _agree_run_dir(config: TrainConfig, runtime: Runtime) -> str:
 
 def accelerate(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer],
     config: TrainConfig | None = None,
     *,
     scheduler: Any = None,
     extra_state: dict[str, Any] | None = None,
+    tp_plan: dict[str, Any] | None = None,
+    pp_split_points: list[str] | None = None,
     **options: Any,
 ) -> Accelerated:
     """Wrap ``model`` and ``optimizer`` for distributed training.
@@ -301,7 +354,17 @@ def accelerate(
     ``config`` (a :class:`TrainConfig`) wins as a whole; otherwise the fields
     come from ``SLIPSTREAM_*`` environment variables (set by ``slipstream run
     --sync/--precision/...``) overridden by ``options``.
-    ``scheduler`` (optional) is stepped after every optimizer step.
+    ``optimizer``: an optimizer, or a factory ``params -> optimizer``. Layouts
+    that shard or split the model (dp_shard, tp, pp; docs/parallel.md) replace
+    its parameters, so there the optimizer is built over the new ones: a factory
+    is called with them; an optimizer without state yet is rebuilt (same class,
+    same per-group hyperparameters, matched by parameter name).
+    ``scheduler`` (optional) is stepped after every optimizer step; give a
+    factory ``optimizer -> scheduler`` when the optimizer is a factory or rebuilt.
+    ``tp_plan`` (with tp > 1): module-name pattern -> "colwise"/"rowwise"
+    (see :mod:`slipstream.parallel.tensor_parallel`). ``pp_split_points``
+    (with pp > 1): names of the units where stages begin (default: layers split
+    evenly; see :mod:`slipstream.parallel.pipeline`).
     ``extra_state`` (optional): more objects with ``state_dict()``/``load_state_dict()``
     (a data sampler, say) saved in every checkpoint. With ``checkpoint_dir``
     set, the run resumes from the newest complete checkpoint there; read
@@ -315,20 +378,32 @@ def accelerate(
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if isinstance(model, DistributedDataParallel):
         raise ConfigError("model is already wrapped in DistributedDataParallel; pass the plain module")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, got {type(optimizer).__name__}"
+        )
     # An option given as None counts as not given: the environment's default stays.
     options = {key: value for key, value in options.items() if value is not None}
     if config is None:
         config = TrainConfig.from_env(**options)
     elif options:
         raise ConfigError(f"give either config or keyword options, not both (got {', '.join(options)})")
+    runtime = current()
+    if not config.is_plain_data_parallel(runtime.world_size):
+        from .parallel_run import accelerate_parallel
+
+        return accelerate_parallel(
+            model, optimizer, config, runtime,
+            scheduler=scheduler, extra_state=extra_state, tp_plan=tp_plan, pp_split_points=pp_split_points,
+        )
+    # tp_plan and pp_split_points are ignored here (no TP, no PP): one script runs under every layout.
+    optimizer = _build_optimizer(optimizer, model.parameters())
+    scheduler = _build_scheduler(scheduler, optimizer)
     owned = {id(p) for p in model.parameters()}
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
     if foreign:
         raise ConfigError(f"the optimizer holds {foreign} parameter(s) that are not in the model")
 
-    runtime = current()
     apply_activation_checkpointing(model, config.activation_checkpointing)
     model.to(runtime.device)
 

@@ -1,0 +1,289 @@
+"""``accelerate()`` for layouts beyond plain data parallelism (dp_shard, tp, pp).
+
+The model goes through :func:`slipstream.parallel.parallelize` (pipeline split
+-> device -> TP -> activation checkpointing -> FSDP2), the optimizer is built
+over the resulting parameters, and :class:`ParallelAccelerated` runs the step:
+
+* without pipeline parallelism, ``run.model(x)`` / ``run.backward(loss)`` /
+  ``run.step()`` work as on the DDP path (accumulation: FSDP2's gradient
+  reduction runs on the last micro-step only);
+* with pipeline parallelism forward and backward are one schedule, so the loop
+  is ``loss = run.train_step(x, y, loss_fn)`` (which works for every layout).
+  ``x`` is needed on the first stage and ``y`` on the last; every rank passes
+  both (ranks of one pipeline feed the same batch: index the data by
+  ``run.dp_rank``). The loss (mean over micro-batches) is computed on the last
+  stage and broadcast to the pipeline's other stages, so every rank returns it.
+
+Precision: bf16 runs through FSDP2's MixedPrecisionPolicy when the model is
+fully sharded, else through autocast; fp16 (which needs a gradient scaler
+aware of sharded gradients) is refused on these layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import TrainConfig
+from ..errors import ConfigError, SlipstreamError
+from ..fault import progress
+from ..fault.progress import ProgressReporter
+from ..metrics import StepRecorder
+from ..runtime import Runtime
+from .accelerator import Accelerated, _agree_run_dir, _build_optimizer, _build_scheduler, _MicroSteps
+from .precision import autocast, outputs_to_fp32
+
+
+class ParallelModel(nn.Module):
+    """``run.model`` on parallel layouts: autocast when FSDP2 does not cast, sample
+    counting, and FSDP2's gradient sync armed on the last micro-step only.
+
+    Its state_dict would carry a ``module.`` prefix; checkpoints and
+    ``run.unwrapped_state_dict()`` use the inner module, whose names are the original model's.
+    """
+
+    def __init__(self, module: nn.Module, *, autocast_precision: str, pipeline: bool) -> None:
+        super().__init__()
+        self.module = module
+        self._sl_autocast = autocast_precision
+        self._sl_pipeline = pipeline
+
+    def _slipstream_setup(self, micro: _MicroSteps, device: torch.device, recorder: StepRecorder) -> None:
+        self._sl_micro = micro
+        self._sl_device = device
+        self._sl_recorder = recorder
+        self._sl_progress: ProgressReporter | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sl_pipeline:
+            raise SlipstreamError(
+                "with pp > 1 forward and backward run together in the pipeline schedule: "
+                "use loss = run.train_step(x, y, loss_fn) instead of run.model / run.backward / run.step"
+            )
+        if self._sl_progress is not None:
+            self._sl_progress.mark(progress.FORWARD)
+        if hasattr(self.module, "set_requires_gradient_sync"):
+            self.module.set_requires_gradient_sync(self._sl_micro.syncs)
+        _count(self._sl_recorder, args, kwargs)
+        timing = self._sl_recorder.begin("forward")
+        with autocast(self._sl_autocast, self._sl_device):
+            out = self.module(*args, **kwargs)
+        self._sl_recorder.end("forward", timing)
+        return outputs_to_fp32(out)
+
+
+def _count(recorder: StepRecorder, args: tuple, kwargs: dict) -> None:
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, torch.Tensor) and first.dim() >= 1:
+        recorder.add_samples(first.shape[0])
+        if first.dim() >= 2 and not first.is_floating_point():
+            recorder.add_tokens(first.numel())
+
+
+class ParallelAccelerated(Accelerated):
+    """:class:`Accelerated` over a parallel layout (see the module docstring)."""
+
+    def __init__(self, model: ParallelModel, layout: Any, optimizer, config, runtime, recorder, scheduler=None):
+        super().__init__(model, layout.module, optimizer, config, runtime, recorder, scheduler=scheduler)
+        self.layout = layout
+        self.dims = layout.dims
+        self._schedule = None
+        self._loss_fn: Callable | None = None
+        if self.dims.pp > 1:
+            from ..parallel.pipeline import build_schedule
+
+            microbatches = config.pp_microbatches or self.dims.pp
+            self._pp_group = self.dims.mesh.get_group("pp")
+            self._last_stage_rank = int(self.dims.mesh.mesh[(-1, *self._coords())])
+            self._stage, self._schedule = build_schedule(
+                layout.module, layout.stage_index, self.dims.pp, runtime.device, self._pp_group,
+                config.pp_schedule, microbatches, self._pipeline_loss,
+            )
+            self._microbatches = microbatches
+
+    def _coords(self) -> tuple[int, ...]:
+        mesh = self.dims.mesh
+        return tuple(mesh.get_local_rank(d) for d in ("dp_replicate", "dp_shard", "tp"))
+
+    def _checkpointed_model(self) -> nn.Module:
+        return self.module  # the stage or model itself: original parameter names
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    def _pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(outputs_to_fp32(output), target)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self._schedule is not None:
+            self.model()  # raises the explanation
+        super().backward(loss)
+
+    def train_step(self, inputs: Any, target: Any, loss_fn: Callable) -> torch.Tensor:
+        if self._schedule is None:
+            return super().train_step(inputs, target, loss_fn)
+        batch = inputs.shape[0]
+        if batch % self._microbatches:
+            raise ConfigError(
+                f"pp_microbatches({self._microbatches}) does not divide the batch({batch}) of this rank"
+            )
+        self._loss_fn = loss_fn
+        self._mark(progress.BACKWARD)
+        _count(self.recorder, (inputs,), {})
+        losses: list[torch.Tensor] = []
+        layout = self.layout
+        # The schedule interleaves forwards and backwards: timed as one "backward" phase.
+        timing = self.recorder.begin("backward")
+        try:
+            with autocast(self.model._sl_autocast, self.device):
+                if layout.is_first_stage:
+                    self._schedule.step(inputs)
+                elif layout.is_last_stage:
+                    self._schedule.step(target=target, losses=losses)
+                else:
+                    self._schedule.step()
+        except Exception as exc:  # noqa: BLE001
+            self._raise_diagnosed(exc)
+        self.recorder.end("backward", timing)
+        if layout.is_last_stage:
+            loss = torch.stack([l.detach().float() for l in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
+        dist.broadcast(loss, src=self._last_stage_rank, group=self._pp_group)
+        self.recorder.add_loss(loss)
+        if layout.tied is not None:
+            layout.tied.sum_()
+        self.step()
+        return loss
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global 2-norm over every shard, TP slice and pipeline stage
+        (a weight tied across stages counted once)."""
+        skip = set()
+        if self.layout.tied is not None and not self.layout.is_first_stage:
+            skip = {id(p) for p, _ in self.layout.tied.params}
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        counted = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+        square = torch.zeros((), device=self.device)
+        for g in counted:
+            n = torch.linalg.vector_norm(g)
+            if hasattr(n, "full_tensor"):
+                n = n.full_tensor()
+            square = square + n.float() ** 2
+        if self.dims.pp > 1:
+            dist.all_reduce(square, group=self._pp_group)
+        total = square.sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
+        return total
+
+    def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict, full tensors, original names. A collective:
+        call it on every rank (each gets the whole dict)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        if self.dims.pp > 1:
+            parts: list[Any] = [None] * self.dims.pp
+            dist.all_gather_object(parts, state, group=self._pp_group)
+            state = {k: v for part in parts for k, v in part.items()}
+        return state
+
+
+def _rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: nn.Module) -> torch.optim.Optimizer:
+    """The same optimizer class and per-group hyperparameters over ``module``'s new parameters."""
+    if any(optimizer.state.values()):
+        raise ConfigError(
+            "the optimizer has state already (it has stepped): on layouts that shard or split the model pass "
+            "a fresh optimizer or a factory, e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4)"
+        )
+    new = dict(module.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        params = [new[names[id(p)]] for p in group["params"] if id(p) in names and names[id(p)] in new]
+        if params:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    if not groups:
+        raise ConfigError("the optimizer holds none of this rank's parameters")
+    return type(optimizer)(groups, **optimizer.defaults)
+
+
+def accelerate_parallel(
+    model: nn.Module,
+    optimizer: Any,
+    config: TrainConfig,
+    runtime: Runtime,
+    *,
+    scheduler: Any = None,
+    extra_state: dict[str, Any] | None = None,
+    tp_plan: dict[str, Any] | None = None,
+    pp_split_points: list[str] | None = None,
+) -> ParallelAccelerated:
+    """The parallel-layout branch of :func:`slipstream.accelerate` (see the module docstring)."""
+    from ..parallel import ParallelDims, parallelize
+
+    if config.precision == "fp16":
+        raise ConfigError("precision fp16 is not supported with dp_shard, tp or pp; use bf16")
+    if config.sync != "allreduce" or config.sync_options:
+        raise ConfigError(
+            f"sync {config.sync!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "
+            "gradients (leave sync at allreduce)"
+        )
+    dims = ParallelDims.build(config, runtime.world_size, runtime.device.type)
+    if dims.pp > 1 and config.accumulate_steps > 1:
+        raise ConfigError(
+            f"accumulate_steps({config.accumulate_steps}) with pp({dims.pp}): use pp_microbatches instead "
+            "(the pipeline already accumulates over its micro-batches)"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        owned = {id(p) for p in model.parameters()}
+        foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in owned)
+        if foreign:
+            raise ConfigError(f"the optimizer holds {foreign} parameter(s) that are not in the model")
+        if scheduler is not None and hasattr(scheduler, "step"):
+            raise ConfigError(
+                "with dp_shard, tp or pp the optimizer is rebuilt over the sharded parameters, so a scheduler "
+                "bound to the old one would not see it: pass scheduler=lambda optimizer: ... (a factory)"
+            )
+    names = {id(p): n for n, p in model.named_parameters()}
+    layout = parallelize(model, config, dims, device=runtime.device, tp_plan=tp_plan, pp_split_points=pp_split_points)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = _rebuild_optimizer(optimizer, names, layout.module)
+    else:
+        optimizer = _build_optimizer(optimizer, layout.module.parameters())
+    scheduler = _build_scheduler(scheduler, optimizer)
+
+    run_dir = _agree_run_dir(config, runtime)
+    recorder = StepRecorder(
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        run_dir=run_dir,
+        log_every_steps=config.log_every_steps,
+        total_steps=config.total_steps,
+        progress=config.progress,
+    )
+    micro = _MicroSteps(config.accumulate_steps)
+    front = ParallelModel(
+        layout.module,
+        autocast_precision="fp32" if layout.fully_sharded else config.precision,
+        pipeline=dims.pp > 1,
+    )
+    front._slipstream_setup(micro, runtime.device, recorder)
+    recorder.attach(layout.module, config, runtime.device, runtime.local_rank, None)
+    run = ParallelAccelerated(front, layout, optimizer, config, runtime, recorder, scheduler=scheduler)
+    if config.checkpoint_dir is not None:
+        run._enable_checkpoints(extra_state or {})
+    elif extra_state:
+        raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
+    return run
