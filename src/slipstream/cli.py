@@ -18,6 +18,7 @@ _COMMAND_MODULES = (
     "slipstream.job.cli",
     "slipstream.report.cli",
     "slipstream.bench.cli",
+    "slipstream.plan.cli",
 )
 
 

@@ -1,0 +1,250 @@
+"""Validate the cost model (slipstream.plan) against measured step times on the emulated cluster.
+
+    sudo python benchmarks/plan_validation.py --rates unshaped,1gbit,200mbit \
+        --strategies allreduce,bf16,powersgd --steps 20 --repeats 3
+
+What it does, in order:
+
+1. calibrates on this machine, one core, no communication: fp32 matmul FLOP/s at
+   1 thread; forward / backward / optimizer time of the guide's MLP workload
+   (shared/GUIDE.md section 4); each codec's compute time on each DDP bucket;
+2. per link rate, in two network namespaces joined by a tbf-shaped veth pair
+   (benchmarks/sync_mlp.py's TwoNodes): probes the link with
+   ``slipstream.sync.probe.probe_link`` (alpha-beta fit of all-reduce), then
+   measures the step time of every strategy ``--repeats`` times, side by side
+   with the floor (benchmarks/sync_mlp.py's run_pair);
+3. predicts each (rate, strategy) step from the calibration alone
+   (slipstream.plan.costmodel.simulate_dp_step) and prints predicted vs measured
+   (median over repeats of the per-run median step) with the error.
+
+The machine is shared: load averages before and after are recorded. Results go
+to benchmarks/results/plan-validation-<UTC>.json (``--json`` to choose).
+``--predict-only FILE`` recomputes predictions from a saved result file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+import sync_mlp  # noqa: E402  (the guide's MLP and the two-node emulation)
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+# -- calibration (local, no communication) --------------------------------------------------------
+def mlp_buckets():
+    """DDP's bucket assignment for the MLP (first bucket 1 MiB, then 25 MiB), reversed parameter order,
+    and each bucket's layout (for PowerSGD's matrices) and the layers it holds."""
+    import torch.distributed as dist
+
+    from slipstream.sync.compress import layout_from_shapes
+
+    model = sync_mlp.build_model()
+    params = list(model.parameters())[::-1]
+    groups, _ = dist._compute_bucket_assignment_by_size(
+        params, [dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 1024 * 1024], [False] * len(params))
+    out = []
+    for g in groups:
+        ps = [params[i] for i in g]
+        out.append({"param_indices": g, "numel": sum(p.numel() for p in ps),
+                    "layout": layout_from_shapes([p.shape for p in ps])})
+    return out
+
+
+def calibrate_local(strategies: list[str]) -> dict:
+    import torch
+
+    from slipstream.plan import calibrate
+
+    torch.manual_seed(0)
+    flops = calibrate.matmul_flops_per_s(threads=1)
+    model = sync_mlp.build_model()
+    x, y = sync_mlp._batch(0)
+    phases = calibrate.step_phases(model, x, y, threads=1, steps=15)
+    buckets = mlp_buckets()
+    codec_s = {name: [calibrate.codec_compute_s(name, b["numel"], b["layout"], threads=1) for b in buckets]
+               for name in strategies}
+    return {"matmul_flops_per_s": flops, "phases": phases.to_dict(),
+            "buckets": [{"numel": b["numel"], "param_indices": b["param_indices"]} for b in buckets],
+            "codec_s": codec_s}
+
+
+# -- link probe in the namespaces --------------------------------------------------------------------
+def probe_worker(rank: int, master: str, port: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from slipstream.sync.probe import probe_link
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=2)
+    figs = probe_link(None, sizes_bytes=(8 << 10, 16 << 20), repeats=5)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"ranks": figs.ranks, "alpha_s": figs.alpha_s,
+                                         "bytes_per_s": figs.bytes_per_s, "samples": figs.samples}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_probe(nodes, timeout_s: float = 300) -> dict:
+    port = 21000 + os.getpid() % 20000
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "probe.json")
+        procs = []
+        for rank in (0, 1):
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=nodes.ifs[rank], PYTHONUNBUFFERED="1")
+            cmd = ["ip", "netns", "exec", nodes.ns[rank], "taskset", "-c", str(rank % (os.cpu_count() or 1)),
+                   sys.executable, os.path.abspath(__file__), "--probe-worker", str(rank),
+                   "--master", nodes.addrs[0], "--port", str(port), "--out", out]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        try:
+            logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(p.returncode for p in procs):
+            raise RuntimeError("probe failed:\n" + "\n---\n".join(log[-2000:] for log in logs))
+        return json.loads(Path(out).read_text())
+
+
+# -- prediction --------------------------------------------------------------------------------------
+def predict(cal: dict, probe: dict, strategy: str, world: int = 2) -> dict:
+    """Predicted step of ``strategy`` from the calibration and the probed link alone."""
+    from slipstream.plan.calibrate import link_from_probe
+    from slipstream.plan.costmodel import BucketTask, simulate_dp_step
+    from slipstream.sync.compress import make_codec
+    from slipstream.sync.probe import LinkFigures
+
+    link = link_from_probe(LinkFigures(probe["ranks"], probe["alpha_s"], probe["bytes_per_s"]))
+    ph = cal["phases"]
+    # Backward time of each Linear, in the order backward reaches them (last layer first), in
+    # proportion to its FLOPs; the first layer computes no input gradient (half the work).
+    model = sync_mlp.build_model()
+    params = list(model.parameters())
+    weights = []  # per parameter, reversed order: backward FLOPs share
+    for idx, p in enumerate(params):
+        if p.dim() == 2:
+            weights.append(p.numel() * (1 if idx == 0 else 2))
+        else:
+            weights.append(0)
+    weights = weights[::-1]
+    total_w = sum(weights)
+    done_at = []  # backward time at which each reversed parameter's gradient is ready
+    acc = 0.0
+    for w in weights:
+        acc += ph["backward_s"] * w / total_w
+        done_at.append(acc)
+    codec = make_codec(strategy)
+    tasks = []
+    layouts = {i: b for i, b in enumerate(mlp_buckets())}
+    for i, b in enumerate(cal["buckets"]):
+        ready = max(done_at[j] for j in b["param_indices"])
+        wb = codec.wire_bytes(b["numel"], world, layouts[i]["layout"])
+        comm = link.wire_s(wb, steps=2 * (world - 1) * codec.collectives_per_call)
+        tasks.append(BucketTask(ready_s=ready, compute_s=cal["codec_s"].get(strategy, [0.0] * 99)[i], comm_s=comm))
+    sim = simulate_dp_step(forward_s=ph["forward_s"], backward_s=ph["backward_s"], optimizer_s=ph["optimizer_s"],
+                           buckets=tasks)
+    return {"step_s": sim.step_s, "exposed_comm_s": sim.exposed_comm_s, "comm_s": sim.comm_s,
+            "codec_compute_s": sim.codec_compute_s}
+
+
+def table(result: dict) -> tuple[str, list[dict]]:
+    cal = result["calibration"]
+    rows = []
+    lines = ["| link | strategy | probed link | measured ms (median of runs) | runs (ms) | predicted ms | error |",
+             "|---|---|---|---|---|---|---|"]
+    for rate, rec in result["rates"].items():
+        probe = rec["probe"]
+        link_txt = f"{probe['bytes_per_s'] * 8 / 1e9:.3f} Gbit/s, {probe['alpha_s'] * 1e3:.2f} ms"
+        for strategy in ["floor", *result["strategies"]]:
+            runs = [statistics.median(r[strategy]["step_s"]) for r in rec["runs"]]
+            meas = statistics.median(runs)
+            if strategy == "floor":
+                pred = cal["phases"]["forward_s"] + cal["phases"]["backward_s"] + cal["phases"]["optimizer_s"]
+            else:
+                pred = predict(cal, probe, strategy)["step_s"]
+            err = (pred - meas) / meas
+            rows.append({"rate": rate, "strategy": strategy, "measured_s": meas, "runs_s": runs,
+                         "predicted_s": pred, "error": err})
+            lines.append(f"| {rate} | {strategy} | {link_txt} | {meas * 1e3:.1f} | "
+                         f"{', '.join(f'{r * 1e3:.0f}' for r in runs)} | {pred * 1e3:.1f} | {err:+.1%} |")
+    return "\n".join(lines), rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rates", default="unshaped,1gbit,200mbit")
+    ap.add_argument("--strategies", default="allreduce,bf16,powersgd")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", help="result file (default benchmarks/results/plan-validation-<UTC>.json)")
+    ap.add_argument("--predict-only", metavar="FILE", help="recompute predictions from a saved result file")
+    ap.add_argument("--probe-worker", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--master", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.probe_worker is not None:
+        probe_worker(a.probe_worker, a.master, a.port, a.out)
+        return 0
+    if a.predict_only:
+        result = json.loads(Path(a.predict_only).read_text())
+        text, rows = table(result)
+        print(text)
+        return 0
+    strategies = a.strategies.split(",")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    result = {"command": "python benchmarks/plan_validation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "commit": _git_commit(), "started_utc": started.isoformat(timespec="seconds"),
+              "loadavg_before": os.getloadavg(), "strategies": strategies, "steps": a.steps, "repeats": a.repeats}
+    result["calibration"] = calibrate_local(strategies)
+    print(f"calibrated: {json.dumps(result['calibration']['phases'])}, "
+          f"matmul {result['calibration']['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
+    result["rates"] = {}
+    with sync_mlp.TwoNodes() as nodes:
+        for rate in a.rates.split(","):
+            nodes.shape(rate)
+            probe = run_probe(nodes)
+            runs = []
+            for r in range(a.repeats):
+                runs.append(sync_mlp.run_pair(nodes, strategies, a.steps, a.warmup))
+                print(f"{rate}: run {r + 1}/{a.repeats} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr,
+                      flush=True)
+            result["rates"][rate] = {"probe": probe, "runs": [{k: {"step_s": v["step_s"]} for k, v in run.items()}
+                                                              for run in runs]}
+    result["loadavg_after"] = os.getloadavg()
+    result["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    out = Path(a.json) if a.json else HERE / "results" / f"plan-validation-{started:%Y%m%dT%H%M%SZ}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))  # measurements first: predictions can be redone
+    text, rows = table(result)
+    result["table"] = rows
+    out.write_text(json.dumps(result, indent=1))
+    print(text)
+    print(f"\nload average before {result['loadavg_before']}, after {result['loadavg_after']}; written {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

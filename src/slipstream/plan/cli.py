@@ -1,0 +1,197 @@
+"""``slipstream plan``: rank layouts of a model on a cluster by predicted time to train and cost.
+
+    slipstream plan --model gpt-7b --gpus 64 --gpu-type H100 --network 8x400gbit-ib --tokens 300B
+    slipstream plan --model resnet50 --gpus 16 --gpu-type V100 --network 25gbit-roce \
+        --write-config plan.yaml --write-job job.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError, UsageError
+from .costmodel import Layout
+from .planner import PlanResult, fmt_s, plan
+from .specs import GIB, GPUS, MODELS
+
+_SUFFIX = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str, flag: str) -> float:
+    """``300B`` -> 3e11, ``1.2M`` -> 1.2e6, ``5e9`` -> 5e9."""
+    m = re.match(r"^\s*(\d+(?:\.\d+)?(?:e\d+)?)\s*([kmbgt]?)\s*$", str(text).lower())
+    if not m:
+        raise ConfigError(f"{flag}: expected a number such as 300B, 1.2M or 5e9, got {text!r}")
+    value = float(m.group(1)) * _SUFFIX[m.group(2)]
+    if value <= 0:
+        raise ConfigError(f"{flag}: must be > 0, got {text!r}")
+    return value
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="rank parallel layouts by predicted time to train and cost",
+        description="Predict step time, memory per GPU, scaling efficiency, time to train and cost of every "
+                    "layout (DDP with each sync strategy, FSDP/HSDP, tensor and pipeline parallel, micro-batch, "
+                    "accumulation, activation checkpointing) of a model on a cluster; print the best as a table "
+                    "and write the chosen config. Equations and validation: docs/plan.md.",
+    )
+    p.add_argument("--model", required=True, metavar="SPEC", help=f"built-in model: {', '.join(MODELS)}")
+    p.add_argument("--gpus", required=True, type=int, metavar="N", help="GPUs in all")
+    p.add_argument("--gpu-type", required=True, metavar="T", help=f"GPU: {', '.join(GPUS)}")
+    p.add_argument("--network", required=True, metavar="SPEC",
+                   help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY], e.g. 25gbit-roce, 100gbit-ib, 1gbit")
+    p.add_argument("--gpus-per-node", type=int, metavar="K", help="GPUs per node (default: the GPU type's usual, 8)")
+    p.add_argument("--price", type=float, metavar="PER_GPU_HOUR", help="price per GPU-hour (default: a rough list price)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--tokens", metavar="TOTAL", help="tokens to train on (transformers), e.g. 300B")
+    g.add_argument("--samples", metavar="TOTAL", help="samples to train on, e.g. 115M (default: 90 ImageNet epochs)")
+    p.add_argument("--global-batch", type=int, metavar="B", help="samples per optimizer step (default: the model's)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: bf16 where the GPU has it, else fp16")
+    p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
+    p.add_argument("--script", default="train.py", help="training script named in the written run command and job")
+    p.add_argument("--image", default="ghcr.io/slipstream-ml/slipstream:0.1.0", help="container image for --write-job")
+    p.add_argument("--write-config", metavar="PATH", help="write the chosen layout (TrainConfig fields + run command) as YAML")
+    p.add_argument("--write-job", metavar="PATH", help="write a job spec YAML for the chosen layout (slipstream validate)")
+    p.add_argument("--probe-memory", action="store_true",
+                   help="on a CUDA GPU: find the largest micro-batch that fits by trying forward+backward")
+    p.add_argument("--json", action="store_true", help="print the ranking as JSON instead of a table")
+    p.set_defaults(func=main)
+
+
+def run_flags(layout: Layout, nodes: int, gpus_per_node: int) -> list[str]:
+    """``slipstream run`` flags that reproduce ``layout``."""
+    flags = ["--nnodes", str(nodes), "-n", str(gpus_per_node)]
+    for name, value in (("--dp-replicate", layout.dp_replicate), ("--dp-shard", layout.dp_shard),
+                        ("--tp", layout.tp), ("--pp", layout.pp)):
+        if value > 1:
+            flags += [name, str(value)]
+    if layout.pp > 1:
+        flags += ["--pp-schedule", layout.pp_schedule, "--pp-microbatches", str(layout.pp_microbatches)]
+    if layout.dp_shard > 1:
+        flags += ["--zero-stage", str(layout.zero_stage)]
+    if layout.dp_shard == 1 and layout.dp_replicate > 1 and layout.sync != "allreduce":
+        flags += ["--sync", layout.sync]
+    flags += ["--precision", layout.precision]
+    if layout.accumulate_steps > 1:
+        flags += ["--accumulate-steps", str(layout.accumulate_steps)]
+    return flags
+
+
+def _ckpt_classes(model_kind: str) -> list[str]:
+    # TrainConfig.activation_checkpointing takes module class names; these are the usual block names.
+    return {"transformer": ["Block"], "cnn": ["Bottleneck"], "mlp": ["Linear"]}.get(model_kind, ["Block"])
+
+
+def layout_env(result: PlanResult, layout: Layout) -> dict[str, str]:
+    """TrainConfig fields of the layout as SLIPSTREAM_* variables (config.py reads SLIPSTREAM_<FIELD>)."""
+    env = {"SLIPSTREAM_DP_REPLICATE": str(layout.dp_replicate), "SLIPSTREAM_DP_SHARD": str(layout.dp_shard),
+           "SLIPSTREAM_TP": str(layout.tp), "SLIPSTREAM_PP": str(layout.pp)}
+    if layout.pp > 1:
+        env["SLIPSTREAM_PP_SCHEDULE"] = layout.pp_schedule
+        env["SLIPSTREAM_PP_MICROBATCHES"] = str(layout.pp_microbatches)
+    if layout.dp_shard > 1:
+        env["SLIPSTREAM_ZERO_STAGE"] = str(layout.zero_stage)
+    if layout.activation_checkpointing:
+        env["SLIPSTREAM_ACTIVATION_CHECKPOINTING"] = ",".join(_ckpt_classes(result.model.kind))
+    return env
+
+
+def config_doc(result: PlanResult, script: str) -> dict[str, Any]:
+    c = result.best
+    L, p = c.layout, c.prediction
+    flags = run_flags(L, result.nodes, min(result.gpus, result.gpus_per_node))
+    return {
+        "run": "slipstream run " + " ".join(shlex.quote(f) for f in [*flags, script]),
+        "train": {
+            "dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "tp": L.tp, "pp": L.pp,
+            "pp_schedule": L.pp_schedule, "pp_microbatches": L.pp_microbatches, "zero_stage": L.zero_stage,
+            "sync": L.sync if L.dp_shard == 1 else "allreduce", "precision": L.precision,
+            "accumulate_steps": L.accumulate_steps,
+            "activation_checkpointing": _ckpt_classes(result.model.kind) if L.activation_checkpointing else [],
+        },
+        "micro_batch": L.micro_batch, "global_batch": L.global_batch,
+        "cluster": {"gpus": result.gpus, "gpu_type": result.gpu.name, "gpus_per_node": result.gpus_per_node,
+                    "nodes": result.nodes, "network": result.network.spec},
+        "prediction": {"step_s": round(p.step_s, 6), "exposed_comm_s": round(p.exposed_comm_s, 6),
+                       "bubble_s": round(p.bubble_s, 6), "memory_gib": round(p.memory_bytes / GIB, 2),
+                       "scaling_efficiency": round(p.scaling_efficiency, 4),
+                       "time_to_train_s": round(c.time_to_train_s, 1), "cost": round(c.cost, 2)},
+    }
+
+
+def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
+    L = result.best.layout
+    name = re.sub(r"[^a-z0-9-]", "-", f"plan-{result.model.name}".lower())[:40].strip("-")
+    return {
+        "name": name, "image": image, "command": ["python", script],
+        "replicas": result.nodes, "gpu_count": min(result.gpus, result.gpus_per_node),
+        "env": layout_env(result, L),
+        "sync": {"strategy": L.sync if L.dp_shard == 1 else "allreduce", "precision": L.precision,
+                 "accumulate_steps": L.accumulate_steps},
+    }
+
+
+def _write_yaml(path: str, doc: dict, header: str) -> None:
+    try:
+        Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
+    except OSError as exc:
+        raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
+    samples = parse_count(args.samples, "--samples") if args.samples is not None else None
+    if args.top < 1:
+        raise ConfigError(f"--top: must be >= 1, got {args.top}")
+    result = plan(args.model, gpus=args.gpus, gpu_type=args.gpu_type, network=args.network, price=args.price,
+                  samples=samples, tokens=tokens, global_batch=args.global_batch, precision=args.precision,
+                  gpus_per_node=args.gpus_per_node)
+    if args.probe_memory:
+        from .probe import probe_max_micro_batch
+
+        best = probe_max_micro_batch(result.model, result.best.layout)
+        print(f"largest micro-batch that fits (probed): {best}")
+    doc = config_doc(result, args.script)
+    if args.json:
+        rows = [{"layout": c.layout.label(), "sync": c.layout.sync, "micro_batch": c.layout.micro_batch,
+                 "microbatches_per_step": c.layout.microbatches_per_step,
+                 "activation_checkpointing": c.layout.activation_checkpointing, "step_s": c.prediction.step_s,
+                 "time_to_train_s": c.time_to_train_s, "cost": c.cost,
+                 "memory_gib": c.prediction.memory_bytes / GIB, "scaling_efficiency": c.prediction.scaling_efficiency}
+                for c in result.candidates[: args.top]]
+        print(json.dumps({"chosen": doc, "ranking": rows}, indent=1))
+    else:
+        console = Console(width=max(160, Console().width), soft_wrap=False)
+        console.print(result.table(args.top))
+        b = result.best
+        console.print(f"{len(result.candidates)} layouts fit in memory, {result.rejected_memory} do not. "
+                      f"Chosen: {b.layout.label()}, predicted step {fmt_s(b.prediction.step_s)}, time to train "
+                      f"{fmt_s(b.time_to_train_s)}, cost ${b.cost:,.0f} at ${result.price_per_gpu_hour:g}/GPU-hour.",
+                      highlight=False)
+        console.print(doc["run"], highlight=False, markup=False)
+        env = layout_env(result, b.layout)
+        console.print("layout as environment: " + " ".join(f"{k}={v}" for k, v in env.items()), highlight=False,
+                      markup=False)
+    header = f"# written by: slipstream plan {' '.join(shlex.quote(a) for a in sys.argv[2:])}\n"
+    if args.write_config:
+        _write_yaml(args.write_config, doc, header)
+        print(f"config written to {args.write_config}", file=sys.stderr)
+    if args.write_job:
+        from ..job.spec import parse_spec
+
+        jd = job_doc(result, args.script, args.image)
+        parse_spec(jd)  # the spec checks itself: a bad job is an error here, not at submit time
+        _write_yaml(args.write_job, jd, header)
+        print(f"job spec written to {args.write_job} (check: slipstream validate {args.write_job})", file=sys.stderr)
+    return 0

@@ -1,0 +1,123 @@
+"""Links and networks: parse a network SPEC, and the alpha-beta times of collectives.
+
+A network SPEC names the link between nodes::
+
+    [K x] RATE [-FABRIC] [@LATENCY]
+
+    25gbit-roce         one 25 Gbit/s RoCE NIC per node
+    100gbit-ib          one 100 Gbit/s InfiniBand NIC per node
+    8x400gbit-ib        eight 400 Gbit/s NICs per node (one per GPU, rail-optimised)
+    1gbit               plain TCP over Ethernet
+    200mbit@2ms         with an explicit one-hop latency
+
+Fabric defaults (one-hop latency, fraction of the line rate a ring achieves):
+``ib`` 2 us / 0.90, ``roce`` 5 us / 0.85, ``tcp`` (default) 30 us / 0.80. A ring
+that is right reaches about 0.9 of the link (shared/GUIDE.md section 4); RoCE
+and TCP lose a little more to congestion control and the kernel stack.
+
+Example::
+
+    net = parse_network("25gbit-roce")
+    net.link.allreduce_s(100e6, 512)     # 100 MB all-reduced over a 512-rank ring
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+FABRICS = {
+    # name: (one-hop latency s, achieved fraction of line rate)
+    "ib": (2e-6, 0.90),
+    "roce": (5e-6, 0.85),
+    "tcp": (30e-6, 0.80),
+    "eth": (30e-6, 0.80),
+}
+
+_UNITS = {"k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_SPEC_RE = re.compile(
+    r"^(?:(?P<nics>\d+)\s*x\s*)?(?P<rate>\d+(?:\.\d+)?)\s*(?P<unit>[kmgt])(?:bit|b)(?:ps|/s)?"
+    r"(?:-(?P<fabric>[a-z]+))?(?:@(?P<lat>\d+(?:\.\d+)?)(?P<lat_unit>ns|us|ms|s))?$"
+)
+_LAT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: line rate (bytes/s), one-hop latency, achieved fraction.
+
+    Ring all-reduce of S bytes over n ranks (Patarasuk & Yuan 2009; the "alpha-beta" model)::
+
+        t = 2(n-1) * hop_latency + 2(n-1)/n * S / (efficiency * bytes_per_s)
+    """
+
+    bytes_per_s: float
+    hop_latency_s: float = 0.0
+    efficiency: float = 1.0
+    fabric: str = "tcp"
+
+    @property
+    def effective_bytes_per_s(self) -> float:
+        return self.bytes_per_s * self.efficiency
+
+    def transfer_s(self, nbytes: float, hops: int = 1) -> float:
+        """Point-to-point: ``hops`` latencies plus ``nbytes`` at the achieved rate."""
+        return hops * self.hop_latency_s + nbytes / self.effective_bytes_per_s
+
+    def allreduce_s(self, nbytes: float, n: int) -> float:
+        if n <= 1:
+            return 0.0
+        return 2 * (n - 1) * self.hop_latency_s + 2 * (n - 1) / n * nbytes / self.effective_bytes_per_s
+
+    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
+        """Ring reduce-scatter of an S-byte buffer (each rank ends with S/n); all-gather is the same."""
+        if n <= 1:
+            return 0.0
+        return (n - 1) * self.hop_latency_s + (n - 1) / n * nbytes / self.effective_bytes_per_s
+
+    all_gather_s = reduce_scatter_s
+
+    def wire_s(self, wire_bytes: float, steps: int) -> float:
+        """Time for a collective that sends ``wire_bytes`` per rank in ``steps`` ring steps."""
+        return steps * self.hop_latency_s + wire_bytes / self.effective_bytes_per_s
+
+    def describe(self) -> str:
+        return (f"{self.bytes_per_s * 8 / 1e9:g} Gbit/s {self.fabric} (x{self.efficiency:.2f} achieved), "
+                f"{self.hop_latency_s * 1e6:g} us/hop")
+
+
+@dataclass(frozen=True)
+class Network:
+    """Inter-node link of a node (all its NICs together) and how many GPUs share it."""
+
+    spec: str
+    link: Link  # per node: nics x rate
+    nics: int = 1
+
+    @property
+    def gbit(self) -> float:
+        return self.link.bytes_per_s * 8 / 1e9
+
+
+def parse_network(spec: str) -> Network:
+    """Parse a network SPEC (module docstring); raises ConfigError with the rule on bad input."""
+    s = str(spec).strip().lower().replace(" ", "")
+    m = _SPEC_RE.match(s)
+    if not m:
+        raise ConfigError(
+            f"--network: expected [Kx]RATE[-FABRIC][@LATENCY] such as 25gbit-roce, 100gbit-ib, 8x400gbit-ib, "
+            f"1gbit, 200mbit@2ms; got {spec!r}"
+        )
+    fabric = m.group("fabric") or "tcp"
+    if fabric not in FABRICS:
+        raise ConfigError(f"--network: fabric must be one of {', '.join(FABRICS)}, got {fabric!r} in {spec!r}")
+    nics = int(m.group("nics") or 1)
+    rate_bit = float(m.group("rate")) * _UNITS[m.group("unit")]
+    if rate_bit <= 0 or nics <= 0:
+        raise ConfigError(f"--network: the rate must be > 0, got {spec!r}")
+    latency, eff = FABRICS[fabric]
+    if m.group("lat"):
+        latency = float(m.group("lat")) * _LAT[m.group("lat_unit")]
+    return Network(spec=spec, link=Link(nics * rate_bit / 8, latency, eff, fabric), nics=nics)

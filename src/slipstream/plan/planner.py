@@ -1,0 +1,209 @@
+"""Enumerate layouts, predict each, keep what fits in memory, rank by time to train and cost.
+
+Axes: tensor parallel (transformers; within a node), pipeline (transformers; 1F1B and GPipe),
+data parallel as DDP (with every sync strategy that applies), FSDP (ZeRO-3 and ZeRO-2) or
+HSDP (shard within a node, replicate across), micro-batch (powers of two dividing the
+per-rank batch), accumulation (the rest of the per-rank batch) and activation checkpointing.
+The global batch is fixed (``global_batch``), so every layout trains on the same samples.
+
+Example::
+
+    result = plan("gpt-7b", gpus=8, gpu_type="H100", network="400gbit-ib", tokens=1e9)
+    result.best.layout.label(), result.best.time_to_train_s
+    print(result.table())
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from .costmodel import Layout, Prediction, predict
+from .network import Network, parse_network
+from .specs import GIB, GpuSpec, ModelSpec, get_gpu, get_model
+
+MAX_MICRO_BATCH = 512
+
+
+@dataclass
+class Candidate:
+    prediction: Prediction
+    time_to_train_s: float
+    cost: float
+
+    @property
+    def layout(self) -> Layout:
+        return self.prediction.layout
+
+
+@dataclass
+class PlanResult:
+    model: ModelSpec
+    gpu: GpuSpec
+    network: Network
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+    total_samples: float
+    price_per_gpu_hour: float
+    candidates: list[Candidate]  # fitting, best first
+    rejected_memory: int = 0
+    smallest_rejected_bytes: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        return self.candidates[0]
+
+    @property
+    def nodes(self) -> int:
+        return max(1, math.ceil(self.gpus / self.gpus_per_node))
+
+    def table(self, top: int = 10):
+        """A rich Table of the ``top`` candidates."""
+        from rich.table import Table
+
+        t = Table(title=(f"{self.model.name} on {self.gpus} x {self.gpu.name} ({self.nodes} node(s) of "
+                         f"{self.gpus_per_node}), {self.network.spec}, global batch {self.global_batch}, "
+                         f"{self.total_samples:.3g} samples"))
+        for col, just in (("#", "right"), ("layout", "left"), ("sync", "left"), ("micro x acc", "right"),
+                          ("ckpt", "left"), ("step", "right"), ("exposed comm", "right"), ("bubble", "right"),
+                          ("time to train", "right"), ("cost", "right"), ("mem/GPU", "right"),
+                          ("scaling eff", "right")):
+            t.add_column(col, justify=just)
+        for i, c in enumerate(self.candidates[:top], 1):
+            p, L = c.prediction, c.layout
+            mb = f"{L.micro_batch} x {L.microbatches_per_step}"
+            t.add_row(str(i), L.label(), L.sync if L.dp_shard == 1 and L.dp_replicate > 1 else "-", mb,
+                      "yes" if L.activation_checkpointing else "no", fmt_s(p.step_s), fmt_s(p.exposed_comm_s),
+                      fmt_s(p.bubble_s), fmt_s(c.time_to_train_s), f"${c.cost:,.0f}",
+                      f"{p.memory_bytes / GIB:.1f}/{p.memory_limit_bytes / GIB:.0f} GiB",
+                      f"{p.scaling_efficiency:.0%}")
+        return t
+
+
+def fmt_s(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us" if s > 0 else "0"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 120:
+        return f"{s:.2f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} d"
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, k = [], 1
+    while k <= n:
+        out.append(k)
+        k *= 2
+    return out
+
+
+def dp_syncs(nodes: int) -> list[str]:
+    """Sync strategies worth trying for DDP; hierarchical ones only across nodes."""
+    base = ["allreduce", "bf16", "powersgd"]
+    if nodes > 1:
+        base += ["hierarchical", "hierarchical+bf16", "hierarchical+powersgd"]
+    return base
+
+
+def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, global_batch: int,
+                      precision: str) -> Iterator[Layout]:
+    """Every layout of the planner's axes (module docstring) that divides the job evenly."""
+    nodes = max(1, math.ceil(gpus / gpus_per_node))
+    tps = [1]
+    pps = [1]
+    if model.kind == "transformer":
+        tps = [t for t in _pow2_upto(min(gpus_per_node, model.heads, gpus)) if gpus % t == 0 and model.heads % t == 0]
+    for tp in tps:
+        if model.kind == "transformer":
+            pps = [p for p in _pow2_upto(min(16, model.layers, gpus // tp)) if (gpus // tp) % p == 0]
+        for pp in pps:
+            dp = gpus // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_rank = global_batch // dp
+            splits: list[tuple[int, int, int]] = [(dp, 1, 3)]  # (replicate, shard, zero stage)
+            if dp > 1:
+                splits += [(1, dp, 3), (1, dp, 2)]
+                local = gpus_per_node // tp
+                if 1 < local < dp and dp % local == 0:
+                    splits.append((dp // local, local, 3))
+            for rep, shard, zs in splits:
+                syncs = dp_syncs(nodes) if (shard == 1 and rep > 1) else ["allreduce"]
+                for mb in _pow2_upto(min(per_rank, MAX_MICRO_BATCH)):
+                    if per_rank % mb:
+                        continue
+                    k = per_rank // mb
+                    schedules = ["1f1b", "gpipe"] if pp > 1 else ["1f1b"]
+                    for sched in schedules:
+                        for ckpt in (False, True):
+                            for sync in syncs:
+                                yield Layout(
+                                    dp_replicate=rep, dp_shard=shard, tp=tp, pp=pp, pp_schedule=sched,
+                                    pp_microbatches=k if pp > 1 else 1, zero_stage=zs, sync=sync,
+                                    micro_batch=mb, accumulate_steps=1 if pp > 1 else k,
+                                    activation_checkpointing=ckpt, precision=precision,
+                                )
+
+
+def plan(model: str | ModelSpec, gpus: int, gpu_type: str | GpuSpec, network: str | Network,
+         price: float | None = None, samples: float | None = None, tokens: float | None = None,
+         global_batch: int | None = None, precision: str | None = None, gpus_per_node: int | None = None,
+         ) -> PlanResult:
+    """Rank every layout of ``model`` on ``gpus`` GPUs; raises ConfigError when none fits."""
+    m = get_model(model) if isinstance(model, str) else model
+    gpu = get_gpu(gpu_type) if isinstance(gpu_type, str) else gpu_type
+    net = parse_network(network) if isinstance(network, str) else network
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError(f"--gpus: must be an integer >= 1, got {gpus!r}")
+    g = gpus_per_node or min(gpus, gpu.gpus_per_node)
+    if g < 1 or (gpus > g and gpus % g):
+        raise ConfigError(f"--gpus: {gpus} GPUs do not make whole nodes of {g} GPUs")
+    prec = precision or ("bf16" if gpu.supports("bf16") else "fp16")
+    gpu.peak_flops(prec)  # checks the precision
+    if samples is not None and tokens is not None:
+        raise ConfigError("give --samples or --tokens, not both")
+    if tokens is not None:
+        if m.kind != "transformer":
+            raise ConfigError(f"--tokens: {m.name} does not take tokens; use --samples")
+        total = float(tokens) / m.seq_len
+    elif samples is not None:
+        total = float(samples)
+    else:
+        total = (300e9 / m.seq_len) if m.kind == "transformer" else 90 * 1.281167e6  # 300B tokens / 90 ImageNet epochs
+    if total <= 0:
+        raise ConfigError(f"--samples/--tokens: must be > 0, got {total:g}")
+    B = global_batch or m.default_global_batch or m.default_batch_per_gpu * gpus
+    if B < 1:
+        raise ConfigError(f"--global-batch: must be >= 1, got {B}")
+    price_h = gpu.price_per_hour if price is None else float(price)
+    if price_h < 0:
+        raise ConfigError(f"--price: must be >= 0, got {price_h:g}")
+    fitting: list[Candidate] = []
+    rejected = 0
+    smallest = None
+    for L in enumerate_layouts(m, gpus, g, B, prec):
+        p = predict(m, gpu, net, L, gpus_per_node=g)
+        if not p.fits:
+            rejected += 1
+            smallest = p.memory_bytes if smallest is None else min(smallest, p.memory_bytes)
+            continue
+        steps = total / L.global_batch
+        ttt = steps * p.step_s
+        fitting.append(Candidate(p, ttt, ttt / 3600 * gpus * price_h))
+    if not fitting:
+        if rejected == 0:
+            raise ConfigError(f"--global-batch: {B} cannot be split evenly over any layout of {gpus} GPUs")
+        raise ConfigError(
+            f"no layout of {m.name} fits in {gpu.name} memory ({gpu.memory_bytes / GIB:.0f} GiB): the smallest needs "
+            f"{smallest / GIB:.1f} GiB per GPU; use more GPUs or a GPU with more memory")
+    fitting.sort(key=lambda c: (c.time_to_train_s, c.cost, c.prediction.memory_bytes))
+    return PlanResult(m, gpu, net, gpus, g, B, total, price_h, fitting, rejected, smallest)
