@@ -1,0 +1,64 @@
+"""``slipstream plan`` end to end: table, written config and job spec, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from slipstream.cli import main
+
+
+def test_table_and_written_files(tmp_path, capsys):
+    cfg, job = tmp_path / "plan.yaml", tmp_path / "job.yaml"
+    rc = main(["plan", "--model", "gpt-1.3b", "--gpus", "16", "--gpu-type", "A100", "--network", "100gbit-ib",
+               "--tokens", "10B", "--top", "5", "--write-config", str(cfg), "--write-job", str(job)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for col in ("layout", "step", "time to train", "cost", "mem/GPU", "scaling eff"):
+        assert col in out
+    assert "slipstream run --nnodes 2 -n 8" in out
+    doc = yaml.safe_load(cfg.read_text())
+    assert doc["run"].startswith("slipstream run --nnodes 2 -n 8")
+    t = doc["train"]
+    assert t["dp_replicate"] * t["dp_shard"] * t["tp"] * t["pp"] == 16
+    assert doc["prediction"]["step_s"] > 0
+    from slipstream.job.spec import load_spec
+
+    spec = load_spec(str(job))
+    assert spec.replicas == 2 and spec.gpu_count == 8
+
+
+def test_written_job_passes_slipstream_validate(tmp_path):
+    job = tmp_path / "job.yaml"
+    assert main(["plan", "--model", "resnet50", "--gpus", "16", "--gpu-type", "V100", "--network", "25gbit-roce",
+                 "--write-job", str(job), "--json"]) == 0
+    r = subprocess.run([sys.executable, "-m", "slipstream", "validate", "--spec-only", str(job)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr + r.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nope", "--gpus", "8", "--gpu-type", "H100", "--network", "1gbit"], "--model"),
+    (["--model", "gpt-7b", "--gpus", "8", "--gpu-type", "Z80", "--network", "1gbit"], "--gpu-type"),
+    (["--model", "gpt-7b", "--gpus", "8", "--gpu-type", "H100", "--network", "fast"], "--network"),
+    (["--model", "gpt-7b", "--gpus", "0", "--gpu-type", "H100", "--network", "1gbit"], "--gpus"),
+    (["--model", "gpt-7b", "--gpus", "8", "--gpu-type", "H100", "--network", "1gbit", "--tokens", "lots"], "--tokens"),
+    (["--model", "resnet50", "--gpus", "8", "--gpu-type", "H100", "--network", "1gbit", "--tokens", "1B"], "--tokens"),
+])
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err and err.startswith("slipstream plan: error:")
+
+
+def test_probe_memory_without_cuda_is_a_clear_error(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the probe would run")
+    assert main(["plan", "--model", "gpt-125m", "--gpus", "1", "--gpu-type", "H100", "--network", "1gbit",
+                 "--probe-memory"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
