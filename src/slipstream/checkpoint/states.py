@@ -13,20 +13,45 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 class ModelOptimizerState:
     """Model and optimizer through torch's distributed state-dict API, which
-    handles DDP (and FSDP) wrappers and initialises lazy optimizer state."""
+    handles DDP and FSDP2/DTensor parameters and initialises lazy optimizer state.
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    ``optimizer_names`` (optional) renames parameters in the optimizer's state:
+    a pipeline stage that holds a tied weight under its second name (the GPT's
+    last stage has ``head.weight`` without ``tok.weight``) saves and loads its
+    optimizer state under the name the whole model uses (``tok.weight``), so
+    checkpoints move between layouts.
+    """
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_names: dict[str, str] | None = None
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.optimizer_names = dict(optimizer_names or {})
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
+        return {"model": model_sd, "optimizer": _rename(optim_sd, self.optimizer_names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        back = {new: old for old, new in self.optimizer_names.items()}
         set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            self.model, self.optimizer, model_state_dict=state["model"],
+            optim_state_dict=_rename(state["optimizer"], back),
         )
+
+
+def _rename(osd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """Rename parameters in an optimizer state dict keyed by names ({"state": {fqn: ...},
+    "param_groups": [{"params": [fqn, ...], ...}]}, as get_state_dict returns it)."""
+    if not names:
+        return osd
+    out = dict(osd)
+    out["state"] = {names.get(k, k): v for k, v in osd.get("state", {}).items()}
+    out["param_groups"] = [
+        {**g, "params": [names.get(p, p) for p in g["params"]]} for g in osd.get("param_groups", [])
+    ]
+    return out
 
 
 class RNGState:

@@ -117,6 +117,22 @@ def tied_across_stages(model: nn.Module, units_per_stage: list[list[str]]) -> li
     return groups
 
 
+def canonical_names(stage: nn.Module, groups: list[tuple[str, ...]]) -> dict[str, str]:
+    """Stage name -> whole-model name of tied weights this stage holds under another name.
+
+    The state-dict API keys a tied parameter's optimizer state by its first
+    name in ``named_parameters()`` (``tok.weight``); a stage that holds it only
+    as ``head.weight`` renames, so checkpoints match across layouts.
+    """
+    own = [name for name, _ in stage.named_parameters()]
+    out = {}
+    for names in groups:
+        held = [n for n in names if n in own]
+        if held and held[0] != names[0]:
+            out[held[0]] = names[0]
+    return out
+
+
 class TiedGradients:
     """Sums the gradients of tied weights between the stages that hold a copy.
 
@@ -126,7 +142,9 @@ class TiedGradients:
     """
 
     def __init__(self, stage: nn.Module, groups: list[tuple[str, ...]], holder_stages: list[list[int]], mesh) -> None:
-        self.params: list[tuple[nn.Parameter, object]] = []
+        self.stage = stage
+        self.names: list[tuple[str, object]] = []  # (this stage's name of the weight, its group)
+        self.optimizer_names = canonical_names(stage, groups)
         ranks = mesh.mesh  # (pp, dp_replicate, dp_shard, tp) tensor of global ranks
         me = dist.get_rank()
         own = dict(stage.named_parameters(remove_duplicate=False))
@@ -139,9 +157,15 @@ class TiedGradients:
                 group = dist.new_group(members)
                 if me in members:
                     mine = group
-            held = [own[n] for n in names if n in own]
+            held = [n for n in names if n in own]
             if held and mine is not None:
-                self.params.append((held[0], mine))
+                self.names.append((held[0], mine))
+
+    @property
+    def params(self) -> list[tuple[nn.Parameter, object]]:
+        """Looked up by name each time: TP and FSDP2 replace the parameter objects."""
+        own = dict(self.stage.named_parameters(remove_duplicate=False))
+        return [(own[name], group) for name, group in self.names]
 
     def sum_(self) -> None:
         """Add the other stages' gradients of each tied weight into this stage's."""

@@ -133,7 +133,7 @@ class Accelerated:
             async_save=cfg.checkpoint_async,
             preemption_deadline_s=cfg.preemption_deadline_s,
         )
-        mgr.register("model_optimizer", ModelOptimizerState(self._checkpointed_model(), self.optimizer))
+        mgr.register("model_optimizer", self._model_optimizer_state())
         mgr.register("train", CallbackState(self._counters_state, self._load_counters_state))
         for name, obj in extra_state.items():
             mgr.register(f"extra.{name}", obj)
@@ -147,8 +147,8 @@ class Accelerated:
             if self.runtime.is_main:
                 print(f"[slipstream] resumed from {cfg.checkpoint_dir} at step {step}", flush=True)
 
-    def _checkpointed_model(self) -> nn.Module:
-        return self.model  # DDP: the state-dict API strips its ``module.`` prefix
+    def _model_optimizer_state(self) -> ModelOptimizerState:
+        return ModelOptimizerState(self.model, self.optimizer)  # DDP: the state-dict API strips ``module.``
 
     @property
     def dp_rank(self) -> int:

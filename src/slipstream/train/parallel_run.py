@@ -108,8 +108,12 @@ class ParallelAccelerated(Accelerated):
         mesh = self.dims.mesh
         return tuple(mesh.get_local_rank(d) for d in ("dp_replicate", "dp_shard", "tp"))
 
-    def _checkpointed_model(self) -> nn.Module:
-        return self.module  # the stage or model itself: original parameter names
+    def _model_optimizer_state(self):
+        from ..checkpoint.states import ModelOptimizerState
+
+        tied = self.layout.tied
+        # The model or stage itself (not the front wrapper): original parameter names.
+        return ModelOptimizerState(self.module, self.optimizer, tied.optimizer_names if tied is not None else None)
 
     @property
     def dp_rank(self) -> int:

@@ -1,0 +1,110 @@
+"""Every parallel layout trains the GPT example to the single-process result.
+
+The reference is plain PyTorch in this process on the whole global batch
+(tests/parallel/parallel_workers.py); each layout runs under gloo in 2 or 4
+processes. Tolerances: fp32 layouts differ from the reference only by the order
+of floating-point reductions (sharded/all-reduced sums, split matmuls), so
+losses must agree to 1e-4 and final weights to 1e-4 absolute; bf16 computes in
+8-bit mantissas, so its losses must agree to 0.05 (and fall).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import run_ranks
+from parallel_workers import checkpoint_worker, global_losses, layouts_worker, reference
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 4
+LOSS_TOL = 1e-4
+WEIGHT_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(STEPS)
+
+
+def _check(name, results, ref_losses, ref_state, loss_tol=LOSS_TOL, weight_tol=WEIGHT_TOL):
+    seen = global_losses(results)
+    assert len(seen) == STEPS, (name, seen)
+    assert max(abs(a - b) for a, b in zip(seen, ref_losses)) < loss_tol, (name, seen, ref_losses)
+    state = results[0]["state"]
+    assert set(state) == set(ref_state), (name, sorted(set(state) ^ set(ref_state)))
+    worst = max((state[k].float() - ref_state[k]).abs().max().item() for k in ref_state)
+    assert worst < weight_tol, (name, worst)
+    return seen
+
+
+TWO_RANK_LAYOUTS = {
+    "ddp (dp_replicate 2)": {},
+    "fsdp (dp_shard 2)": {"dp_shard": 2},
+    "fsdp zero2 (dp_shard 2)": {"dp_shard": 2, "zero_stage": 2},
+    "tp 2": {"tp": 2},
+    "pp 2 gpipe": {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2},
+    "pp 2 1f1b": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4},
+}
+
+
+def test_two_rank_layouts_match_single_process(ref, tmp_path):
+    ref_losses, ref_state = ref
+    names = list(TWO_RANK_LAYOUTS)
+    results = run_ranks(layouts_worker, 2, [TWO_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=240)
+    for i, name in enumerate(names):
+        seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
+        print(f"{name}: {seen} (reference {ref_losses})")
+
+
+FOUR_RANK_LAYOUTS = {
+    "dp_shard 2 x tp 2": {"dp_shard": 2, "tp": 2},
+    "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2},
+    "dp_replicate 2 x dp_shard 2 (HSDP)": {"dp_replicate": 2, "dp_shard": 2},
+}
+
+
+def test_two_dimensional_layouts_match_single_process(ref, tmp_path):
+    ref_losses, ref_state = ref
+    names = list(FOUR_RANK_LAYOUTS)
+    results = run_ranks(layouts_worker, 4, [FOUR_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=300)
+    for i, name in enumerate(names):
+        seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
+        print(f"{name}: {seen} (reference {ref_losses})")
+
+
+def test_bf16_and_activation_checkpointing_under_fsdp_and_tp(ref, tmp_path):
+    ref_losses, _ = ref
+    layouts = [
+        {"dp_shard": 2, "precision": "bf16", "activation_checkpointing": ("Block",)},
+        {"tp": 2, "precision": "bf16", "activation_checkpointing": ("Block",)},
+        {"dp_shard": 2, "activation_checkpointing": ("Block",)},  # fp32 + recomputation: exact
+    ]
+    results = run_ranks(layouts_worker, 2, layouts, STEPS, str(tmp_path), timeout_s=240)
+    for i, name in enumerate(("fsdp bf16+ac", "tp bf16+ac")):
+        seen = global_losses([r[i] for r in results])
+        print(f"{name}: {seen} (reference {ref_losses})")
+        assert max(abs(a - b) for a, b in zip(seen, ref_losses)) < 0.05, (name, seen, ref_losses)
+        assert seen[-1] < seen[0], (name, seen)
+    exact = global_losses([r[2] for r in results])
+    assert max(abs(a - b) for a, b in zip(exact, ref_losses)) < LOSS_TOL, (exact, ref_losses)
+
+
+def test_checkpoint_reshards_across_layouts(ref, tmp_path):
+    """fsdp 2 trains 2 steps and saves; tp 2 resumes for 1 step; pp 2 for 1 more; DDP loads the last.
+    The chain must end where the uninterrupted reference ends (weights and optimizer state moved)."""
+    ref_losses, ref_state = ref
+    chain = [{"dp_shard": 2}, {"tp": 2}, {"pp": 2}, {}]
+    steps = [2, 3, 4, 4]
+    results = run_ranks(checkpoint_worker, 2, chain, steps, str(tmp_path / "ckpt"), str(tmp_path / "run"), timeout_s=240)
+    starts = [results[0][i]["start"] for i in range(len(chain))]
+    assert starts == [0, 2, 3, 4], starts
+    seen = global_losses([r[0] for r in results]) + global_losses([r[1] for r in results]) + global_losses(
+        [r[2] for r in results]
+    )
+    print(f"fsdp2 -> tp2 -> pp2: {seen} (reference {ref_losses})")
+    assert max(abs(a - b) for a, b in zip(seen, ref_losses)) < LOSS_TOL, (seen, ref_losses)
+    for i, name in ((2, "pp 2 after resume"), (3, "ddp loading the pp checkpoint")):
+        state = results[0][i]["state"]
+        worst = max((state[k].float() - ref_state[k]).abs().max().item() for k in ref_state)
+        assert worst < WEIGHT_TOL, (name, worst)
