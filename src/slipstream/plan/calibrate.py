@@ -134,3 +134,25 @@ def link_from_probe(figures: Any, fabric: str = "probed") -> Link:
     n = max(2, int(figures.ranks))
     return Link(bytes_per_s=float(figures.bytes_per_s), hop_latency_s=float(figures.alpha_s) / (2 * (n - 1)),
                 efficiency=1.0, fabric=fabric)
+
+
+def fit_alpha_beta(samples: list[tuple[float, float]], ranks: int, fabric: str = "probed") -> Link:
+    """Least-squares fit of ``t = alpha + 2(n-1)/n * S / bw`` over (payload bytes, seconds) pairs.
+
+    More robust than a two-point fit when one size is disturbed (a shaped link's token bucket,
+    delayed acknowledgements): every size pulls on the line. A negative intercept is clamped to 0.
+
+    >>> round(fit_alpha_beta([(1e6, 0.011), (2e6, 0.021), (4e6, 0.041)], 2).effective_bytes_per_s / 1e6)
+    100
+    """
+    n = max(2, int(ranks))
+    xs = [2 * (n - 1) / n * s for s, _ in samples]
+    ys = [t for _, t in samples]
+    k = len(xs)
+    if k < 2:
+        raise ValueError("fit_alpha_beta needs at least two sizes")
+    mx, my = sum(xs) / k, sum(ys) / k
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    alpha = max(0.0, my - slope * mx)
+    return Link(bytes_per_s=1.0 / slope, hop_latency_s=alpha / (2 * (n - 1)), efficiency=1.0, fabric=fabric)

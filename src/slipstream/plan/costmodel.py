@@ -60,6 +60,7 @@ class BucketTask:
     ready_s: float  # after the start of backward
     compute_s: float  # codec compute (on the compute core/stream)
     comm_s: float  # time on the wire
+    cpu_s: float = 0.0  # part of the communication that keeps the compute core busy (copies, TCP, sums)
 
 
 @dataclass(frozen=True)
@@ -77,22 +78,26 @@ def simulate_dp_step(forward_s: float, backward_s: float, optimizer_s: float,
                      buckets: Sequence[BucketTask]) -> DpStep:
     """One data-parallel step: buckets become ready through backward and go out on one channel.
 
-    ``core = backward + sum(codec compute)``; ``chan_i = max(ready_i, chan_{i-1}) + compute_i + comm_i``;
+    ``core = backward + sum(codec compute) + sum(comm cpu)``;
+    ``chan_i = max(ready_i, chan_{i-1}) + compute_i + max(comm_i, cpu_i)``;
     ``step = forward + max(core, chan_last) + optimizer``. Codec compute adds to the core (one
     core per rank locally; on a GPU it shares the SMs with backward) while waits on the wire hide.
+    ``cpu_s`` is the communication's own CPU work (gloo on one core: copies, the TCP stack, the
+    reduction): it cannot hide behind backward on the same core. It is 0 for GPUs (NCCL).
 
     >>> simulate_dp_step(0.1, 0.2, 0.01, [BucketTask(0.2, 0.0, 0.05)]).step_s
     0.36
     """
-    core = backward_s + sum(b.compute_s for b in buckets)
+    core = backward_s + sum(b.compute_s + b.cpu_s for b in buckets)
     chan = 0.0
     for b in buckets:
-        chan = max(b.ready_s, chan) + b.compute_s + b.comm_s
+        chan = max(b.ready_s, chan) + b.compute_s + max(b.comm_s, b.cpu_s)
     end = max(core, chan)
     return DpStep(
         step_s=round(forward_s + end + optimizer_s, 12), forward_s=forward_s, backward_s=backward_s,
         optimizer_s=optimizer_s, comm_s=sum(b.comm_s for b in buckets),
-        codec_compute_s=sum(b.compute_s for b in buckets), exposed_comm_s=max(0.0, end - core),
+        codec_compute_s=sum(b.compute_s for b in buckets),
+        exposed_comm_s=max(0.0, end - backward_s - sum(b.compute_s for b in buckets)),
     )
 
 
