@@ -179,7 +179,7 @@ def main() -> None:
         c = run.config
         print(f"GPT: {params / 1e6:.2f}M parameters, corpus {corpus.numel() / 2**20:.1f} MiB, "
               f"{rt.world_size} rank(s) on {rt.device}, precision {c.precision}, sync {c.sync}, "
-              f"layout {getattr(run, 'dims', None) and run.dims.describe() or 'data parallel'}")
+              f"layout {run.describe_layout()}")
 
     started = time.perf_counter()
     # run.step_count and run.micro_step_count come back from a checkpoint on

@@ -40,16 +40,24 @@ def optimizer_factory(params):
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
 
 
-def reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, plain PyTorch: the losses and final weights every layout must reproduce."""
+def sgd_factory(params):
+    # For clipping tests: Adam is nearly blind to a gradient's scale, SGD is not.
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def reference(steps: int, grad_clip_norm: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, plain PyTorch: the losses and final weights every layout must reproduce
+    (AdamW; SGD when clipping)."""
     ex = example()
     model = make_gpt(ex)
-    opt = optimizer_factory(model.parameters())
+    opt = (optimizer_factory if grad_clip_norm is None else sgd_factory)(model.parameters())
     losses = []
     for step in range(steps):
         x, y = global_batch(step)
         loss = ex.loss_fn(model(x), y)
         loss.backward()
+        if grad_clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -63,8 +71,9 @@ def train(layout: dict, steps: int, checkpoint_dir: str | None = None, every: in
 
     ex = example()
     model = make_gpt(ex, heads=layout.pop("heads", HEADS))
+    factory = sgd_factory if layout.get("grad_clip_norm") is not None else optimizer_factory
     run = slipstream.accelerate(
-        model, optimizer_factory, tp_plan=ex.TP_PLAN, progress=False, profile=False,
+        model, factory, tp_plan=ex.TP_PLAN, progress=False, profile=False,
         checkpoint_dir=checkpoint_dir, checkpoint_every_steps=every, **layout,
     )
     start = run.step_count

@@ -22,9 +22,17 @@ LOSS_TOL = 1e-4
 WEIGHT_TOL = 1e-4
 
 
+CLIP = 0.05  # below every step's gradient norm here, so clipping acts on each step
+
+
 @pytest.fixture(scope="module")
 def ref():
     return reference(STEPS)
+
+
+@pytest.fixture(scope="module")
+def ref_clipped():
+    return reference(STEPS, grad_clip_norm=CLIP)
 
 
 def _check(name, results, ref_losses, ref_state, loss_tol=LOSS_TOL, weight_tol=WEIGHT_TOL):
@@ -45,14 +53,15 @@ TWO_RANK_LAYOUTS = {
     "tp 2": {"tp": 2},
     "pp 2 gpipe": {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 2},
     "pp 2 1f1b": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4},
+    "tp 2 + grad clipping": {"tp": 2, "grad_clip_norm": CLIP},
 }
 
 
-def test_two_rank_layouts_match_single_process(ref, tmp_path):
-    ref_losses, ref_state = ref
+def test_two_rank_layouts_match_single_process(ref, ref_clipped, tmp_path):
     names = list(TWO_RANK_LAYOUTS)
     results = run_ranks(layouts_worker, 2, [TWO_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=240)
     for i, name in enumerate(names):
+        ref_losses, ref_state = ref_clipped if "clip" in name else ref
         seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
         print(f"{name}: {seen} (reference {ref_losses})")
 
@@ -61,14 +70,15 @@ FOUR_RANK_LAYOUTS = {
     "dp_shard 2 x tp 2": {"dp_shard": 2, "tp": 2},
     "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2},
     "dp_replicate 2 x dp_shard 2 (HSDP)": {"dp_replicate": 2, "dp_shard": 2},
+    "pp 2 x dp_shard 2 + grad clipping": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2, "grad_clip_norm": CLIP},
 }
 
 
-def test_two_dimensional_layouts_match_single_process(ref, tmp_path):
-    ref_losses, ref_state = ref
+def test_two_dimensional_layouts_match_single_process(ref, ref_clipped, tmp_path):
     names = list(FOUR_RANK_LAYOUTS)
     results = run_ranks(layouts_worker, 4, [FOUR_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=300)
     for i, name in enumerate(names):
+        ref_losses, ref_state = ref_clipped if "clip" in name else ref
         seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
         print(f"{name}: {seen} (reference {ref_losses})")
 

@@ -160,6 +160,10 @@ class Accelerated:
         """How many data-parallel ranks there are (global batch = per-rank batch * dp_size)."""
         return self.runtime.world_size
 
+    def describe_layout(self) -> str:
+        """The parallel layout in words, e.g. ``pp(1) x dp_replicate(2) x dp_shard(1) x tp(1)``."""
+        return f"pp(1) x dp_replicate({self.runtime.world_size}) x dp_shard(1) x tp(1)"
+
     def train_step(self, inputs: Any, target: Any, loss_fn: Any) -> torch.Tensor:
         """One micro-step: forward, ``loss_fn(output, target)``, backward, :meth:`step`.
 

@@ -115,6 +115,9 @@ class ParallelAccelerated(Accelerated):
         # The model or stage itself (not the front wrapper): original parameter names.
         return ModelOptimizerState(self.module, self.optimizer, tied.optimizer_names if tied is not None else None)
 
+    def describe_layout(self) -> str:
+        return self.dims.describe()
+
     @property
     def dp_rank(self) -> int:
         return self.dims.dp_rank
