@@ -106,10 +106,10 @@ def _pow2_upto(n: int) -> list[int]:
     return out
 
 
-def dp_syncs(nodes: int) -> list[str]:
-    """Sync strategies worth trying for DDP; hierarchical ones only across nodes."""
+def dp_syncs(nodes: int, gpus_per_node: int = 8) -> list[str]:
+    """Sync strategies worth trying for DDP; hierarchical ones only across nodes of several GPUs."""
     base = ["allreduce", "bf16", "powersgd"]
-    if nodes > 1:
+    if nodes > 1 and gpus_per_node > 1:
         base += ["hierarchical", "hierarchical+bf16", "hierarchical+powersgd"]
     return base
 
@@ -137,7 +137,7 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, global_ba
                 if 1 < local < dp and dp % local == 0:
                     splits.append((dp // local, local, 3))
             for rep, shard, zs in splits:
-                syncs = dp_syncs(nodes) if (shard == 1 and rep > 1) else ["allreduce"]
+                syncs = dp_syncs(nodes, gpus_per_node) if (shard == 1 and rep > 1) else ["allreduce"]
                 for mb in _pow2_upto(min(per_rank, MAX_MICRO_BATCH)):
                     if per_rank % mb:
                         continue

@@ -82,10 +82,35 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
+def local_cpu_spec(threads: int = 1) -> GpuSpec:
+    """This machine's CPU as a device: matmul FLOP/s measured now at ``threads`` threads (calibrate),
+    memory from /proc/meminfo, one device per node. Memory bandwidth and loopback figures are
+    rough (20 GB/s, 5 GB/s): the planner uses them for the optimizer and codec passes only."""
+    import os
+
+    from .calibrate import matmul_flops_per_s
+
+    flops = matmul_flops_per_s(threads=threads)
+    mem = 8 * GIB
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    # 20 GB/s: the guide's MLP's SGD step (read param + grad, write param: 3 x 33.6 MB) took 5-6 ms here.
+    return GpuSpec("CPU", flops, flops, flops, mem, 20e9, 5e9, 50e-6, 1, 0.05,
+                   f"measured: fp32 matmul at {threads} thread(s) on {os.cpu_count()} cores")
+
+
 def get_gpu(name: str) -> GpuSpec:
     key = str(name).strip().upper()
+    if key == "CPU":
+        return local_cpu_spec()
     if key not in GPUS:
-        raise ConfigError(f"--gpu-type: must be one of {', '.join(GPUS)}, got {name!r}")
+        raise ConfigError(f"--gpu-type: must be one of {', '.join(GPUS)} or cpu (this machine, measured), "
+                          f"got {name!r}")
     return GPUS[key]
 
 
@@ -179,8 +204,10 @@ MODELS: dict[str, ModelSpec] = {
                        mfu_fp32=0.55, mfu_16=0.30, half_batch=4, default_batch_per_gpu=64, matrix_aspect=6.0,
                        source="torchvision vgg16: 138.4M params, 15.47 GMACs"),
     # The guide's MLP (shared/GUIDE.md section 4): 8 x Linear(1024,1024) + Linear(1024,10), batch 64.
+    # MFU 0.5: its floor here (forward + backward ~ 40 ms for 3.2 GFLOP) against the 1-thread matmul
+    # rate (~155 GFLOP/s), measured by benchmarks/plan_validation.py.
     "mlp": ModelSpec("mlp", "mlp", 8 * (1024 * 1024 + 1024) + 10 * 1024 + 10, 2 * (8 * 1024 * 1024 + 10240),
-                     9, 2 * 17 * 1024, 2 * 1024, "sgd", mfu_fp32=0.9, mfu_16=0.9, half_batch=1.0,
+                     9, 2 * 17 * 1024, 2 * 1024, "sgd", mfu_fp32=0.5, mfu_16=0.5, half_batch=1.0,
                      matrix_aspect=1.0, default_batch_per_gpu=64, source="shared/GUIDE.md section 4"),
     # Global batch in sequences of 2048: GPT-3's 0.5M / 1M / 2M tokens, rounded to powers of two.
     "gpt-125m": _gpt("gpt-125m", 12, 768, 12, 256),
