@@ -186,9 +186,54 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
         mine = [st.mode, st.decision_summary(), sorted(st.decisions.items())]
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-        return {"mode": st.mode, "agree": all(e == everyone[0] for e in everyone), "decision": st.decision.explain(),
-                "same_on_ranks": same_on_all_ranks(list(model.parameters())), "n_decisions": len(st.decisions),
-                "modes": modes, "redecided": st.decision is not first}
+        out = {"mode": st.mode, "agree": all(e == everyone[0] for e in everyone), "decision": st.decision.explain(),
+               "same_on_ranks": same_on_all_ranks(list(model.parameters())), "n_decisions": len(st.decisions),
+               "modes": modes, "redecided": st.decision is not first}
+        out["verify"] = verify_reverts_a_slow_plan()
+        return out
+
+    def verify_reverts_a_slow_plan():
+        # A plan the model got wrong: every bucket on a codec made 40 ms slower per bucket
+        # than it measured when costed (a stand-in for a cost mismeasured under load).
+        import time as _time
+
+        from slipstream import sync
+        from slipstream.sync import hooks, policy
+
+        model = mlp(widths)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        st = sync.apply("auto", ddp, candidates=("allreduce", "sign"), observe_steps=2, verify_steps=3)
+        real_decide = hooks.decide
+
+        def forced(buckets, *a, **k):
+            d = real_decide(buckets, *a, **k)
+            d.choices = {b.index: "sign" for b in buckets}
+            return d
+
+        hooks.decide = forced
+        codec = st.codecs["sign"]
+        real_reduce = codec.reduce
+
+        def slow_reduce(*a, **k):
+            _time.sleep(0.04)
+            return real_reduce(*a, **k)
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        seen = []
+        try:
+            for i in range(10):
+                if st.mode == "run":
+                    codec.reduce = slow_reduce  # only once the costs were measured
+                x, y = batch(i, dist.get_rank(), 16, widths[0], widths[-1])
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                seen.append(st.decision_summary())
+        finally:
+            hooks.decide = real_decide
+        assert policy.verify_plan  # the pure rule the engine applies
+        return {"seen": seen, "final": st.decision_summary(), "verification": st.verification,
+                "stats": st.stats(), "same_on_ranks": same_on_all_ranks(list(model.parameters()))}
 
     def convergence():
         # A learnable task: a fixed random teacher labels the inputs.

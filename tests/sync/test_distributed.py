@@ -116,3 +116,12 @@ def test_hierarchical_auto_probes_both_levels_and_agrees(hierarchy_results):
     assert r["agree"] and r["same_on_ranks"], r
     assert "intra-node" in r["explain"] and "inter-node" in r["explain"], r["explain"]
     assert r["stats"]["sync_strategy"] == "hierarchical+auto"
+
+
+def test_auto_reverts_a_plan_that_measures_slower(suite_results):
+    v = _ok(suite_results["auto"])["verify"]
+    assert any(d.startswith("sign") for d in v["seen"]), v["seen"]  # the forced plan ran
+    assert v["final"].startswith("allreduce"), v
+    assert v["verification"].startswith("reverted to allreduce"), v["verification"]
+    assert v["stats"]["sync_verification"] == v["verification"]
+    assert v["same_on_ranks"], v

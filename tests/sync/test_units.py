@@ -19,7 +19,7 @@ from slipstream.sync.compress import (
 )
 from slipstream.sync.compress.sign import pack_signs, unpack_signs
 from slipstream.sync.guard import ConvergenceGuard
-from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide, predict
+from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide, predict, verify_plan
 from slipstream.sync.probe import LinkFigures
 from slipstream.sync.topology import Topology, detect
 
@@ -29,7 +29,8 @@ SOLO = Wire(None, size=1)
 def test_names():
     assert set(sync.available()) >= {"allreduce", "bf16", "fp16", "powersgd", "topk", "sign", "hierarchical", "auto"}
     assert sync.is_valid("hierarchical+powersgd") and sync.is_valid("hierarchical+sign")
-    assert not sync.is_valid("hierarchical+auto") and not sync.is_valid("powersgd+hierarchical")
+    assert sync.is_valid("hierarchical+auto")
+    assert not sync.is_valid("hierarchical+hierarchical") and not sync.is_valid("powersgd+hierarchical")
 
 
 def test_layout_and_sub_layout():
@@ -180,6 +181,14 @@ def test_hierarchical_cost_charges_the_node_link_in_full_and_the_codec_on_a_shar
     # With one node the inter term vanishes: nothing to gain by compressing.
     one_node = HierarchicalCost(intra, inter, local_world_size=4, num_nodes=1)
     assert one_node.bucket_seconds(b, CANDIDATES["powersgd"]) == one_node.bucket_seconds(b, Codec())
+
+
+def test_verify_plan_keeps_only_a_measured_gain():
+    assert verify_plan(0.300, 0.120) is None
+    reason = verify_plan(0.050, 0.061)
+    assert reason is not None and "61.0 ms" in reason and "50.0 ms" in reason
+    assert verify_plan(0.050, 0.050) is not None  # equal is not faster: compression costs accuracy
+    assert verify_plan(0.100, 0.095, min_gain=0.10) is not None
 
 
 def test_guard_error_ratio_and_loss_rules():

@@ -227,11 +227,15 @@ def _probe_levels(g: Any) -> Any:
 
 @register("auto")
 def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("allreduce", "bf16", "powersgd"),
-          observe_steps: int = 3, hidden_tolerance: float = 0.05, hierarchical: bool = False, **options: Any):
+          observe_steps: int = 3, hidden_tolerance: float = 0.05, verify_steps: int = 5,
+          hierarchical: bool = False, **options: Any):
     """Probe the link now; observe ``observe_steps`` uncompressed steps; decide per bucket.
 
     ``hierarchical=True`` (the ``hierarchical+auto`` strategy): two-level reduction, both
     levels probed, and the per-bucket choice is the codec of the inter-node step.
+    After a plan that compresses, ``verify_steps`` steps under it are timed and compared
+    with the uncompressed steps observed before; not faster -> back to all-reduce (logged,
+    and in ``stats()["sync_verification"]``).
     """
     from .guard import ConvergenceGuard
     from .hierarchical import FlatReducer, Hierarchical
@@ -239,6 +243,8 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
     from .probe import probe_link
     from .topology import groups
 
+    if verify_steps < 0:
+        raise ValueError(f"verify_steps must be >= 0 (0: do not verify), got {verify_steps}")
     guard_on = options.pop("guard", True)
     guard_opts = {k: options.pop(k) for k in list(options) if k in _GUARD_OPTIONS}
     per_codec: dict[str, dict[str, Any]] = {c: {} for c in candidates}
@@ -263,6 +269,7 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
     codecs = {c: make_codec(c, **per_codec.get(c, {})) for c in candidates}
     guard = ConvergenceGuard(**guard_opts) if guard_on else None
     policy = {"candidates": candidates, "observe_steps": observe_steps, "hidden_tolerance": hidden_tolerance,
+              "verify_steps": verify_steps,
               "options": per_codec}
     name = "hierarchical+auto" if hierarchical else "auto"
     state = HookSync(name, reducer, codecs, "allreduce", control_group=g.flat, guard=guard,

@@ -43,7 +43,7 @@ from torch.nn.parallel import DistributedDataParallel
 from .compress.base import Codec, Layout, Wire, layout_from_shapes
 from .compress.cast import Cast
 from .guard import ConvergenceGuard
-from .policy import BucketInfo, Decision, as_cost, decide
+from .policy import BucketInfo, Decision, as_cost, decide, verify_plan
 from .probe import probe_link
 
 log = logging.getLogger("slipstream.sync")
@@ -161,6 +161,10 @@ class HookSync:
         self._open: _Step | None = None
         self._layouts: dict[Hashable, Layout | None] = {}
         self._observed: list[_Step] = []
+        # auto: after a decision that compresses, time a few steps under it and compare.
+        self._verify_baseline_s: float | None = None
+        self._verify_samples: list[float] = []
+        self.verification: str | None = None
         self._probe_requested = False
         self._t_forward_end: float | None = None
         self._lock = threading.Lock()
@@ -210,6 +214,8 @@ class HookSync:
             if last.inter_node_bytes is not None:
                 out["sync_inter_node_bytes_sent"] = last.inter_node_bytes
         out["sync_decision"] = self.decision_summary()
+        if self.verification:
+            out["sync_verification"] = self.verification
         if self.fallback_reason:
             out["sync_fallback_reason"] = self.fallback_reason
         if self.guard is not None and self.guard.last_error_ratio is not None:
@@ -232,6 +238,7 @@ class HookSync:
             "default": self.default,
             "decisions": dict(self.decisions),
             "fallback_reason": self.fallback_reason,
+            "verification": self.verification,
             "bytes_sent_total": self.bytes_sent_total,
             "codecs": {k: c.state_dict() for k, c in self.codecs.items()},
             "guard": self.guard.state_dict() if self.guard is not None else None,
@@ -245,6 +252,7 @@ class HookSync:
         self.default = state["default"]
         self.decisions = {int(k): v for k, v in state["decisions"].items()}
         self.fallback_reason = state.get("fallback_reason")
+        self.verification = state.get("verification")
         self.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
         for k, sd in state["codecs"].items():
             if k in self.codecs:
@@ -272,6 +280,8 @@ class HookSync:
     def _direct(self) -> bool:
         """True when every bucket needs one collective and the engine none of its own."""
         if self.mode == "observe" or self._probe_requested or not hasattr(self.reducer, "wire"):
+            return False
+        if self._verify_baseline_s is not None:  # the engine needs its control step to verify
             return False
         if self.guard is not None and self._compressing() and any(
             c.error_feedback for c in self.codecs.values()
@@ -396,12 +406,16 @@ class HookSync:
             log.info("sync: re-probed link: %s", self.link.summary())
             if self.policy is not None and self.mode != "fallback":
                 self.mode, self.decisions, self._observed = "observe", {}, []
+                self._verify_baseline_s, self.verification = None, None
                 if self.guard is not None:
                     self.guard.compressing = False
             return
         if self.mode == "observe":
             self._observe(self.last)
-        elif self.guard is not None and self._compressing() and self.steps % self.guard.check_every_steps == 0:
+            return
+        if self.mode == "run" and self._verify_baseline_s is not None:
+            self._verify(self.last)
+        if self.guard is not None and self._compressing() and self.steps % self.guard.check_every_steps == 0:
             reason = self.guard.check(self.control, self.codecs.values())
             if reason is not None:
                 self.fallback(reason)
@@ -431,10 +445,14 @@ class HookSync:
             self.link = self._prober()
         costs = self._measure_costs(order, last)
         names = list(self.policy["candidates"])
-        vec = torch.tensor(ready + [costs[(i, nm)] for i in order for nm in names], dtype=torch.float64)
-        self.control.allreduce(vec, op=dist.ReduceOp.MAX)  # every rank decides from the same figures
+        # Every rank decides from the same figures, agreed in one collective: ready times
+        # MAX (the slowest rank's backward sets the step), codec costs MIN (negated under
+        # MAX): the ranks run the same code on the same sizes, so the lower figure is the
+        # one a transient burst of other load on one rank did not inflate.
+        vec = torch.tensor(ready + [-costs[(i, nm)] for i in order for nm in names], dtype=torch.float64)
+        self.control.allreduce(vec, op=dist.ReduceOp.MAX)
         vals = vec.tolist()
-        ready, flat_costs = vals[: len(order)], vals[len(order) :]
+        ready, flat_costs = vals[: len(order)], [-v for v in vals[len(order) :]]
         agreed = {(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order) for j, nm in enumerate(names)}
         buckets = [
             BucketInfo(i, last.numel[i], r, self._layouts.get(last.keys.get(i))) for i, r in zip(order, ready)
@@ -447,8 +465,38 @@ class HookSync:
         self.mode = "run"
         if self.guard is not None:
             self.guard.compressing = self._compressing()
+        if self._compressing() and self.policy.get("verify_steps", 5) > 0:
+            spans = sorted(s.t_done - s.t_backward_start for s in self._observed)
+            self._verify_baseline_s = spans[len(spans) // 2]
+            self._verify_samples = []
         if dist.get_rank() == 0:
             log.info("%s", self.decision.explain())
+
+    def _verify(self, step: _Step) -> None:
+        """Time ``verify_steps`` steps under the plan (after one to warm up); revert to
+        all-reduce if they are not faster than the uncompressed steps observed before."""
+        assert self.policy is not None
+        self._verify_samples.append(step.t_done - step.t_backward_start)
+        if len(self._verify_samples) < 1 + self.policy.get("verify_steps", 5):
+            return
+        spans = sorted(self._verify_samples[1:])
+        vec = torch.tensor([spans[len(spans) // 2], self._verify_baseline_s], dtype=torch.float64)
+        self.control.allreduce(vec, op=dist.ReduceOp.MAX)  # the slowest rank sets the step, on both sides
+        planned, uncompressed = vec.tolist()
+        self._verify_baseline_s = None
+        reason = verify_plan(uncompressed, planned)
+        if reason is None:
+            self.verification = (f"kept: measured {planned * 1e3:.1f} ms per backward+sync against "
+                                 f"{uncompressed * 1e3:.1f} ms uncompressed")
+            if dist.get_rank() == 0:
+                log.info("sync %s: plan %s", self.name, self.verification)
+            return
+        self.verification = f"reverted to allreduce: {reason}"
+        self.decisions = {i: "allreduce" for i in self.decisions}
+        if self.guard is not None:
+            self.guard.compressing = False
+        if dist.get_rank() == 0:
+            log.warning("sync %s: %s", self.name, self.verification)
 
     def _measure_costs(self, order: list[int], step: _Step) -> dict[tuple[int, str], float]:
         """Local compute time of each candidate codec on each bucket (no communication)."""
@@ -468,12 +516,18 @@ class HookSync:
                 numel, layout = cost_model.codec_input(numel, self._layouts.get(step.keys.get(i)))
                 x = torch.randn(numel)
                 times = []
-                for _ in range(3):  # later runs have warm-start state, like steady state
+                for _ in range(_COST_RUNS):  # later runs have warm-start state, like steady state
                     t0 = time.perf_counter()
                     trial.reduce(x, solo, step.keys.get(i, i), layout)
                     times.append(time.perf_counter() - t0)
                 costs[(i, name)] = min(times[1:])  # the least disturbed by other processes
         return costs
+
+
+# Timed runs of each candidate codec per bucket when auto decides (the first one, cold, is
+# dropped). Five: one burst of other load on a shared core can inflate two or three of them
+# several-fold (seen: PowerSGD costed at 10x its steady time, and auto chose bf16 at 1 Gbit/s).
+_COST_RUNS = 6
 
 
 def _hook(state: HookSync, bucket: dist.GradBucket) -> torch.futures.Future:

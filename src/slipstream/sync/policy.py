@@ -210,3 +210,25 @@ def decide(
     else:
         reason = "communication exposed: compressing where it lowers the predicted step"
     return Decision(choices, best, base, backward, link, alternatives=alternatives, reason=reason)
+
+
+def verify_plan(uncompressed_s: float, planned_s: float, min_gain: float = 0.0) -> str | None:
+    """None when the chosen plan *measured* faster than the uncompressed steps; else why to revert.
+
+    Both figures are medians of backward + exposed synchronisation (seconds from the
+    end of forward to the last bucket's result), taken the same way before and after
+    the decision. The model can be wrong (a codec's cost mismeasured under load, a link
+    that changed): this closes the loop on what actually happened.
+
+    Example::
+
+        verify_plan(0.300, 0.120)   # None: keep the plan
+        verify_plan(0.050, 0.061)   # 'the plan measured 61.0 ms ... uncompressed 50.0 ms'
+    """
+    if planned_s < uncompressed_s * (1 - min_gain):
+        return None
+    return (
+        f"the plan measured {planned_s * 1e3:.1f} ms per backward+sync against {uncompressed_s * 1e3:.1f} ms "
+        "uncompressed: not faster"
+    )
+
