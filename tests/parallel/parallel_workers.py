@@ -72,6 +72,8 @@ def train(layout: dict, steps: int, checkpoint_dir: str | None = None, every: in
     ex = example()
     model = make_gpt(ex, heads=layout.pop("heads", HEADS))
     factory = sgd_factory if layout.get("grad_clip_norm") is not None else optimizer_factory
+    if layout.pop("optimizer_object", False):
+        factory = factory(model.parameters())  # an optimizer, rebuilt by accelerate() over the new parameters
     run = slipstream.accelerate(
         model, factory, tp_plan=ex.TP_PLAN, progress=False, profile=False,
         checkpoint_dir=checkpoint_dir, checkpoint_every_steps=every, **layout,

@@ -21,6 +21,7 @@ aware of sharded gradients) is refused on these layouts.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -208,7 +209,9 @@ class ParallelAccelerated(Accelerated):
         return state
 
 
-def _rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], module: nn.Module) -> torch.optim.Optimizer:
+def _rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, names: dict[int, list[str]], module: nn.Module
+) -> torch.optim.Optimizer:
     """The same optimizer class and per-group hyperparameters over ``module``'s new parameters."""
     if any(optimizer.state.values()):
         raise ConfigError(
@@ -218,12 +221,21 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], 
     new = dict(module.named_parameters())
     groups = []
     for group in optimizer.param_groups:
-        params = [new[names[id(p)]] for p in group["params"] if id(p) in names and names[id(p)] in new]
+        # A tied weight has several names; a pipeline stage may hold it under its second one only.
+        params = []
+        for p in group["params"]:
+            held = [n for n in names.get(id(p), []) if n in new]
+            if held and not any(q is new[held[0]] for q in params):
+                params.append(new[held[0]])
         if params:
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     if not groups:
         raise ConfigError("the optimizer holds none of this rank's parameters")
-    return type(optimizer)(groups, **optimizer.defaults)
+    # Constructor arguments from the defaults it accepts (AdamW's defaults hold
+    # internal keys such as decoupled_weight_decay that its __init__ does not take).
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    return type(optimizer)(groups, **kwargs)
 
 
 def accelerate_parallel(
@@ -263,7 +275,9 @@ def accelerate_parallel(
                 "with dp_shard, tp or pp the optimizer is rebuilt over the sharded parameters, so a scheduler "
                 "bound to the old one would not see it: pass scheduler=lambda optimizer: ... (a factory)"
             )
-    names = {id(p): n for n, p in model.named_parameters()}
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
     layout = parallelize(model, config, dims, device=runtime.device, tp_plan=tp_plan, pp_split_points=pp_split_points)
     if isinstance(optimizer, torch.optim.Optimizer):
         optimizer = _rebuild_optimizer(optimizer, names, layout.module)
