@@ -39,7 +39,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-import sync_mlp  # noqa: E402  (the guide's MLP and the two-node emulation)
+import sync_mlp  # the guide's MLP and the two-node emulation
 
 
 def _git_commit() -> str:
@@ -281,8 +281,8 @@ def table(result: dict) -> tuple[str, list[dict]]:
     communication's CPU time (1 / unshaped bandwidth per byte) to the rank's one core."""
     cal = result["calibration"]
     rows = []
-    lines = ["| link | strategy | link fit (5 sizes) | measured ms (median of runs) | runs (ms) | "
-             "predicted A ms | error A | predicted B ms | error B | error C | error D |",
+    lines = [("| link | strategy | link fit (5 sizes) | measured ms (median of runs) | runs (ms) | "
+              "predicted A ms | error A | predicted B ms | error B | error C | error D |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     unshaped = result["rates"].get("unshaped")
     cpu = 1.0 / link_of(unshaped["probe"]).bytes_per_s if unshaped else 0.0

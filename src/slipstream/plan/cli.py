@@ -128,6 +128,13 @@ def config_doc(result: PlanResult, script: str) -> dict[str, Any]:
     }
 
 
+def check_train_config(train: dict[str, Any]) -> None:
+    """The written layout must be one TrainConfig accepts (names, degrees, schedule rules)."""
+    from ..config import TrainConfig
+
+    TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in train.items()})
+
+
 def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
     L = result.best.layout
     name = re.sub(r"[^a-z0-9-]", "-", f"plan-{result.model.name}".lower())[:40].strip("-")
@@ -163,6 +170,7 @@ def main(args: argparse.Namespace) -> int:
         best = probe_max_micro_batch(result.model, result.best.layout)
         print(f"largest micro-batch that fits (probed): {best}")
     doc = config_doc(result, args.script)
+    check_train_config(doc["train"])
     if args.json:
         rows = [{"layout": c.layout.label(), "sync": c.layout.sync, "micro_batch": c.layout.micro_batch,
                  "microbatches_per_step": c.layout.microbatches_per_step,

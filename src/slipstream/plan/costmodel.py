@@ -33,9 +33,8 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 from .network import Link, Network
@@ -355,8 +354,7 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
         total = 0.0
         k = L.accumulate_steps * m
         for i in range(k) if k <= 3 else (0, 1, k - 1):
-            c_end, end = micro(i == 0, i == k - 1)
-            total += end
+            total += micro(i == 0, i == k - 1)[1]
         if k > 3:
             total += (k - 3) * micro(False, False)[1]
         fsdp_compute = k * (t_fwd + t_bwd)
@@ -459,4 +457,4 @@ def ring_allreduce_s(nbytes: float, n: int, bytes_per_s: float, hop_latency_s: f
 
 
 __all__ = ["BucketTask", "DpStep", "Layout", "Prediction", "bubble_fraction", "group_link", "mfu", "param_bytes",
-           "predict", "replace", "ring_allreduce_s", "simulate_dp_step", "two_queue_schedule", "math"]
+           "predict", "ring_allreduce_s", "simulate_dp_step", "two_queue_schedule"]

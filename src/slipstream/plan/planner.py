@@ -142,7 +142,8 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, global_ba
                     if per_rank % mb:
                         continue
                     k = per_rank // mb
-                    schedules = ["1f1b", "gpipe"] if pp > 1 else ["1f1b"]
+                    # 1F1B needs at least pp micro-batches in flight (TrainConfig refuses fewer)
+                    schedules = (["1f1b", "gpipe"] if k >= pp else ["gpipe"]) if pp > 1 else ["1f1b"]
                     for sched in schedules:
                         for ckpt in (False, True):
                             for sync in syncs:

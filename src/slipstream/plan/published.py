@@ -58,8 +58,8 @@ def evaluate(case: Case) -> dict:
 
 
 def table() -> str:
-    lines = ["| source | model | GPUs | GPU / node | network | published | predicted (overlap) | serial bound | "
-             "predicted - published |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| source | model | GPUs | GPU / node | network | published | predicted (overlap) | serial bound | "
+              "predicted - published |"), "|---|---|---|---|---|---|---|---|---|"]
     for c in CASES:
         r = evaluate(c)
         lines.append(f"| {c.source} | {c.model} | {c.gpus} | {c.gpu} x{c.gpus_per_node} | {c.network} | "
