@@ -57,7 +57,7 @@ def test_layout_comes_from_the_environment():
 
 
 def test_cli_refuses_a_layout_that_does_not_fit_in_one_line():
-    proc = subprocess.run(
+    proc = subprocess.run(  # the real command: one line on stderr, exit 2
         [sys.executable, "-m", "slipstream", "run", "-n", "2", "--tp", "3", "examples/train_gpt.py"],
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )
@@ -66,11 +66,41 @@ def test_cli_refuses_a_layout_that_does_not_fit_in_one_line():
         "slipstream run: error: invalid training flag: world_size(2) is not divisible by "
         "dp_shard(1) * tp(3) * pp(1) = 3, so dp_replicate=-1 has no value"
     ], proc.stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "slipstream", "run", "--pp-schedule", "zb", "examples/train_gpt.py"],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
-    )
-    assert proc.returncode == 2 and "pp_schedule must be one of gpipe, 1f1b, got 'zb'" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--pp-schedule", "zb"], "pp_schedule must be one of gpipe, 1f1b, got 'zb'"),
+        (["-n", "4", "--dp-replicate", "2", "--tp", "3"], "dp_replicate(2) * dp_shard(1) * tp(3) * pp(1) != world_size(4)"),
+        (["--zero-stage", "1"], "zero_stage 1 (sharded optimizer state only) is not available"),
+        (["--pp-microbatches", "0"], "pp_microbatches must be >= 1 or None, got 0"),
+    ],
+)
+def test_cli_layout_flags_are_checked_before_workers_start(flags, message, capsys):
+    from slipstream.cli import main
+
+    assert main(["run", *flags, "examples/train_gpt.py"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_cli_layout_flags_reach_the_workers_environment():
+    import argparse
+
+    from slipstream.launch.cli import worker_env_from_args
+
+    args = argparse.Namespace(nproc_per_node=4, nnodes="1", emulate=None, collective_timeout_s=None, **{
+        f"train_{k}": None for k in ("sync", "sync_options", "precision", "accumulate_steps", "bucket_cap_mb",
+                                     "grad_clip_norm", "run_dir", "log_every_steps", "checkpoint_dir",
+                                     "checkpoint_every_steps", "checkpoint_every_s", "checkpoint_keep_last",
+                                     "dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches",
+                                     "zero_stage")
+    })
+    args.train_dp_shard, args.train_tp, args.train_pp_schedule, args.train_zero_stage = 2, 2, "gpipe", 2
+    assert worker_env_from_args(args) == {
+        "SLIPSTREAM_DP_SHARD": "2", "SLIPSTREAM_TP": "2", "SLIPSTREAM_PP_SCHEDULE": "gpipe", "SLIPSTREAM_ZERO_STAGE": "2",
+    }
 
 
 @pytest.mark.distributed

@@ -90,6 +90,22 @@ def test_two_dimensional_layouts_match_single_process(ref, ref_clipped, tmp_path
         print(f"{name}: {seen} (reference {ref_losses})")
 
 
+def test_three_stage_pipeline_matches_single_process(ref, tmp_path):
+    """A middle stage (no embeddings, no head), the tied weight summed between stages 0 and 2 only,
+    default and explicit split points."""
+    ref_losses, ref_state = ref
+    layouts = {
+        "pp 3 1f1b (default split)": {"pp": 3, "pp_microbatches": 4},
+        "pp 3 gpipe (split at blocks.2, blocks.3)": {
+            "pp": 3, "pp_schedule": "gpipe", "pp_microbatches": 2, "pp_split_points": ["blocks.2", "blocks.3"],
+        },
+    }
+    results = run_ranks(layouts_worker, 3, list(layouts.values()), STEPS, str(tmp_path), timeout_s=240)
+    for i, name in enumerate(layouts):
+        seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
+        print(f"{name}: {seen} (reference {ref_losses})")
+
+
 def test_bf16_and_activation_checkpointing_under_fsdp_and_tp(ref, tmp_path):
     ref_losses, _ = ref
     layouts = [
