@@ -59,12 +59,14 @@ def test_layout_comes_from_the_environment():
 def test_cli_refuses_a_layout_that_does_not_fit_in_one_line():
     proc = subprocess.run(  # the real command: one line on stderr, exit 2
         [sys.executable, "-m", "slipstream", "run", "-n", "2", "--tp", "3", "examples/train_gpt.py"],
-        capture_output=True, text=True, cwd=REPO, timeout=60,
+        capture_output=True, text=True, cwd=REPO, timeout=60, check=False,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "slipstream run: error: invalid training flag: world_size(2) is not divisible by "
-        "dp_shard(1) * tp(3) * pp(1) = 3, so dp_replicate=-1 has no value"
+        (
+            "slipstream run: error: invalid training flag: world_size(2) is not divisible by "
+            "dp_shard(1) * tp(3) * pp(1) = 3, so dp_replicate=-1 has no value"
+        )
     ], proc.stderr
 
 

@@ -11,7 +11,6 @@ losses must agree to 1e-4 and final weights to 1e-4 absolute; bf16 computes in
 from __future__ import annotations
 
 import pytest
-import torch
 from harness import run_ranks
 from parallel_workers import checkpoint_worker, global_losses, layouts_worker, reference
 

@@ -27,8 +27,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 from torch import nn
@@ -38,7 +38,14 @@ from ..errors import ConfigError
 from ..train.activation_checkpointing import apply_activation_checkpointing
 from .fully_shard import apply_fully_shard
 from .mesh import ParallelDims
-from .pipeline import TiedGradients, default_split_points, split_stage, stage_of, stage_units, tied_across_stages
+from .pipeline import (
+    TiedGradients,
+    default_split_points,
+    split_stage,
+    stage_of,
+    stage_units,
+    tied_across_stages,
+)
 from .tensor_parallel import apply_tensor_parallel, check_divisible, resolve_plan
 
 

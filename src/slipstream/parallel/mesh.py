@@ -32,7 +32,7 @@ class ParallelDims:
     mesh: DeviceMesh
 
     @classmethod
-    def build(cls, config: TrainConfig, world_size: int, device_type: str) -> "ParallelDims":
+    def build(cls, config: TrainConfig, world_size: int, device_type: str) -> ParallelDims:
         """Resolve ``config``'s degrees against ``world_size`` (ConfigError with the numbers
         when they do not multiply to it) and build the mesh with ``init_device_mesh``."""
         degrees = config.degrees(world_size)

@@ -28,7 +28,7 @@ which is exactly the gradient of the tied parameter.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ def pipeline_units(model: nn.Module) -> list[str]:
     units = []
     for name, child in model.named_children():
         if isinstance(child, nn.ModuleDict):
-            units += [f"{name}.{key}" for key in child.keys()]
+            units += [f"{name}.{key}" for key in child]
         elif isinstance(child, nn.ModuleList) and len(child) > 1:
             raise ConfigError(
                 f"pipeline split: {name} is an nn.ModuleList; use an nn.ModuleDict so that stages keep layer names"

@@ -26,7 +26,7 @@ the width of its (sharded) q projection; a module with an integer ``heads``
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -37,7 +37,11 @@ _HEAD_ATTRS = ("heads", "n_heads", "num_heads")
 
 
 def _style(value):
-    from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        ParallelStyle,
+        RowwiseParallel,
+    )
 
     if isinstance(value, ParallelStyle):
         return value

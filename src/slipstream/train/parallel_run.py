@@ -22,7 +22,8 @@ aware of sharded gradients) is refused on these layouts.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,13 @@ from ..fault import progress
 from ..fault.progress import ProgressReporter
 from ..metrics import StepRecorder
 from ..runtime import Runtime
-from .accelerator import Accelerated, _agree_run_dir, _build_optimizer, _build_scheduler, _MicroSteps
+from .accelerator import (
+    Accelerated,
+    _agree_run_dir,
+    _build_optimizer,
+    _build_scheduler,
+    _MicroSteps,
+)
 from .precision import autocast, outputs_to_fp32
 
 
@@ -198,7 +205,10 @@ class ParallelAccelerated(Accelerated):
     def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state_dict, full tensors, original names. A collective:
         call it on every rank (each gets the whole dict)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
         state = {k: v.detach().cpu() for k, v in state.items()}
