@@ -211,6 +211,14 @@ class TrainConfig:
                 "gradients and optimizer state together; use zero_stage 2 or 3"
             )
         _require(self.zero_stage in ZERO_STAGES, f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
+        # Checked here, not only in accelerate(), so `slipstream run` refuses it before any worker starts.
+        if self.dp_shard != 1 or self.tp > 1 or self.pp > 1:
+            _require(
+                self.sync == "allreduce" and not self.sync_options,
+                f"sync {self.sync!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "
+                "gradients (leave sync at allreduce)",
+            )
+            _require(self.precision != "fp16", "precision fp16 is not supported with dp_shard, tp or pp; use bf16")
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """The four degrees with -1 resolved against ``world_size``, checked to multiply to it.

@@ -43,6 +43,9 @@ def test_degrees_that_do_not_multiply_to_the_world_say_so(options, world, messag
         ({"pp": 4, "pp_microbatches": 2}, r"pp_microbatches\(2\) must be >= pp\(4\) for the 1f1b schedule"),
         ({"zero_stage": 1}, r"zero_stage 1 .* FSDP2 shards parameters, gradients and optimizer state together"),
         ({"zero_stage": 4}, r"zero_stage must be 2 or 3, got 4"),
+        ({"tp": 2, "sync": "powersgd"}, r"sync 'powersgd' is a DDP gradient hook; with dp_shard, tp or pp"),
+        ({"dp_shard": -1, "sync": "allreduce", "sync_options": {"x": 1}}, r"sync 'allreduce' is a DDP gradient hook"),
+        ({"pp": 2, "precision": "fp16"}, r"precision fp16 is not supported with dp_shard, tp or pp; use bf16"),
     ],
 )
 def test_bad_layout_values_are_refused_on_construction(options, message):
@@ -77,6 +80,7 @@ def test_cli_refuses_a_layout_that_does_not_fit_in_one_line():
         (["-n", "4", "--dp-replicate", "2", "--tp", "3"], "dp_replicate(2) * dp_shard(1) * tp(3) * pp(1) != world_size(4)"),
         (["--zero-stage", "1"], "zero_stage 1 (sharded optimizer state only) is not available"),
         (["--pp-microbatches", "0"], "pp_microbatches must be >= 1 or None, got 0"),
+        (["--pp", "2", "--sync", "bf16"], "sync 'bf16' is a DDP gradient hook"),
     ],
 )
 def test_cli_layout_flags_are_checked_before_workers_start(flags, message, capsys):
