@@ -8,11 +8,13 @@ What it does, in order:
 1. calibrates on this machine, one core, no communication: fp32 matmul FLOP/s at
    1 thread; forward / backward / optimizer time of the guide's MLP workload
    (shared/GUIDE.md section 4); each codec's compute time on each DDP bucket;
+   each strategy's step on a one-rank gloo group (codec + sync engine cost);
+   at the start and again after each link rate (medians are used);
 2. per link rate, in two network namespaces joined by a tbf-shaped veth pair
-   (benchmarks/sync_mlp.py's TwoNodes): probes the link with
-   ``slipstream.sync.probe.probe_link`` (alpha-beta fit of all-reduce), then
-   measures the step time of every strategy ``--repeats`` times, side by side
-   with the floor (benchmarks/sync_mlp.py's run_pair);
+   (benchmarks/sync_mlp.py's TwoNodes), ``--repeats`` times: probes the link
+   (``slipstream.sync.probe.probe_link`` and a five-size all-reduce sweep), then
+   measures the step time of every strategy side by side with the floor
+   (benchmarks/sync_mlp.py's run_pair);
 3. predicts each (rate, strategy) step from the calibration alone
    (slipstream.plan.costmodel.simulate_dp_step) and prints predicted vs measured
    (median over repeats of the per-run median step) with the error.
@@ -139,6 +141,31 @@ def run_engine(strategies: list[str]) -> dict:
         subprocess.run(["taskset", "-c", "0", sys.executable, os.path.abspath(__file__), "--engine-worker",
                         "--strategies", ",".join(strategies), "--out", out], check=True, timeout=600)
         return json.loads(Path(out).read_text())
+
+
+def merge_calibrations(cals: list[dict]) -> dict:
+    """Median of each calibrated figure over several calibrations spread over the run, so that the
+    calibration sees the same mix of machine load as the measurements do."""
+    med = statistics.median
+    out = dict(cals[0])
+    out["matmul_flops_per_s"] = med(c["matmul_flops_per_s"] for c in cals)
+    out["phases"] = {k: med(c["phases"][k] for c in cals) for k in cals[0]["phases"]}
+    out["codec_s"] = {name: [med(c["codec_s"][name][i] for c in cals) for i in range(len(v))]
+                      for name, v in cals[0]["codec_s"].items()}
+    if all(c.get("one_rank_step_s") for c in cals):
+        out["one_rank_step_s"] = {k: med(c["one_rank_step_s"][k] for c in cals) for k in cals[0]["one_rank_step_s"]}
+    return out
+
+
+def merge_probes(probes: list[dict]) -> dict:
+    """Per-size median of several probes of one link (taken before each repeat)."""
+    med = statistics.median
+    out = dict(probes[0])
+    out["alpha_s"] = med(p["alpha_s"] for p in probes)
+    out["bytes_per_s"] = med(p["bytes_per_s"] for p in probes)
+    if all(p.get("sweep") for p in probes):
+        out["sweep"] = [[size, med(p["sweep"][i][1] for p in probes)] for i, (size, _) in enumerate(probes[0]["sweep"])]
+    return out
 
 
 # -- link probe in the namespaces --------------------------------------------------------------------
@@ -348,21 +375,28 @@ def main(argv: list[str] | None = None) -> int:
     result = {"command": "python benchmarks/plan_validation.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "commit": _git_commit(), "started_utc": started.isoformat(timespec="seconds"),
               "loadavg_before": os.getloadavg(), "strategies": strategies, "steps": a.steps, "repeats": a.repeats}
-    result["calibration"] = calibrate_local(strategies)
-    print(f"calibrated: {json.dumps(result['calibration']['phases'])}, "
-          f"matmul {result['calibration']['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
+    # Calibrate at the start and after each rate, probe the link before each repeat: the medians
+    # see the same load as the measurements (the machine is shared), and none uses a figure of a
+    # predicted configuration.
+    cals = [calibrate_local(strategies)]
+    print(f"calibrated: {json.dumps(cals[0]['phases'])}, "
+          f"matmul {cals[0]['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s", file=sys.stderr, flush=True)
     result["rates"] = {}
     with sync_mlp.TwoNodes() as nodes:
         for rate in a.rates.split(","):
             nodes.shape(rate)
-            probe = run_probe(nodes)
-            runs = []
+            runs, probes = [], []
             for r in range(a.repeats):
+                probes.append(run_probe(nodes))
                 runs.append(sync_mlp.run_pair(nodes, strategies, a.steps, a.warmup))
                 print(f"{rate}: run {r + 1}/{a.repeats} done (load {os.getloadavg()[0]:.2f})", file=sys.stderr,
                       flush=True)
-            result["rates"][rate] = {"probe": probe, "loadavg": os.getloadavg(), "runs": [{k: {"step_s": v["step_s"]} for k, v in run.items()}
+            cals.append(calibrate_local(strategies))
+            probe = merge_probes(probes)
+            result["rates"][rate] = {"probe": probe, "probes": probes, "loadavg": os.getloadavg(), "runs": [{k: {"step_s": v["step_s"]} for k, v in run.items()}
                                                               for run in runs]}
+    result["calibrations"] = cals
+    result["calibration"] = merge_calibrations(cals)
     result["loadavg_after"] = os.getloadavg()
     result["finished_utc"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     out = Path(a.json) if a.json else HERE / "results" / f"plan-validation-{started:%Y%m%dT%H%M%SZ}.json"
