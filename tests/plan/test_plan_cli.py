@@ -65,3 +65,18 @@ def test_probe_memory_without_cuda_is_a_clear_error(capsys):
     assert main(["plan", "--model", "gpt-125m", "--gpus", "1", "--gpu-type", "H100", "--network", "1gbit",
                  "--probe-memory"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_link_calibration_from_probe_figures(tmp_path, capsys):
+    import json
+
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"ranks": 2, "alpha_s": 0.0, "bytes_per_s": 117e6,
+                                 "sweep": [[8192, 0.0004], [4 << 20, 0.0362], [16 << 20, 0.1438]]}))
+    assert main(["plan", "--model", "mlp", "--gpus", "2", "--gpus-per-node", "1", "--gpu-type", "V100",
+                 "--network", "1gbit", "--link-calibration", str(probe), "--global-batch", "128"]) == 0
+    assert "measured" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    assert main(["plan", "--model", "mlp", "--gpus", "2", "--gpu-type", "V100", "--network", "1gbit",
+                 "--link-calibration", str(bad)]) == 2

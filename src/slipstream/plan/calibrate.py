@@ -156,3 +156,31 @@ def fit_alpha_beta(samples: list[tuple[float, float]], ranks: int, fabric: str =
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     alpha = max(0.0, my - slope * mx)
     return Link(bytes_per_s=1.0 / slope, hop_latency_s=alpha / (2 * (n - 1)), efficiency=1.0, fabric=fabric)
+
+
+def load_link(path: str, rate: str | None = None) -> Link:
+    """A measured link from a JSON file: probe_link's figures (``{"ranks", "alpha_s", "bytes_per_s"}``,
+    optionally ``"sweep": [[bytes, seconds], ...]`` for the five-size fit), or a result file of
+    benchmarks/plan_validation.py, whose link ``rate`` (e.g. "1gbit") is taken.
+    """
+    import json
+
+    from ..errors import ConfigError
+    from ..sync.probe import LinkFigures
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"--link-calibration: cannot read {path}: {exc}") from None
+    if isinstance(doc, dict) and "rates" in doc:
+        rates = doc["rates"]
+        if rate not in rates:
+            raise ConfigError(f"--link-calibration: {path} has links {', '.join(rates)}; --network names {rate!r}")
+        doc = rates[rate]["probe"]
+    try:
+        if doc.get("sweep"):
+            return fit_alpha_beta([tuple(x) for x in doc["sweep"]], int(doc.get("ranks", 2)))
+        return link_from_probe(LinkFigures(int(doc["ranks"]), float(doc["alpha_s"]), float(doc["bytes_per_s"])))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        raise ConfigError(f"--link-calibration: {path} has no probe figures (ranks, alpha_s, bytes_per_s)") from None

@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-type", required=True, metavar="T", help=f"GPU: {', '.join(GPUS)}")
     p.add_argument("--network", required=True, metavar="SPEC",
                    help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY], e.g. 25gbit-roce, 100gbit-ib, 1gbit")
+    p.add_argument("--link-calibration", metavar="FILE",
+                   help="measured inter-node link (probe_link figures as JSON, or a benchmarks/plan_validation.py "
+                        "result: the link named by --network) instead of the SPEC's nominal rate")
     p.add_argument("--gpus-per-node", type=int, metavar="K", help="GPUs per node (default: the GPU type's usual, 8)")
     p.add_argument("--price", type=float, metavar="PER_GPU_HOUR", help="price per GPU-hour (default: a rough list price)")
     g = p.add_mutually_exclusive_group()
@@ -111,13 +114,7 @@ def config_doc(result: PlanResult, script: str) -> dict[str, Any]:
     flags = run_flags(L, result.nodes, min(result.gpus, result.gpus_per_node))
     return {
         "run": "slipstream run " + " ".join(shlex.quote(f) for f in [*flags, script]),
-        "train": {
-            "dp_replicate": L.dp_replicate, "dp_shard": L.dp_shard, "tp": L.tp, "pp": L.pp,
-            "pp_schedule": L.pp_schedule, "pp_microbatches": L.pp_microbatches, "zero_stage": L.zero_stage,
-            "sync": L.sync if L.dp_shard == 1 else "allreduce", "precision": L.precision,
-            "accumulate_steps": L.accumulate_steps,
-            "activation_checkpointing": _ckpt_classes(result.model.kind) if L.activation_checkpointing else [],
-        },
+        "train": L.train_fields(tuple(_ckpt_classes(result.model.kind))),
         "micro_batch": L.micro_batch, "global_batch": L.global_batch,
         "cluster": {"gpus": result.gpus, "gpu_type": result.gpu.name, "gpus_per_node": result.gpus_per_node,
                     "nodes": result.nodes, "network": result.network.spec},
@@ -130,9 +127,11 @@ def config_doc(result: PlanResult, script: str) -> dict[str, Any]:
 
 def check_train_config(train: dict[str, Any]) -> None:
     """The written layout must be one TrainConfig accepts (names, degrees, schedule rules)."""
-    from ..config import TrainConfig
+    from .planner import train_config_error
 
-    TrainConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in train.items()})
+    err = train_config_error(train)
+    if err:
+        raise ConfigError(f"internal: the chosen layout is not a valid TrainConfig: {err}")
 
 
 def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
@@ -161,7 +160,14 @@ def main(args: argparse.Namespace) -> int:
     samples = parse_count(args.samples, "--samples") if args.samples is not None else None
     if args.top < 1:
         raise ConfigError(f"--top: must be >= 1, got {args.top}")
-    result = plan(args.model, gpus=args.gpus, gpu_type=args.gpu_type, network=args.network, price=args.price,
+    network: Any = args.network
+    if args.link_calibration:
+        from .calibrate import load_link
+        from .network import Network
+
+        link = load_link(args.link_calibration, args.network)
+        network = Network(spec=f"{args.network} (measured: {link.describe()})", link=link)
+    result = plan(args.model, gpus=args.gpus, gpu_type=args.gpu_type, network=network, price=args.price,
                   samples=samples, tokens=tokens, global_batch=args.global_batch, precision=args.precision,
                   gpus_per_node=args.gpus_per_node)
     if args.probe_memory:
@@ -187,6 +193,8 @@ def main(args: argparse.Namespace) -> int:
                       f"Chosen: {b.layout.label()}, predicted step {fmt_s(b.prediction.step_s)}, time to train "
                       f"{fmt_s(b.time_to_train_s)}, cost ${b.cost:,.0f} at ${result.price_per_gpu_hour:g}/GPU-hour.",
                       highlight=False)
+        for note in result.notes:
+            console.print(note, highlight=False, markup=False)
         console.print(doc["run"], highlight=False, markup=False)
         env = layout_env(result, b.layout)
         console.print("layout as environment: " + " ".join(f"{k}={v}" for k, v in env.items()), highlight=False,

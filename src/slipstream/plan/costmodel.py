@@ -179,6 +179,16 @@ class Layout:
     def global_batch(self) -> int:
         return self.micro_batch * self.microbatches_per_step * self.dp
 
+    def train_fields(self, checkpoint_classes: tuple[str, ...] = ("Block",)) -> dict:
+        """The layout as slipstream.config.TrainConfig fields."""
+        return {
+            "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp,
+            "pp_schedule": self.pp_schedule, "pp_microbatches": self.pp_microbatches, "zero_stage": self.zero_stage,
+            "sync": self.sync if self.dp_shard == 1 else "allreduce", "precision": self.precision,
+            "accumulate_steps": self.accumulate_steps,
+            "activation_checkpointing": list(checkpoint_classes) if self.activation_checkpointing else [],
+        }
+
     def label(self) -> str:
         parts = []
         if self.dp_replicate > 1:

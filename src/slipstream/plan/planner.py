@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -114,6 +115,25 @@ def dp_syncs(nodes: int, gpus_per_node: int = 8) -> list[str]:
     return base
 
 
+@functools.lru_cache(maxsize=4096)
+def _train_config_error(items: tuple) -> str | None:
+    try:
+        from ..config import TrainConfig
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        TrainConfig(**{k: tuple(v) if isinstance(v, list | tuple) else v for k, v in items})
+    except (ConfigError, TypeError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def train_config_error(train: dict) -> str | None:
+    """Why slipstream.config.TrainConfig refuses these fields (None: it accepts them). The planner
+    only proposes layouts the engine can run (e.g. no fp16 with FSDP/TP/PP: TrainConfig refuses it)."""
+    return _train_config_error(tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in train.items())))
+
+
 def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, global_batch: int,
                       precision: str) -> Iterator[Layout]:
     """Every layout of the planner's axes (module docstring) that divides the job evenly."""
@@ -191,7 +211,11 @@ def plan(model: str | ModelSpec, gpus: int, gpu_type: str | GpuSpec, network: st
     fitting: list[Candidate] = []
     rejected = 0
     smallest = None
+    refused = 0
     for L in enumerate_layouts(m, gpus, g, B, prec):
+        if train_config_error(L.train_fields()):
+            refused += 1
+            continue
         p = predict(m, gpu, net, L, gpus_per_node=g)
         if not p.fits:
             rejected += 1
@@ -201,10 +225,16 @@ def plan(model: str | ModelSpec, gpus: int, gpu_type: str | GpuSpec, network: st
         ttt = steps * p.step_s
         fitting.append(Candidate(p, ttt, ttt / 3600 * gpus * price_h))
     if not fitting:
+        if rejected == 0 and refused:
+            raise ConfigError(f"no layout of {m.name} on {gpus} GPUs at {prec} is one slipstream can run "
+                              f"(e.g. {train_config_error(next(enumerate_layouts(m, gpus, g, B, prec)).train_fields())})")
         if rejected == 0:
             raise ConfigError(f"--global-batch: {B} cannot be split evenly over any layout of {gpus} GPUs")
         raise ConfigError(
             f"no layout of {m.name} fits in {gpu.name} memory ({gpu.memory_bytes / GIB:.0f} GiB): the smallest needs "
             f"{smallest / GIB:.1f} GiB per GPU; use more GPUs or a GPU with more memory")
     fitting.sort(key=lambda c: (c.time_to_train_s, c.cost, c.prediction.memory_bytes))
-    return PlanResult(m, gpu, net, gpus, g, B, total, price_h, fitting, rejected, smallest)
+    result = PlanResult(m, gpu, net, gpus, g, B, total, price_h, fitting, rejected, smallest)
+    if refused:
+        result.notes.append(f"{refused} layouts skipped: slipstream.config.TrainConfig refuses them")
+    return result
