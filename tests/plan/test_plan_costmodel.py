@@ -141,3 +141,13 @@ def test_published_cases_evaluate():
     for c in CASES:
         r = evaluate(c)
         assert 0 < r["serial"] <= r["predicted"] <= 1.0
+
+
+def test_docstring_examples():
+    import doctest
+
+    from slipstream.plan import calibrate, costmodel
+
+    for mod in (costmodel, calibrate):
+        failed, _ = doctest.testmod(mod)
+        assert failed == 0, mod.__name__

@@ -9,7 +9,7 @@ Example::
 
     from slipstream.plan import plan
     result = plan("gpt-7b", gpus=8, gpu_type="H100", network="400gbit-ib")
-    result.best.layout.run_flags()
+    result.best.layout.label(), result.best.time_to_train_s
 """
 
 from __future__ import annotations
