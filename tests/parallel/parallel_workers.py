@@ -45,9 +45,11 @@ def sgd_factory(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def reference(steps: int, grad_clip_norm: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(steps: int, grad_clip_norm: float | None = None,
+              grad_norms: list[float] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, plain PyTorch: the losses and final weights every layout must reproduce
-    (AdamW; SGD when clipping)."""
+    (AdamW; SGD when clipping). ``grad_norms``, if given, receives each step's gradient norm
+    before clipping."""
     ex = example()
     model = make_gpt(ex)
     opt = (optimizer_factory if grad_clip_norm is None else sgd_factory)(model.parameters())
@@ -56,6 +58,8 @@ def reference(steps: int, grad_clip_norm: float | None = None) -> tuple[list[flo
         x, y = global_batch(step)
         loss = ex.loss_fn(model(x), y)
         loss.backward()
+        if grad_norms is not None:
+            grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         if grad_clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip_norm)
         opt.step()
@@ -75,7 +79,7 @@ def train(layout: dict, steps: int, checkpoint_dir: str | None = None, every: in
     if layout.pop("optimizer_object", False):
         factory = factory(model.parameters())  # an optimizer, rebuilt by accelerate() over the new parameters
     run = slipstream.accelerate(
-        model, factory, tp_plan=ex.TP_PLAN, progress=False, profile=False,
+        model, factory, tp_plan=ex.TP_PLAN, progress=False, profile=False, log_every_steps=1,
         checkpoint_dir=checkpoint_dir, checkpoint_every_steps=every, **layout,
     )
     start = run.step_count
@@ -87,7 +91,9 @@ def train(layout: dict, steps: int, checkpoint_dir: str | None = None, every: in
         losses.append(float(run.train_step(x[rows], y[rows], ex.loss_fn)))
     state = run.unwrapped_state_dict()
     run.finish()
-    return {"dp_rank": run.dp_rank, "dp_size": run.dp_size, "losses": losses, "state": state, "start": start}
+    norm = None if run.last_grad_norm is None else float(run.last_grad_norm)  # the metrics' grad_norm, last step
+    return {"dp_rank": run.dp_rank, "dp_size": run.dp_size, "losses": losses, "state": state, "start": start,
+            "grad_norm": norm}
 
 
 def layouts_worker(rank: int, world: int, layouts: list[dict], steps: int, run_dir: str) -> list[dict]:

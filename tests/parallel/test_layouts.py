@@ -25,13 +25,19 @@ CLIP = 0.05  # below every step's gradient norm here, so clipping acts on each s
 
 
 @pytest.fixture(scope="module")
-def ref():
-    return reference(STEPS)
+def ref_norms():
+    """Each step's gradient norm: [unclipped reference, clipped reference]."""
+    return [], []
 
 
 @pytest.fixture(scope="module")
-def ref_clipped():
-    return reference(STEPS, grad_clip_norm=CLIP)
+def ref(ref_norms):
+    return reference(STEPS, grad_norms=ref_norms[0])
+
+
+@pytest.fixture(scope="module")
+def ref_clipped(ref_norms):
+    return reference(STEPS, grad_clip_norm=CLIP, grad_norms=ref_norms[1])
 
 
 def _check(name, results, ref_losses, ref_state, loss_tol=LOSS_TOL, weight_tol=WEIGHT_TOL):
@@ -63,12 +69,21 @@ TWO_RANK_LAYOUTS = {
 }
 
 
-def test_two_rank_layouts_match_single_process(ref, ref_clipped, tmp_path):
+def _check_grad_norm(name, results, norms):
+    """The metrics' grad_norm on a sharded layout is the whole model's, on every rank."""
+    for r in results:
+        assert r["grad_norm"] is not None, name
+        assert abs(r["grad_norm"] - norms[-1]) < 1e-4 * norms[-1], (name, r["grad_norm"], norms[-1])
+
+
+def test_two_rank_layouts_match_single_process(ref, ref_clipped, ref_norms, tmp_path):
     names = list(TWO_RANK_LAYOUTS)
     results = run_ranks(layouts_worker, 2, [TWO_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=240)
     for i, name in enumerate(names):
         ref_losses, ref_state = ref_clipped if "clip" in name else ref
         seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
+        if TWO_RANK_LAYOUTS[name]:  # not plain DDP (there the recorder's own hook measures it)
+            _check_grad_norm(name, [r[i] for r in results], ref_norms[1] if "clip" in name else ref_norms[0])
         print(f"{name}: {seen} (reference {ref_losses})")
 
 
@@ -80,12 +95,13 @@ FOUR_RANK_LAYOUTS = {
 }
 
 
-def test_two_dimensional_layouts_match_single_process(ref, ref_clipped, tmp_path):
+def test_two_dimensional_layouts_match_single_process(ref, ref_clipped, ref_norms, tmp_path):
     names = list(FOUR_RANK_LAYOUTS)
     results = run_ranks(layouts_worker, 4, [FOUR_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=300)
     for i, name in enumerate(names):
         ref_losses, ref_state = ref_clipped if "clip" in name else ref
         seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
+        _check_grad_norm(name, [r[i] for r in results], ref_norms[1] if "clip" in name else ref_norms[0])
         print(f"{name}: {seen} (reference {ref_losses})")
 
 

@@ -180,6 +180,15 @@ class Accelerated:
         self.step()
         return loss.detach()
 
+    def _grad_norm_due(self) -> bool:
+        """Whether step() computes the gradient norm for the metrics itself (layouts that
+        shard the model). Under DDP every rank holds the whole gradient: the recorder's
+        optimizer hook measures it on log steps without help."""
+        return False
+
+    def _global_grad_norm(self) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
 
@@ -263,6 +272,8 @@ class Accelerated:
             if self.scaler is not None:
                 self.scaler.unscale_(self.optimizer)
             self.last_grad_norm = self._clip_gradients(self.config.grad_clip_norm)
+        elif self._grad_norm_due():
+            self.last_grad_norm = self._global_grad_norm()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

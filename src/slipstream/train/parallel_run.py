@@ -180,13 +180,12 @@ class ParallelAccelerated(Accelerated):
         self.step()
         return loss
 
-    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global 2-norm over every shard, TP slice and pipeline stage
-        (a weight tied across stages counted once)."""
+    def _global_grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient, over every shard, TP slice and pipeline
+        stage (a weight tied across stages counted once). A collective on the mesh."""
         skip = set()
         if self.layout.tied is not None and not self.layout.is_first_stage:
             skip = {id(p) for p, _ in self.layout.tied.params}
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         counted = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
         square = torch.zeros((), device=self.device)
         for g in counted:
@@ -196,11 +195,20 @@ class ParallelAccelerated(Accelerated):
             square = square + n.float() ** 2
         if self.dims.pp > 1:
             dist.all_reduce(square, group=self._pp_group)
-        total = square.sqrt()
+        return square.sqrt()
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global 2-norm (:meth:`_global_grad_norm`); returns the norm before clipping."""
+        total = self._global_grad_norm()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
+        for g in (p.grad for p in self.module.parameters() if p.grad is not None):
             (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
         return total
+
+    def _grad_norm_due(self) -> bool:
+        # The recorder's own optimizer hook would see only local shards here, so the
+        # global norm is computed on log steps (same step on every rank: a collective).
+        return (self.recorder.step + 1) % self.recorder.log_every_steps == 0
 
     def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state_dict, full tensors, original names. A collective:
