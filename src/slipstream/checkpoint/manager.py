@@ -84,6 +84,9 @@ class CheckpointManager:
         self._per_rank: dict[str, Stateful] = {}
         self._pending: Future | None = None
         self._pending_step: int | None = None
+        # Rank 0: set when the in-flight save's commit *and* prune are over (see wait()).
+        self._committed = threading.Event()
+        self._committed.set()
         self._last_save_time = time.monotonic()
         self.preempt_requested = False
         self.preemption_deadline_s = preemption_deadline_s
@@ -151,6 +154,7 @@ class CheckpointManager:
             future = dcp.async_save(dict(self._shared), checkpoint_id=partial, process_group=self.writer_group)
             self._pending, self._pending_step = future, step
             if self.rank == 0:
+                self._committed.clear()
                 future.add_done_callback(lambda f: self._finish(f, partial, final, info))
         else:
             dcp.save(dict(self._shared), checkpoint_id=partial, process_group=self.group)
@@ -164,10 +168,13 @@ class CheckpointManager:
         self.blocking_s.append(time.perf_counter() - started)
 
     def _finish(self, future: Future, partial: str, final: str, info: dict) -> None:
-        if future.exception() is not None:
-            log.error("asynchronous checkpoint of step %s failed: %s", info["step"], future.exception())
-            return
-        self._commit(partial, final, info)
+        try:
+            if future.exception() is not None:
+                log.error("asynchronous checkpoint of step %s failed: %s", info["step"], future.exception())
+                return
+            self._commit(partial, final, info)
+        finally:
+            self._committed.set()
 
     def _commit(self, partial: str, final: str, info: dict) -> None:
         layout.commit(partial, final, info)
@@ -178,13 +185,12 @@ class CheckpointManager:
         """Block until an asynchronous save in flight is written (and committed on rank 0)."""
         if self._pending is not None:
             self._pending.result()
-            if self.rank == 0:
-                # add_done_callback runs the commit in the writer thread; make
-                # sure it has finished before anyone looks for the checkpoint.
-                final = layout.step_dir(self.directory, self._pending_step)
-                deadline = time.monotonic() + 60
-                while not os.path.isdir(final) and time.monotonic() < deadline:
-                    time.sleep(0.01)
+            if self.rank == 0 and not self._committed.wait(timeout=60):
+                # add_done_callback runs the commit and then the prune in the writer
+                # thread. Waiting for the rename alone was not enough: the prune, still
+                # running, deleted the next save's step_N.partial as debris (seen in CI).
+                log.warning("asynchronous checkpoint of step %s: commit still running after 60 s",
+                            self._pending_step)
             self.last_saved_step = self._pending_step
             self._pending = self._pending_step = None
             self._barrier()

@@ -424,6 +424,7 @@ class HookSync:
         """Synchronise uncompressed from the next step on (call on every rank at the same step)."""
         self.mode = "fallback"
         self.fallback_reason = reason
+        self._verify_baseline_s = None  # nothing left to verify: back to the direct path
         if self.guard is not None:
             self.guard.compressing = False
         if dist.get_rank() == 0:
