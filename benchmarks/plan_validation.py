@@ -204,24 +204,11 @@ def probe_worker(rank: int, master: str, port: int, out: str) -> None:
 
 def run_probe(nodes, timeout_s: float = 300) -> dict:
     port = 21000 + os.getpid() % 20000
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "probe.json")
-        procs = []
-        for rank in (0, 1):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=nodes.ifs[rank], PYTHONUNBUFFERED="1")
-            cmd = ["ip", "netns", "exec", nodes.ns[rank], "taskset", "-c", str(rank % (os.cpu_count() or 1)),
-                   sys.executable, os.path.abspath(__file__), "--probe-worker", str(rank),
-                   "--master", nodes.addrs[0], "--port", str(port), "--out", out]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        try:
-            logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(p.returncode for p in procs):
-            raise RuntimeError("probe failed:\n" + "\n---\n".join(log[-2000:] for log in logs))
-        return json.loads(Path(out).read_text())
+    return sync_mlp.spawn_pair(
+        nodes, __file__,
+        lambda rank, out: ["--probe-worker", str(rank), "--master", nodes.addrs[0], "--port", str(port), "--out", out],
+        timeout_s, what="probe",
+    )
 
 
 # -- prediction --------------------------------------------------------------------------------------

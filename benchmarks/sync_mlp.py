@@ -218,19 +218,17 @@ class TwoNodes:
             _sh("ip", "netns", "del", ns, check=False)
 
 
-def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, timeout_s: float = 900,
-             bucket_cap_mb: float = 25.0, rounds: int = 1) -> dict:
-    port = 20000 + os.getpid() % 20000
+def spawn_pair(nodes: TwoNodes, script: str, args_for_rank, timeout_s: float, what: str = "workers") -> dict:
+    """Run ``script`` once in each node's namespace, pinned to core = rank, with
+    GLOO_SOCKET_IFNAME set; ``args_for_rank(rank, out_path)`` gives its arguments.
+    Returns the JSON the workers left at ``out_path``; a failure raises with both logs."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         procs = []
         for rank in (0, 1):
             env = dict(os.environ, GLOO_SOCKET_IFNAME=nodes.ifs[rank], PYTHONUNBUFFERED="1")
             cmd = ["ip", "netns", "exec", nodes.ns[rank], "taskset", "-c", str(rank % (os.cpu_count() or 1)),
-                   sys.executable, os.path.abspath(__file__), "--worker", str(rank), "--master", nodes.addrs[0],
-                   "--port", str(port), "--strategies", ",".join(strategies), "--steps", str(steps),
-                   "--warmup", str(warmup), "--ifname", nodes.ifs[rank], "--out", out,
-                   "--bucket-cap-mb", str(bucket_cap_mb), "--rounds", str(rounds)]
+                   sys.executable, os.path.abspath(script), *args_for_rank(rank, out)]
             procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         try:
             logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
@@ -239,8 +237,21 @@ def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, ti
                 if p.poll() is None:
                     p.kill()
         if any(p.returncode for p in procs):
-            raise RuntimeError("workers failed:\n" + "\n---\n".join(log[-3000:] for log in logs))
+            raise RuntimeError(f"{what} failed:\n" + "\n---\n".join(log[-3000:] for log in logs))
         return json.loads(Path(out).read_text())
+
+
+def run_pair(nodes: TwoNodes, strategies: list[str], steps: int, warmup: int, timeout_s: float = 900,
+             bucket_cap_mb: float = 25.0, rounds: int = 1) -> dict:
+    port = 20000 + os.getpid() % 20000
+    return spawn_pair(
+        nodes, __file__,
+        lambda rank, out: ["--worker", str(rank), "--master", nodes.addrs[0], "--port", str(port),
+                           "--strategies", ",".join(strategies), "--steps", str(steps), "--warmup", str(warmup),
+                           "--ifname", nodes.ifs[rank], "--out", out, "--bucket-cap-mb", str(bucket_cap_mb),
+                           "--rounds", str(rounds)],
+        timeout_s,
+    )
 
 
 def _steps_to(losses: list[float], target: float) -> int | None:

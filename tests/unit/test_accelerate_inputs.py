@@ -29,6 +29,8 @@ def test_bad_inputs(single_process):
         slipstream.accelerate(model, opt, accumulate_steps=0)
     with pytest.raises(ConfigError, match="no module of type Block in the model"):
         slipstream.accelerate(model, opt, activation_checkpointing=("Block",), progress=False)
+    with pytest.raises(ConfigError, match="sync_options for 'auto': verify_steps must be >= 0"):
+        slipstream.accelerate(model, opt, sync="auto", sync_options={"verify_steps": -1}, progress=False)
 
 
 def test_single_process_trains_without_a_launcher(single_process, tmp_path):

@@ -353,6 +353,18 @@ def _agree_run_dir(config: TrainConfig, runtime: Runtime) -> str:
     return chosen[0]  # type: ignore[return-value]
 
 
+def _new_recorder(config: TrainConfig, runtime: Runtime) -> StepRecorder:
+    """The run's metrics recorder, writing under the run directory every rank agreed on."""
+    return StepRecorder(
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        run_dir=_agree_run_dir(config, runtime),
+        log_every_steps=config.log_every_steps,
+        total_steps=config.total_steps,
+        progress=config.progress,
+    )
+
+
 def accelerate(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | Callable[[Any], torch.optim.Optimizer],
@@ -422,15 +434,7 @@ def accelerate(
     apply_activation_checkpointing(model, config.activation_checkpointing)
     model.to(runtime.device)
 
-    run_dir = _agree_run_dir(config, runtime)
-    recorder = StepRecorder(
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-        run_dir=run_dir,
-        log_every_steps=config.log_every_steps,
-        total_steps=config.total_steps,
-        progress=config.progress,
-    )
+    recorder = _new_recorder(config, runtime)
     micro = _MicroSteps(config.accumulate_steps)
     ddp = SlipstreamDDP(
         model,
@@ -443,7 +447,7 @@ def accelerate(
     ddp._slipstream_setup(micro, config.precision, runtime.device, recorder)
     try:
         sync_state = sync.apply(config.sync, ddp, **config.sync_options)
-    except TypeError as exc:  # an option the strategy does not take
+    except (TypeError, ValueError) as exc:  # an option the strategy does not take, or a bad value
         raise ConfigError(f"sync_options for {config.sync!r}: {exc}") from None
     if sync_state is not None and hasattr(sync_state, "stats"):
         recorder.sources.append(sync_state.stats)

@@ -37,10 +37,10 @@ from ..metrics import StepRecorder
 from ..runtime import Runtime
 from .accelerator import (
     Accelerated,
-    _agree_run_dir,
     _build_optimizer,
     _build_scheduler,
     _MicroSteps,
+    _new_recorder,
 )
 from .precision import autocast, outputs_to_fp32
 
@@ -303,15 +303,7 @@ def accelerate_parallel(
         optimizer = _build_optimizer(optimizer, layout.module.parameters())
     scheduler = _build_scheduler(scheduler, optimizer)
 
-    run_dir = _agree_run_dir(config, runtime)
-    recorder = StepRecorder(
-        rank=runtime.rank,
-        world_size=runtime.world_size,
-        run_dir=run_dir,
-        log_every_steps=config.log_every_steps,
-        total_steps=config.total_steps,
-        progress=config.progress,
-    )
+    recorder = _new_recorder(config, runtime)
     micro = _MicroSteps(config.accumulate_steps)
     front = ParallelModel(
         layout.module,
