@@ -62,7 +62,7 @@ def main() -> None:
         solo = Wire(None, size=1)  # one rank: the codec's arithmetic, no-op collectives
         for _ in range(3):
             codec.reduce(flat, solo, 0, layout)
-        ms = _median_ms(lambda c=codec: c.reduce(flat, solo, 0, layout), args.repeats)
+        ms = _median_ms(lambda c=codec, w=solo: c.reduce(flat, w, 0, layout), args.repeats)
         print(f"{name:10s} {ms:6.1f} ms per step ({ms / floor:.2f}x the floor step)")
 
 
