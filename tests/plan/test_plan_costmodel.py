@@ -138,9 +138,19 @@ def test_memory_gpt7b_ddp_does_not_fit_80gb():
 def test_published_cases_evaluate():
     from slipstream.plan.published import CASES, evaluate
 
+    got = {}
     for c in CASES:
         r = evaluate(c)
         assert 0 < r["serial"] <= r["predicted"] <= 1.0
+        got.setdefault((c.model, c.network), r["predicted"])
+    # The comparison docs/plan.md reports: the published figure lies between the
+    # no-overlap bound and the full-overlap prediction, the prediction within 8 points
+    # of it for ResNet-101 and Inception V3 (VGG-16's 68% is the documented miss).
+    for c in CASES:
+        r = evaluate(c)
+        if c.model in ("resnet101", "inception_v3"):
+            assert r["serial"] <= c.published <= r["predicted"] <= c.published + 0.08, (c, r)
+    assert got[("resnet101", "25gbit-roce")] == pytest.approx(0.969, abs=0.005)
 
 
 def test_docstring_examples():
