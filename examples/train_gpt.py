@@ -204,7 +204,8 @@ def main() -> None:
             os.makedirs(args.out, exist_ok=True)
             torch.save(state, os.path.join(args.out, "model.pt"))
             print(f"saved {os.path.join(args.out, 'model.pt')}")
-    slipstream.shutdown()
+    # Ends the process here: torch's gloo can abort in interpreter teardown (see shutdown's docstring).
+    slipstream.shutdown(exit_code=0)
 
 
 if __name__ == "__main__":

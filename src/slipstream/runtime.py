@@ -239,8 +239,21 @@ def current() -> Runtime:
     return _RUNTIME if _RUNTIME is not None and dist.is_initialized() else init()
 
 
-def shutdown() -> None:
-    """Destroy the process group (idempotent)."""
+def shutdown(exit_code: int | None = None) -> None:
+    """Destroy the process group (idempotent).
+
+    ``exit_code``: end the process right after, with that status, without the
+    interpreter's teardown. Use it as a script's last line: in that teardown
+    torch 2.13's gloo backend occasionally aborts the process (SIGABRT,
+    "terminate called without an active exception"; seen about once in a few
+    hundred process exits here, with plain torchrun scripts too), which the
+    launcher would count as a failed rank after training succeeded.
+
+    Example::
+
+        run.finish()
+        slipstream.shutdown(exit_code=0)   # nothing after this line runs
+    """
     global _RUNTIME
     if dist.is_initialized():
         if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
@@ -254,3 +267,7 @@ def shutdown() -> None:
                 pass
         dist.destroy_process_group()
     _RUNTIME = None
+    if exit_code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)

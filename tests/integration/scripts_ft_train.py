@@ -108,4 +108,4 @@ run.finish()
 if rt.rank == 0:
     torch.save({"model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict()},
                os.path.join(args.out, "final.pt"))
-slipstream.shutdown()
+slipstream.shutdown(exit_code=0)  # skip interpreter teardown (gloo may abort there)

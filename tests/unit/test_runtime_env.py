@@ -48,3 +48,13 @@ def test_bad_integer_is_named():
 @pytest.mark.parametrize("nodelist,first", [("gpu[003-005,009],cpu01", "gpu003"), ("a1,a2", "a1"), ("solo", "solo")])
 def test_first_slurm_host(nodelist, first):
     assert _first_slurm_host(nodelist) == first
+
+
+def test_shutdown_with_exit_code_ends_the_process_with_output_flushed():
+    import subprocess
+    import sys
+
+    code = "import slipstream; slipstream.init(); print('trained', end=''); slipstream.shutdown(exit_code=3); print('not reached')"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 3, r.stderr
+    assert r.stdout == "trained"
