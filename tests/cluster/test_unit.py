@@ -186,3 +186,24 @@ def test_bench_timeout_stops_the_trial_gently(tmp_path):
     assert code == 124
     assert marker.exists()
     assert time.monotonic() - t0 < 15
+
+
+class _Exited:
+    """A finished agent process, as `subprocess.Popen.poll` sees it."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+    def poll(self) -> int:
+        return self.code
+
+
+@pytest.mark.parametrize("codes, expected", [
+    ([0, 0], 0),
+    ([0, 3], 3),   # both agents exited between two polls, one failing: not a success
+    ([1, 3], 1),
+    ([0, -9], 1),  # killed by a signal: a training failure
+])
+def test_wait_reports_a_failure_even_when_every_agent_exited_before_the_first_poll(codes, expected):
+    cluster = emulate.EmulatedCluster(len(codes), "1gbit")
+    assert cluster._wait([_Exited(c) for c in codes], timeout_s=5, grace_s=5) == expected

@@ -440,11 +440,13 @@ class EmulatedCluster:
         failed_at: float | None = None
         while True:
             codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes):
-                return first_failure if first_failure is not None else EXIT_OK
+            # Record failures before the all-done check: every agent may have
+            # exited (some failing) between two polls.
             for c in codes:
                 if c not in (None, 0) and first_failure is None:
                     first_failure, failed_at = (c if c > 0 else EXIT_TRAINING_FAILED), time.monotonic()
+            if all(c is not None for c in codes):
+                return first_failure if first_failure is not None else EXIT_OK
             now = time.monotonic()
             if failed_at is not None and now - failed_at > grace_s:
                 print(f"slipstream run: a node failed (exit {first_failure}); stopping the others", file=sys.stderr)
