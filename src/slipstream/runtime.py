@@ -28,6 +28,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from . import gloo_exit
 from .errors import ConfigError, SlipstreamError
 
 DEFAULT_PORT = 29500
@@ -211,6 +212,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Runtime:
                 backend, init_method=init_method, rank=launch.rank, world_size=launch.world_size, timeout=timeout
             )
     _install_excepthook()  # after init_process_group, which installs a hook of its own
+    gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
     _RUNTIME = Runtime(launch=launch, backend=backend, device=device, timeout_s=timeout_s)
     return _RUNTIME
 
@@ -243,11 +245,10 @@ def shutdown(exit_code: int | None = None) -> None:
     """Destroy the process group (idempotent).
 
     ``exit_code``: end the process right after, with that status, without the
-    interpreter's teardown. Use it as a script's last line: in that teardown
-    torch 2.13's gloo backend occasionally aborts the process (SIGABRT,
-    "terminate called without an active exception"; seen about once in a few
-    hundred process exits here, with plain torchrun scripts too), which the
-    launcher would count as a failed rank after training succeeded.
+    interpreter's teardown. A script's last line may use it; scripts that
+    exit normally are covered too, by the exit wait :func:`init` installs
+    for gloo (:mod:`slipstream.gloo_exit`, where torch 2.13 can abort a
+    finished rank in teardown).
 
     Example::
 

@@ -78,10 +78,17 @@ def test_unmodified_torchrun_script_gives_the_same_result(tmp_path):
     theirs.mkdir()
     proc = slipstream_run("-n", "2", script, "--out", str(ours))
     assert proc.returncode == 0, proc.stderr
-    ref = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script, "--out", str(theirs)],
-        capture_output=True, text=True, timeout=120,
-    )
+    for _ in range(3):
+        ref = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
+             "--out", str(theirs)],
+            capture_output=True, text=True, timeout=120,
+        )
+        # The reference itself can die of torch 2.13's gloo abort at exit after
+        # finishing (see slipstream/gloo_exit.py; `slipstream run` guards its
+        # workers against it, plain torchrun does not): run it again then.
+        if "terminate called without an active exception" not in ref.stderr:
+            break
     assert ref.returncode == 0, ref.stderr
     a, b = torch.load(ours / "model.pt"), torch.load(theirs / "model.pt")
     assert a.keys() == b.keys()

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from slipstream import gloo_exit
+
 
 def init(rank: int, world: int, port: int, local_world: int) -> None:
     os.environ.update(
@@ -24,6 +26,7 @@ def init(rank: int, world: int, port: int, local_world: int) -> None:
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gloo_exit.install()  # mp.spawn counts a rank that aborts in teardown as failed
 
 
 def mlp(widths: list[int], seed: int = 0) -> nn.Module:

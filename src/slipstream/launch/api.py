@@ -193,7 +193,10 @@ def launch(opts: LaunchOptions) -> int:
         start_method="spawn",
         local_addr=opts.local_addr,
     )
-    cmd_args = ["-u", "-m", opts.entrypoint, *opts.args] if opts.module else ["-u", opts.entrypoint, *opts.args]
+    # Each worker runs the script through slipstream.launch.worker: the script as
+    # Python would run it, plus a wait at exit that keeps gloo from aborting it.
+    target = ["--module", opts.entrypoint] if opts.module else [opts.entrypoint]
+    cmd_args = ["-u", "-m", "slipstream.launch.worker", *target, *opts.args]
     started = time.monotonic()
     history = _AttemptHistory()
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")

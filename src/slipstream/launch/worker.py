@@ -1,0 +1,47 @@
+"""The worker process of ``slipstream run``: the training script, plus a safe exit.
+
+``slipstream run`` starts each worker as ``python -u -m slipstream.launch.worker
+SCRIPT ARGS...`` (or ``--module MODULE ARGS...``) instead of ``python -u
+SCRIPT ARGS...``. It runs the script exactly as Python would, as ``__main__``,
+with the same ``sys.argv``, ``sys.path[0]`` and ``__file__``, so unmodified
+torchrun scripts behave the same. The one addition: at exit it waits for
+torch's gloo worker threads to settle (:mod:`slipstream.gloo_exit`), which keeps
+torch 2.13 from aborting a rank that finished training (SIGABRT in interpreter
+teardown), an abort the elastic agent would otherwise count as a failed
+attempt and restart the job for. ``python -m`` cannot take a hook of its own,
+so this small entry point is the way to add one without touching the script.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from slipstream import gloo_exit
+
+USAGE = "usage: python -m slipstream.launch.worker (SCRIPT | --module MODULE) [ARGS...]"
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] == "--module" and len(argv) < 2:
+        sys.exit(f"slipstream worker: {USAGE}")
+    gloo_exit.install()
+    if argv[0] == "--module":
+        module, args = argv[1], argv[2:]
+        sys.argv = [module, *args]  # runpy puts the module's file in argv[0], as python -m does
+        script_globals = runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script, args = argv[0], argv[1:]
+        sys.argv = [script, *args]
+        # `python SCRIPT` puts the script's folder first on sys.path; `-m` put the cwd there.
+        sys.path[0] = os.path.dirname(os.path.abspath(script))
+        script_globals = runpy.run_path(script, run_name="__main__")
+    # The script's objects (a DDP model holding the process group, ...) are
+    # freed when its globals go; settle the worker threads before that.
+    gloo_exit.wait_for_gloo_workers()
+    del script_globals
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,76 @@
+"""`slipstream run`'s worker entry runs a script exactly as `python SCRIPT` / `python -m MODULE` would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+PROBE = textwrap.dedent("""
+    import json, multiprocessing, os, sys
+
+    def square(x):  # defined in __main__: a spawned child must find it, as DataLoader workers do
+        return x * x
+
+    if __name__ == "__main__":
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            squares = pool.map(square, [2, 3])
+        out = sys.argv[-1]
+        with open(out, "w") as fh:
+            json.dump({"name": __name__, "argv": sys.argv[:-1], "path0": sys.path[0],
+                       "file": os.path.abspath(__file__), "squares": squares}, fh)
+        code = int(os.environ.get("PROBE_EXIT", "0"))
+        if code == 99:
+            raise RuntimeError("probe failed on purpose")
+        sys.exit(code)
+""")
+ENTRY = [sys.executable, "-m", "slipstream.launch.worker"]
+
+
+def _run(argv, cwd, **env):
+    import os
+    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_a_script_sees_the_same_main_argv_path_and_file(tmp_path):
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    (scripts / "probe.py").write_text(PROBE)
+    plain = _run([sys.executable, "scripts/probe.py", "--lr", "0.1", str(tmp_path / "plain.json")], tmp_path)
+    ours = _run([*ENTRY, "scripts/probe.py", "--lr", "0.1", str(tmp_path / "ours.json")], tmp_path)
+    assert plain.returncode == 0 and ours.returncode == 0, ours.stderr
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "ours"))
+    assert a == b
+    assert b["name"] == "__main__" and b["argv"] == ["scripts/probe.py", "--lr", "0.1"]
+    assert b["path0"] == str(scripts) and b["squares"] == [4, 9]
+
+
+def test_a_module_sees_the_same_main_argv_and_path(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "probe.py").write_text(PROBE)
+    plain = _run([sys.executable, "-m", "pkg.probe", "x", str(tmp_path / "plain.json")], tmp_path)
+    ours = _run([*ENTRY, "--module", "pkg.probe", "x", str(tmp_path / "ours.json")], tmp_path)
+    assert plain.returncode == 0 and ours.returncode == 0, ours.stderr
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "ours"))
+    assert a == b
+    assert b["argv"] == [str(pkg / "probe.py"), "x"] and b["squares"] == [4, 9]
+
+
+@pytest.mark.parametrize("probe_exit, expected", [("3", 3), ("99", 1)])
+def test_exit_codes_and_errors_pass_through(tmp_path, probe_exit, expected):
+    (tmp_path / "probe.py").write_text(PROBE)
+    proc = _run([*ENTRY, "probe.py", str(tmp_path / "o.json")], tmp_path, PROBE_EXIT=probe_exit)
+    assert proc.returncode == expected
+    if expected == 1:
+        assert "RuntimeError: probe failed on purpose" in proc.stderr
+
+
+def test_usage_error_without_a_target():
+    proc = subprocess.run([*ENTRY], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "usage: python -m slipstream.launch.worker" in proc.stderr
