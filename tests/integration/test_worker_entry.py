@@ -74,3 +74,16 @@ def test_exit_codes_and_errors_pass_through(tmp_path, probe_exit, expected):
 def test_usage_error_without_a_target():
     proc = subprocess.run([*ENTRY], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "usage: python -m slipstream.launch.worker" in proc.stderr
+
+
+def test_slipstream_run_dash_m_runs_the_module_through_the_worker_entry(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "probe.py").write_text(PROBE)
+    proc = _run([sys.executable, "-m", "slipstream", "run", "-n", "1", "-m", "pkg.probe", "x",
+                 str(tmp_path / "ours.json")], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads((tmp_path / "ours.json").read_text())
+    assert got["name"] == "__main__" and got["argv"] == [str(pkg / "probe.py"), "x"]
+    assert got["path0"] == str(tmp_path) and got["squares"] == [4, 9]
