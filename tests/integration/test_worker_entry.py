@@ -36,15 +36,22 @@ def _run(argv, cwd, **env):
                           env={**os.environ, **env})
 
 
+def _same_under_both(tmp_path, python_args, entry_args) -> dict:
+    """Run the probe as `python ARGS` and through the worker entry; both must report the same."""
+    plain = _run([sys.executable, *python_args, str(tmp_path / "plain.json")], tmp_path)
+    ours = _run([*ENTRY, *entry_args, str(tmp_path / "ours.json")], tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    assert ours.returncode == 0, ours.stderr
+    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "ours"))
+    assert a == b
+    return b
+
+
 def test_a_script_sees_the_same_main_argv_path_and_file(tmp_path):
     scripts = tmp_path / "scripts"
     scripts.mkdir()
     (scripts / "probe.py").write_text(PROBE)
-    plain = _run([sys.executable, "scripts/probe.py", "--lr", "0.1", str(tmp_path / "plain.json")], tmp_path)
-    ours = _run([*ENTRY, "scripts/probe.py", "--lr", "0.1", str(tmp_path / "ours.json")], tmp_path)
-    assert plain.returncode == 0 and ours.returncode == 0, ours.stderr
-    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "ours"))
-    assert a == b
+    b = _same_under_both(tmp_path, ["scripts/probe.py", "--lr", "0.1"], ["scripts/probe.py", "--lr", "0.1"])
     assert b["name"] == "__main__" and b["argv"] == ["scripts/probe.py", "--lr", "0.1"]
     assert b["path0"] == str(scripts) and b["squares"] == [4, 9]
 
@@ -54,11 +61,7 @@ def test_a_module_sees_the_same_main_argv_and_path(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "probe.py").write_text(PROBE)
-    plain = _run([sys.executable, "-m", "pkg.probe", "x", str(tmp_path / "plain.json")], tmp_path)
-    ours = _run([*ENTRY, "--module", "pkg.probe", "x", str(tmp_path / "ours.json")], tmp_path)
-    assert plain.returncode == 0 and ours.returncode == 0, ours.stderr
-    a, b = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "ours"))
-    assert a == b
+    b = _same_under_both(tmp_path, ["-m", "pkg.probe", "x"], ["--module", "pkg.probe", "x"])
     assert b["argv"] == [str(pkg / "probe.py"), "x"] and b["squares"] == [4, 9]
 
 
