@@ -17,8 +17,9 @@ Example::
 from __future__ import annotations
 
 import os
-import runpy
 import sys
+
+from ..launch.worker import main as run_script
 
 ENV_FRACTION = "SLIPSTREAM_GPU_MEMORY_FRACTION"
 
@@ -48,17 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         raise SystemExit("usage: python -m slipstream.job.worker (SCRIPT | -m MODULE) [ARGS...]")
+    if argv[0] == "-m" and len(argv) < 2:
+        raise SystemExit("slipstream worker: -m needs a module name")
     apply_memory_fraction()
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            raise SystemExit("slipstream worker: -m needs a module name")
-        sys.argv = [argv[1], *argv[2:]]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        script = argv[0]
-        sys.argv = argv
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
-        runpy.run_path(script, run_name="__main__")
+    run_script(argv)  # as __main__, with the gloo exit wait
 
 
 if __name__ == "__main__":

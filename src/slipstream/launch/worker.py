@@ -23,20 +23,25 @@ from slipstream import gloo_exit
 USAGE = "usage: python -m slipstream.launch.worker (SCRIPT | --module MODULE) [ARGS...]"
 
 
-def main(argv: list[str]) -> None:
-    if not argv or argv[0] == "--module" and len(argv) < 2:
-        sys.exit(f"slipstream worker: {USAGE}")
-    gloo_exit.install()
-    if argv[0] == "--module":
+def run_as_main(argv: list[str]) -> dict:
+    """Run ``SCRIPT ARGS`` or ``-m``/``--module MODULE ARGS`` as ``__main__``, as
+    ``python`` would; returns the script's globals (its objects live while they do)."""
+    if argv[0] in ("-m", "--module"):
         module, args = argv[1], argv[2:]
         sys.argv = [module, *args]  # runpy puts the module's file in argv[0], as python -m does
-        script_globals = runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        script, args = argv[0], argv[1:]
-        sys.argv = [script, *args]
-        # `python SCRIPT` puts the script's folder first on sys.path; `-m` put the cwd there.
-        sys.path[0] = os.path.dirname(os.path.abspath(script))
-        script_globals = runpy.run_path(script, run_name="__main__")
+        return runpy.run_module(module, run_name="__main__", alter_sys=True)
+    script, args = argv[0], argv[1:]
+    sys.argv = [script, *args]
+    # `python SCRIPT` puts the script's folder first on sys.path; `-m` put the cwd there.
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    return runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-m", "--module") and len(argv) < 2:
+        sys.exit(f"slipstream worker: {USAGE}")
+    gloo_exit.install()
+    script_globals = run_as_main(argv)
     # The script's objects (a DDP model holding the process group, ...) are
     # freed when its globals go; settle the worker threads before that.
     gloo_exit.wait_for_gloo_workers()
