@@ -11,8 +11,9 @@ through a ``noexcept`` destructor and the process dies with SIGABRT
 Core dumps here show exactly that stack: ``~AsyncBarrierWork`` ->
 ``~AsyncAllreduceWork`` -> ``~ThreadLocalState`` -> ``SafePyObject`` decref ->
 ``take_gil`` -> ``PyThread_exit_thread`` -> ``std::terminate``. Under load it
-struck 5 of 100 plain ``torchrun`` runs of a 2-process DDP script here, and
-CI runs; 0 of 60 under ``slipstream run`` with this module.
+struck 7 of 180 plain ``torchrun`` runs of a 2-process DDP script here, and
+CI runs; 0 of 140 under ``slipstream run`` with this module
+(``benchmarks/exit_trials.py``).
 
 The cure: before finalization, release the GIL until every gloo worker thread
 is parked waiting for new work, which it only does after dropping its work.
