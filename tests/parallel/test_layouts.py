@@ -76,15 +76,21 @@ def _check_grad_norm(name, results, norms):
         assert abs(r["grad_norm"] - norms[-1]) < 1e-4 * norms[-1], (name, r["grad_norm"], norms[-1])
 
 
-def test_two_rank_layouts_match_single_process(ref, ref_clipped, ref_norms, tmp_path):
-    names = list(TWO_RANK_LAYOUTS)
-    results = run_ranks(layouts_worker, 2, [TWO_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=240)
+def _layouts_match_single_process(layouts, world, refs, ref_norms, tmp_path, timeout_s):
+    """Train every layout in one spawn of ``world`` ranks; each must match the single-process run."""
+    ref, ref_clipped = refs
+    names = list(layouts)
+    results = run_ranks(layouts_worker, world, [layouts[n] for n in names], STEPS, str(tmp_path), timeout_s=timeout_s)
     for i, name in enumerate(names):
         ref_losses, ref_state = ref_clipped if "clip" in name else ref
         seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
-        if TWO_RANK_LAYOUTS[name]:  # not plain DDP (there the recorder's own hook measures it)
+        if layouts[name]:  # not plain DDP (there the recorder's own hook measures it)
             _check_grad_norm(name, [r[i] for r in results], ref_norms[1] if "clip" in name else ref_norms[0])
         print(f"{name}: {seen} (reference {ref_losses})")
+
+
+def test_two_rank_layouts_match_single_process(ref, ref_clipped, ref_norms, tmp_path):
+    _layouts_match_single_process(TWO_RANK_LAYOUTS, 2, (ref, ref_clipped), ref_norms, tmp_path, timeout_s=240)
 
 
 FOUR_RANK_LAYOUTS = {
@@ -96,13 +102,7 @@ FOUR_RANK_LAYOUTS = {
 
 
 def test_two_dimensional_layouts_match_single_process(ref, ref_clipped, ref_norms, tmp_path):
-    names = list(FOUR_RANK_LAYOUTS)
-    results = run_ranks(layouts_worker, 4, [FOUR_RANK_LAYOUTS[n] for n in names], STEPS, str(tmp_path), timeout_s=300)
-    for i, name in enumerate(names):
-        ref_losses, ref_state = ref_clipped if "clip" in name else ref
-        seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
-        _check_grad_norm(name, [r[i] for r in results], ref_norms[1] if "clip" in name else ref_norms[0])
-        print(f"{name}: {seen} (reference {ref_losses})")
+    _layouts_match_single_process(FOUR_RANK_LAYOUTS, 4, (ref, ref_clipped), ref_norms, tmp_path, timeout_s=300)
 
 
 def test_three_stage_pipeline_matches_single_process(ref, tmp_path):
