@@ -176,11 +176,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Runtime:
     if _RUNTIME is not None and dist.is_initialized():
         return _RUNTIME
     if timeout_s is None:
-        raw = os.environ.get("SLIPSTREAM_COLLECTIVE_TIMEOUT_S", "600")
-        try:
-            timeout_s = float(raw)
-        except ValueError:
-            raise ConfigError(f"SLIPSTREAM_COLLECTIVE_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
+        timeout_s = _timeout_from_env()
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
     launch = detect_launch_env()
@@ -234,6 +230,30 @@ def _install_excepthook() -> None:
 
     hook._slipstream = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def group_timeout() -> datetime.timedelta:
+    """The collective timeout every process group of this run carries.
+
+    The one configured for :func:`init` when it ran, else
+    SLIPSTREAM_COLLECTIVE_TIMEOUT_S, else 600 s. Every ``dist.new_group`` in
+    Slipstream passes it, so a side group hangs no longer than the default one.
+
+    Example::
+
+        g = dist.new_group(backend="gloo", timeout=runtime.group_timeout())
+    """
+    if _RUNTIME is not None and dist.is_initialized():
+        return datetime.timedelta(seconds=_RUNTIME.timeout_s)
+    return datetime.timedelta(seconds=_timeout_from_env())
+
+
+def _timeout_from_env() -> float:
+    raw = os.environ.get("SLIPSTREAM_COLLECTIVE_TIMEOUT_S", "600")
+    try:
+        return float(raw)
+    except ValueError:
+        raise ConfigError(f"SLIPSTREAM_COLLECTIVE_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
 
 
 def current() -> Runtime:
