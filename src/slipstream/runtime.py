@@ -158,10 +158,89 @@ class Runtime:
 _RUNTIME: Runtime | None = None
 
 
-def init(backend: str | None = None, timeout_s: float | None = None) -> Runtime:
+BACKENDS = ("nccl", "gloo")
+DEVICES = ("cuda", "cpu")
+
+
+def choose_backend(requested: str | None, device: str | None, cuda_available: bool) -> str:
+    """The process-group backend: ``requested`` if given, else NCCL when CUDA is
+    available and the device is not the CPU, else gloo.
+
+    Example::
+
+        choose_backend(None, None, cuda_available=True)    # "nccl"
+        choose_backend(None, "cpu", cuda_available=True)   # "gloo": NCCL carries CUDA tensors only
+    """
+    if requested is None:
+        return "nccl" if cuda_available and device != "cpu" else "gloo"
+    if requested not in BACKENDS:
+        raise ConfigError(f"backend must be 'nccl' or 'gloo', got {requested!r}")
+    if requested == "nccl" and not cuda_available:
+        raise ConfigError("backend 'nccl' needs CUDA, and no CUDA device is visible; use 'gloo'")
+    return requested
+
+
+def choose_device(
+    backend: str, requested: str | None, local_rank: int, local_world_size: int, device_count: int,
+    visible: str | None = None,
+) -> torch.device:
+    """This rank's device, from the backend, the device asked for and the GPUs this process sees.
+
+    * NCCL: ``cuda:local_rank``, one GPU per rank. Fewer visible GPUs than ranks
+      on the node is refused: NCCL would later fail with an obscure error when
+      two ranks share a GPU.
+    * gloo with ``requested="cuda"``: ``cuda:(local_rank % device_count)``. Ranks
+      may share a GPU on purpose (two ranks on one GPU for a test).
+    * gloo otherwise: the CPU (also on a CUDA machine).
+
+    ``visible`` is the CUDA_VISIBLE_DEVICES text, quoted in the error. Raises
+    :class:`ConfigError`.
+
+    Example::
+
+        choose_device("nccl", None, local_rank=1, local_world_size=2, device_count=2)   # cuda:1
+        choose_device("gloo", "cuda", local_rank=1, local_world_size=2, device_count=1) # cuda:0 (shared)
+        choose_device("nccl", None, local_rank=2, local_world_size=4, device_count=2)   # ConfigError
+    """
+    if requested is not None and requested not in DEVICES:
+        raise ConfigError(f"device must be 'cuda' or 'cpu', got {requested!r}")
+    if backend == "nccl" and requested == "cpu":
+        raise ConfigError("device 'cpu' cannot be used with backend 'nccl' (NCCL carries CUDA tensors only); "
+                          "use backend 'gloo' for the CPU")
+    device = requested or ("cuda" if backend == "nccl" else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device_count < 1:
+        raise ConfigError(f"device 'cuda' with backend {backend!r} needs a GPU, and none is visible "
+                          f"(CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'}); use device 'cpu'")
+    if backend == "nccl" and (local_world_size > device_count or local_rank >= device_count):
+        raise ConfigError(
+            f"local rank {local_rank} of {local_world_size} on this node but only {device_count} GPU(s) visible "
+            f"(CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'}): NCCL needs one GPU per rank; "
+            f"start fewer processes per node (--nproc-per-node {device_count}) or pass backend='gloo', "
+            "device='cuda' (slipstream run --backend gloo --device cuda) to share GPUs on purpose"
+        )
+    return torch.device("cuda", local_rank % device_count)
+
+
+def _choice_from_env(key: str, allowed: tuple[str, ...]) -> str | None:
+    raw = os.environ.get(key, "").strip()
+    if not raw:
+        return None
+    if raw not in allowed:
+        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {raw!r}")
+    return raw
+
+
+def init(backend: str | None = None, timeout_s: float | None = None, device: str | None = None) -> Runtime:
     """Start (or return the already started) process group.
 
-    backend: "nccl" or "gloo"; default NCCL when CUDA is available, else gloo.
+    backend: "nccl" or "gloo"; default SLIPSTREAM_BACKEND from the environment
+        (set by ``slipstream run --backend``), else NCCL when CUDA is available
+        (and device is not "cpu"), else gloo.
+    device: "cuda" or "cpu"; default SLIPSTREAM_DEVICE (``slipstream run
+        --device``), else CUDA for NCCL and the CPU for gloo. gloo with "cuda"
+        keeps tensors on the GPU and lets ranks share one (see :func:`choose_device`).
     timeout_s: how long a collective may wait before it fails (hang detection);
         default SLIPSTREAM_COLLECTIVE_TIMEOUT_S from the environment (set by
         ``slipstream run --collective-timeout-s``), else 600.
@@ -171,29 +250,32 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Runtime:
         rt = slipstream.init()
         if rt.is_main:
             print(f"{rt.world_size} ranks on {rt.num_nodes} node(s), backend {rt.backend}")
+        rt = slipstream.init(backend="gloo", device="cuda")   # two ranks may share a GPU
     """
     global _RUNTIME
     if _RUNTIME is not None and dist.is_initialized():
         return _RUNTIME
+    _install_excepthook()  # a ConfigError below (too few GPUs, ...) prints one line, not a traceback
     if timeout_s is None:
         timeout_s = _timeout_from_env()
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
     launch = detect_launch_env()
+    if device is None:
+        device = _choice_from_env("SLIPSTREAM_DEVICE", DEVICES)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ConfigError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError("backend 'nccl' needs CUDA, and no CUDA device is visible; use 'gloo'")
+        backend = _choice_from_env("SLIPSTREAM_BACKEND", BACKENDS)
+    cuda_available = torch.cuda.is_available()
+    backend = choose_backend(backend, device, cuda_available)
     if launch.rank < 0 or launch.rank >= launch.world_size:
         raise ConfigError(f"rank must be in [0, {launch.world_size}), got {launch.rank}")
-
-    if torch.cuda.is_available() and backend == "nccl":
-        device = torch.device("cuda", launch.local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    where = choose_device(
+        backend, device, launch.local_rank, launch.local_world_size,
+        torch.cuda.device_count() if cuda_available else 0, os.environ.get("CUDA_VISIBLE_DEVICES"),
+    )
+    if where.type == "cuda":
+        # Also under gloo: side threads and CUDA RNG state (checkpoints) follow the current device.
+        torch.cuda.set_device(where)
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if not dist.is_initialized():
@@ -201,7 +283,9 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Runtime:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
         elif launch.launcher == "torchrun":
-            dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+            # device_id binds the group to one GPU and lets NCCL connect eagerly; it
+            # means nothing to gloo, even when gloo carries CUDA tensors.
+            dist.init_process_group(backend, timeout=timeout, device_id=where if backend == "nccl" else None)
         else:
             init_method = f"tcp://{launch.master_addr}:{launch.master_port}"
             dist.init_process_group(
@@ -209,7 +293,7 @@ def init(backend: str | None = None, timeout_s: float | None = None) -> Runtime:
             )
     _install_excepthook()  # after init_process_group, which installs a hook of its own
     gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
-    _RUNTIME = Runtime(launch=launch, backend=backend, device=device, timeout_s=timeout_s)
+    _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)
     return _RUNTIME
 
 
