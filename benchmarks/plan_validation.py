@@ -120,7 +120,7 @@ def engine_worker(strategies: list[str], out: str, steps: int = 30, warmup: int 
             net = DDP(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
             if name != "allreduce":
                 g = groups()
-                HookSync(name, FlatReducer(g.flat), {name: make_codec(name)}, name, control_group=g.flat,
+                HookSync(name, FlatReducer(g.flat), {name: make_codec(name)}, name, control_group=g.control,
                          guard=None).install(net)
         runs[name] = (net, torch.optim.SGD(model.parameters(), lr=0.01), [])
     for i in range(warmup + steps):

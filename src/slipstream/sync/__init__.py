@@ -158,8 +158,10 @@ def _make_guard(enabled: bool, guard_opts: dict[str, Any]):
 
 def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hierarchical: bool = False,
                    **options: Any):
+    from .control import ControlWire
     from .hierarchical import FlatReducer, Hierarchical
     from .hooks import HookSync
+    from .probe import probe_link
     from .topology import groups
 
     codec_opts, guard_opts, rest = _split_options(codec, options)
@@ -173,8 +175,11 @@ def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hi
     reducer = Hierarchical(g) if hierarchical else FlatReducer(g.flat)
     c = make_codec(codec, **codec_opts)
     guard = _make_guard(guard_on and c.error_feedback, guard_opts)
-    return HookSync(name, reducer, {codec: c}, codec, control_group=g.flat, guard=guard,
-                    warmup_steps=warmup_steps).install(ddp_model)
+    device = _model_device(ddp_model)
+    prober = (lambda: _probe_levels(g, device)) if hierarchical else (
+        lambda: probe_link(g.flat, device=device, control=ControlWire(g.control)))
+    return HookSync(name, reducer, {codec: c}, codec, control_group=g.control, guard=guard,
+                    warmup_steps=warmup_steps, prober=prober).install(ddp_model)
 
 
 @register("allreduce")
@@ -201,25 +206,51 @@ def _hierarchical(ddp_model: DistributedDataParallel, **options: Any):
     return _hook_strategy("hierarchical", ddp_model, "allreduce", hierarchical=True, **options)
 
 
-def _probe_levels(g: Any) -> Any:
+def _probe_group(group: Any, ranks: int, device: torch.device) -> Any:
+    """One level's link, timed on its data group. Its figures are not agreed here:
+    :func:`_probe_levels` takes the slowest over all ranks right after."""
+    from .probe import LinkFigures, probe_link
+
+    if ranks <= 1:
+        return LinkFigures(1, 0.0, float("inf"))
+    return probe_link(group, device=device, control=_OneRank())
+
+
+class _OneRank:
+    """A control wire that agrees with itself (figures agreed job-wide later)."""
+
+    size = 1
+
+    def agree(self, values: Any, op: Any = None) -> list[float]:
+        return list(values)
+
+
+def _model_device(ddp_model: DistributedDataParallel) -> torch.device:
+    """Where the model's gradients live: the device of every data collective."""
+    for p in ddp_model.module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _probe_levels(g: Any, device: torch.device) -> Any:
     """Both links of a two-level topology, agreed on every rank (the slowest figures).
 
     Collective on every rank: each node probes its own intra group, each local
-    index its inter group, then one all-reduce MAX on the flat group makes the
+    index its inter group, then one all-reduce MAX on the control group makes the
     figures (and so every decision taken from them) identical everywhere.
     """
     import torch.distributed as dist
 
+    from .control import ControlWire
     from .policy import HierarchicalCost
-    from .probe import LinkFigures, probe_link
+    from .probe import LinkFigures
 
     topo = g.topology
-    intra = probe_link(g.intra) if topo.local_world_size > 1 else LinkFigures(1, 0.0, float("inf"))
-    inter = probe_link(g.inter) if topo.num_nodes > 1 else LinkFigures(1, 0.0, float("inf"))
-    vec = torch.tensor([intra.alpha_s, 1 / intra.bytes_per_s, inter.alpha_s, 1 / inter.bytes_per_s],
-                       dtype=torch.float64)
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=g.flat)
-    a1, inv1, a2, inv2 = vec.tolist()
+    control = ControlWire(g.control)
+    intra = _probe_group(g.intra, topo.local_world_size, device)
+    inter = _probe_group(g.inter, topo.num_nodes, device)
+    a1, inv1, a2, inv2 = control.agree(
+        [intra.alpha_s, 1 / intra.bytes_per_s, inter.alpha_s, 1 / inter.bytes_per_s], op=dist.ReduceOp.MAX)
     intra = LinkFigures(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
     inter = LinkFigures(inter.ranks, a2, 1 / inv2 if inv2 > 0 else float("inf"), inter.samples)
     return HierarchicalCost(intra, inter, topo.local_world_size, topo.num_nodes)
@@ -237,6 +268,7 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
     with the uncompressed steps observed before; not faster -> back to all-reduce (logged,
     and in ``stats()["sync_verification"]``).
     """
+    from .control import ControlWire
     from .guard import ConvergenceGuard
     from .hierarchical import FlatReducer, Hierarchical
     from .hooks import HookSync
@@ -261,10 +293,12 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
     if _single_rank(ddp_model):
         return AllreduceState(ddp_model, "hierarchical+auto" if hierarchical else "auto")
     g = groups()
+    device = _model_device(ddp_model)
     if hierarchical:
-        reducer, prober = Hierarchical(g), (lambda: _probe_levels(g))
+        reducer, prober = Hierarchical(g), (lambda: _probe_levels(g, device))
     else:
-        reducer, prober = FlatReducer(g.flat), (lambda: probe_link(g.flat))
+        reducer, prober = FlatReducer(g.flat), (lambda: probe_link(g.flat, device=device,
+                                                                   control=ControlWire(g.control)))
     link = prober()
     codecs = {c: make_codec(c, **per_codec.get(c, {})) for c in candidates}
     guard = ConvergenceGuard(**guard_opts) if guard_on else None
@@ -272,7 +306,7 @@ def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("al
               "verify_steps": verify_steps,
               "options": per_codec}
     name = "hierarchical+auto" if hierarchical else "auto"
-    state = HookSync(name, reducer, codecs, "allreduce", control_group=g.flat, guard=guard,
+    state = HookSync(name, reducer, codecs, "allreduce", control_group=g.control, guard=guard,
                      policy=policy, link=link, prober=prober)
     import logging
 

@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,24 +45,37 @@ def probe_link(
     group: Any = None,
     sizes_bytes: tuple[int, int] = (8 << 10, 4 << 20),
     repeats: int = 3,
+    device: torch.device | str = "cpu",
+    control: Any = None,
 ) -> LinkFigures:
-    """Time all-reduce at two sizes on ``group`` and fit the alpha-beta line."""
+    """Time all-reduce at two sizes on ``group`` and fit the alpha-beta line.
+
+    The timed all-reduces are data collectives: tensors on ``device`` (the
+    training device: CUDA under NCCL), timed with CUDA events there, since an
+    NCCL call returns at enqueue. The figures are agreed (slowest rank) on
+    ``control``, a :class:`~slipstream.sync.control.ControlWire` (default: one
+    over ``group``, which must then be a gloo group).
+    """
+    from ..timing import clock_for, duration_s
+    from .control import ControlWire
+
+    device = torch.device(device)
     n = dist.get_world_size(group)
     if n <= 1:
         return LinkFigures(n, 0.0, float("inf"))
+    clock = clock_for(device)
     medians = []
     for size in sizes_bytes:
-        t = torch.zeros(max(1, size // 4))
+        t = torch.zeros(max(1, size // 4), device=device)
         dist.all_reduce(t, group=group)  # warm-up (connections, buffers)
-        times = []
+        marks = [clock.mark()]
         for _ in range(repeats):
-            t0 = time.perf_counter()
             dist.all_reduce(t, group=group)
-            times.append(time.perf_counter() - t0)
-        medians.append(statistics.median(times))
-    agreed = torch.tensor(medians, dtype=torch.float64)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    (t1, t2) = agreed.tolist()
+            marks.append(clock.mark())
+        clock.synchronize(marks[-1:])  # once per size, at set-up: not a training step
+        medians.append(statistics.median(duration_s(a, b) for a, b in zip(marks, marks[1:])))
+    wire = control if control is not None else ControlWire(group)
+    t1, t2 = wire.agree(medians, op=dist.ReduceOp.MAX)
     b1, b2 = (2 * (n - 1) / n * s for s in sizes_bytes)
     bw = (b2 - b1) / max(t2 - t1, 1e-9)
     alpha = max(0.0, t1 - b1 / bw)

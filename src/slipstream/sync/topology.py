@@ -7,11 +7,27 @@ rank must create groups in the same order, so :func:`groups` always builds the
 flat group, then every node's intra group (node 0 first), then every inter group
 (local index 0 first), on all ranks.
 
+The rule for which group and device every collective of the sync engine uses:
+
+* **data collectives** (gradient payloads, and the probe's timed all-reduces,
+  which must measure the link the gradients take) run on ``flat``, ``intra``
+  or ``inter``, which inherit the training backend (NCCL on GPUs), with
+  tensors on the training device (the bucket's device);
+* **host-side agreements** (probe figures, guard votes, ``auto``'s agreed
+  figures and its verification) run on ``control``: one gloo group over all
+  ranks, with CPU tensors, through :class:`slipstream.sync.control.ControlWire`,
+  which refuses anything else. NCCL takes CUDA tensors only, so a CPU vector
+  on a data group fails on GPUs; and a figure computed on the host needs no
+  trip to the device and back.
+
+Every group carries the run's collective timeout (:func:`slipstream.runtime.group_timeout`).
+
 Example::
 
     topo = detect()                    # from LOCAL_WORLD_SIZE, RANK, ... or slipstream.runtime
     g = groups(topo)
     g.intra, g.inter                   # this rank's node group and its cross-node peer group
+    g.control                          # gloo, CPU tensors: small agreements
 """
 
 from __future__ import annotations
@@ -93,12 +109,14 @@ def detect(env: Mapping[str, str] | None = None) -> Topology:
 @dataclass
 class Groups:
     """Process groups of one topology. ``flat`` spans all ranks (a group of
-    its own, so sync collectives never interleave with the training loop's)."""
+    its own, so sync collectives never interleave with the training loop's);
+    ``control`` spans all ranks too, on gloo, for host-side agreements."""
 
     topology: Topology
     flat: object
     intra: object  # this node's ranks
     inter: object  # this rank's peers (same local rank) on every node
+    control: object = None  # gloo, CPU tensors only (see the module's rule)
 
 
 _CACHE: dict[tuple, Groups] = {}
@@ -115,16 +133,20 @@ def groups(topo: Topology | None = None) -> Groups:
     key = (id(dist.group.WORLD), topo)
     if key in _CACHE:
         return _CACHE[key]
-    flat = dist.new_group(list(range(topo.world_size)))
+    from ..runtime import group_timeout
+
+    timeout = group_timeout()
+    flat = dist.new_group(list(range(topo.world_size)), timeout=timeout)
     intra = inter = None
-    # Same order on every rank: all node groups, then all peer groups.
+    # Same order on every rank: all node groups, then all peer groups, then control.
     for node in range(topo.num_nodes):
-        g = dist.new_group(topo.node_ranks(node))
+        g = dist.new_group(topo.node_ranks(node), timeout=timeout)
         if node == topo.node_rank:
             intra = g
     for local_index in range(topo.local_world_size):
-        g = dist.new_group(topo.peer_ranks(local_index))
+        g = dist.new_group(topo.peer_ranks(local_index), timeout=timeout)
         if local_index == topo.local_rank:
             inter = g
-    _CACHE[key] = Groups(topo, flat, intra, inter)
+    control = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timeout)
+    _CACHE[key] = Groups(topo, flat, intra, inter, control)
     return _CACHE[key]
