@@ -223,13 +223,24 @@ def choose_device(
     return torch.device("cuda", local_rank % device_count)
 
 
-def _choice_from_env(key: str, allowed: tuple[str, ...]) -> str | None:
-    raw = os.environ.get(key, "").strip()
-    if not raw:
-        return None
-    if raw not in allowed:
-        raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {raw!r}")
-    return raw
+def requested_placement(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
+    """(backend, device) asked for in SLIPSTREAM_BACKEND / SLIPSTREAM_DEVICE (None: not set).
+
+    ``slipstream run --backend/--device`` and a job spec's ``env`` set them;
+    :func:`init` takes them as defaults and the job runner plans GPUs by them.
+
+    Example::
+
+        requested_placement({"SLIPSTREAM_BACKEND": "gloo"})   # ("gloo", None)
+    """
+    env = os.environ if env is None else env
+    out: list[str | None] = []
+    for key, allowed in (("SLIPSTREAM_BACKEND", BACKENDS), ("SLIPSTREAM_DEVICE", DEVICES)):
+        raw = env.get(key, "").strip()
+        if raw and raw not in allowed:
+            raise ConfigError(f"{key} must be one of {', '.join(allowed)}, got {raw!r}")
+        out.append(raw or None)
+    return out[0], out[1]
 
 
 def init(backend: str | None = None, timeout_s: float | None = None, device: str | None = None) -> Runtime:
@@ -261,10 +272,9 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
     if timeout_s <= 0:
         raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
     launch = detect_launch_env()
-    if device is None:
-        device = _choice_from_env("SLIPSTREAM_DEVICE", DEVICES)
-    if backend is None:
-        backend = _choice_from_env("SLIPSTREAM_BACKEND", BACKENDS)
+    env_backend, env_device = requested_placement()
+    backend = env_backend if backend is None else backend
+    device = env_device if device is None else device
     cuda_available = torch.cuda.is_available()
     backend = choose_backend(backend, device, cuda_available)
     if launch.rank < 0 or launch.rank >= launch.world_size:

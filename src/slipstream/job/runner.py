@@ -9,7 +9,9 @@ path as a cluster run):
   and the c10d rendezvous behave as on R machines.
 * Processes per replica = processes_per_replica, else gpu_count, else 1. With
   enough GPUs each replica sees its own (CUDA_VISIBLE_DEVICES); with none the
-  processes run on CPU (gloo); with too few they share and a note says so.
+  processes run on CPU (gloo); with too few, NCCL is refused (one GPU per
+  process) and gloo shares them on purpose (``--backend gloo --device cuda``,
+  or SLIPSTREAM_BACKEND/SLIPSTREAM_DEVICE in the spec's ``env``).
 * ``--emulate`` hands the same shape to ``slipstream.launch.emulate.run_emulated``
   (one network namespace per replica, shaped links).
 * Training options reach the workers as SLIPSTREAM_* variables; ``--sync``,
@@ -38,7 +40,7 @@ import time
 import uuid
 from typing import Any
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, ConfigError, UsageError
 from .render import entry_argv, launcher_flags, prewarm_command
 from .spec import JobSpec, load_spec
 
@@ -132,26 +134,75 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _gpu_plan(spec: JobSpec) -> tuple[list[str | None], str | None]:
-    """CUDA_VISIBLE_DEVICES per replica (None: leave as is) and a note for the user."""
-    if spec.gpu_count == 0:
-        return [None] * spec.replicas, None
-    import torch
+def plan_gpus(spec: JobSpec, have: int, visible: str | None = None, backend: str | None = None,
+              device: str | None = None) -> tuple[list[str | None], str | None]:
+    """CUDA_VISIBLE_DEVICES per replica (None: leave as is) and a note for the user.
 
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ``have``: GPUs this machine shows (``visible``: its CUDA_VISIBLE_DEVICES);
+    ``backend``/``device``: what the workers were asked to use (SLIPSTREAM_BACKEND
+    / SLIPSTREAM_DEVICE, from ``--backend``/``--device`` or the spec's ``env``).
+    Under NCCL (the default with GPUs) every process needs its own GPU: a plan
+    where processes would share one is refused with the numbers (UsageError,
+    exit 2), since NCCL would only fail later, obscurely. gloo shares on purpose.
+
+    Example::
+
+        spec = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"], "replicas": 2, "gpu_count": 1})
+        plan_gpus(spec, have=2)                                    # (["0", "1"], None)
+        plan_gpus(spec, have=1)                                    # UsageError: 1 GPU(s) here for 2 requested ...
+        plan_gpus(spec, have=1, backend="gloo", device="cuda")     # ([None, None], "... share them ...")
+    """
     procs = spec.procs_per_replica
+    wants_gpu = backend == "nccl" or device == "cuda"
+    if spec.gpu_count == 0:
+        if wants_gpu:
+            raise UsageError(
+                f"gpu_count is 0 but the workers are asked for GPUs (backend {backend or 'default'}, device "
+                f"{device or 'default'}); set gpu_count in the spec, or drop --backend nccl / --device cuda"
+            )
+        if have > 0:
+            # As in a pod that requested no GPU: otherwise every replica's rank 0
+            # would default to NCCL on GPU 0, and NCCL refuses a shared GPU.
+            return [""] * spec.replicas, f"gpu_count 0: the {have} GPU(s) here are hidden; running on CPU with gloo"
+        return [None] * spec.replicas, None
     if have == 0:
         return [None] * spec.replicas, (
             f"no GPU here: running {spec.replicas} replica(s) x {procs} CPU process(es) with gloo"
         )
+    shown = visible if visible is not None else "unset"
+    sharing_ok = backend == "gloo"
+    advice = ("or run with --backend gloo --device cuda (or SLIPSTREAM_BACKEND: gloo and SLIPSTREAM_DEVICE: cuda "
+              "in the spec's env) to share GPUs on purpose")
+    if procs > spec.gpu_count and not sharing_ok:
+        raise UsageError(
+            f"processes_per_replica {procs} > gpu_count {spec.gpu_count}: NCCL needs one GPU per process; "
+            f"set processes_per_replica <= gpu_count, {advice}"
+        )
     need = spec.replicas * spec.gpu_count
     if have < need:
-        return [None] * spec.replicas, (
-            f"{have} GPU(s) here for {need} requested ({spec.replicas} x gpu_count {spec.gpu_count}): replicas share them"
-        )
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if not sharing_ok:
+            raise UsageError(
+                f"{have} GPU(s) here (CUDA_VISIBLE_DEVICES={shown}) for {need} requested ({spec.replicas} replica(s) "
+                f"x gpu_count {spec.gpu_count}): NCCL needs one GPU per process; lower replicas or gpu_count, {advice}"
+            )
+        where = "replicas share them (gloo)" if device == "cuda" else "gloo runs on the CPU (add --device cuda to share them)"
+        return [None] * spec.replicas, f"{have} GPU(s) here for {need} requested ({spec.replicas} x gpu_count {spec.gpu_count}): {where}"
     ids = visible.split(",") if visible else [str(i) for i in range(have)]
     return [",".join(ids[i * spec.gpu_count:(i + 1) * spec.gpu_count]) for i in range(spec.replicas)], None
+
+
+def _gpu_plan(spec: JobSpec, env: dict[str, str]) -> tuple[list[str | None], str | None]:
+    """:func:`plan_gpus` for this machine and the workers' environment ``env``."""
+    import torch
+
+    from ..runtime import requested_placement
+
+    try:
+        backend, device = requested_placement(env)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return plan_gpus(spec, have, env.get("CUDA_VISIBLE_DEVICES"), backend, device)
 
 
 def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list[str] | None = None,
@@ -165,13 +216,13 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
     env = spec.worker_env() if env is None else env
     extra_args = extra_args or []
     rdzv_id = rdzv_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
-    devices, note = _gpu_plan(spec)
-    if note:
-        print(f"slipstream run: {note}", file=sys.stderr)
     if max_restarts is not None and max_restarts != spec.restarts.max_restarts:
         spec = dataclasses.replace(spec, restarts=dataclasses.replace(spec.restarts, max_restarts=max_restarts))
     base_env = dict(os.environ)
     base_env.update(env)
+    devices, note = _gpu_plan(spec, base_env)
+    if note:
+        print(f"slipstream run: {note}", file=sys.stderr)
     code = prewarm_local(spec, base_env)
     if code != EXIT_OK:
         return code

@@ -71,6 +71,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--collective-timeout-s", type=float, default=None, metavar="S",
         help="a collective waiting longer fails, is diagnosed (which rank stalled, where) and the group restarts",
     )
+    # Checked in worker_env_from_args rather than with argparse choices, so a bad
+    # value is one line and exit 2 like every other flag error.
+    p.add_argument("--backend", default=None, metavar="{nccl,gloo}",
+                   help="process-group backend of the workers (default: nccl with GPUs, else gloo)")
+    p.add_argument("--device", default=None, metavar="{cuda,cpu}",
+                   help="workers' device (default: cuda for nccl, cpu for gloo); "
+                   "--backend gloo --device cuda lets ranks share a GPU on purpose")
     p.add_argument("--emulate", default=None, metavar="NODESxPROCS",
                    help="run on an emulated cluster on this machine: one network namespace per node (needs root)")
     p.add_argument("--link", default="unshaped", metavar="RATE",
@@ -130,6 +137,27 @@ def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
         if timeout_s <= 0:
             raise UsageError(f"--collective-timeout-s must be > 0, got {timeout_s}")
         env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
+    env.update(_placement_env(getattr(args, "backend", None), getattr(args, "device", None)))
+    return env
+
+
+def _placement_env(backend: str | None, device: str | None) -> dict[str, str]:
+    """SLIPSTREAM_BACKEND / SLIPSTREAM_DEVICE for --backend / --device, which runtime.init() reads
+    as its defaults."""
+    from ..runtime import BACKENDS, DEVICES
+
+    env: dict[str, str] = {}
+    if backend is not None:
+        if backend not in BACKENDS:
+            raise UsageError(f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        env["SLIPSTREAM_BACKEND"] = backend
+    if device is not None:
+        if device not in DEVICES:
+            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+        env["SLIPSTREAM_DEVICE"] = device
+    if backend == "nccl" and device == "cpu":
+        raise UsageError("--backend nccl cannot run on --device cpu (NCCL carries CUDA tensors only); "
+                         "use --backend gloo for the CPU")
     return env
 
 
