@@ -37,6 +37,7 @@ class ParallelDims:
         when they do not multiply to it) and build the mesh with ``init_device_mesh``."""
         degrees = config.degrees(world_size)
         mesh = init_device_mesh(device_type, tuple(degrees[d] for d in DEGREES), mesh_dim_names=DEGREES)
+        _apply_run_timeout(mesh)
         return cls(mesh=mesh, **degrees)
 
     @property
@@ -64,3 +65,23 @@ class ParallelDims:
 
     def describe(self) -> str:
         return f"pp({self.pp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp})"
+
+
+def _apply_run_timeout(mesh: DeviceMesh) -> None:
+    """Give every dimension's group the run's collective timeout.
+
+    ``init_device_mesh`` makes its groups with the backend's default (30 min
+    on gloo, 10 on NCCL) unless given backend-specific option objects; torch's
+    ``_set_pg_timeout`` sets it afterwards on any backend, so a hung
+    FSDP/TP/PP collective fails when the rest of the run's would.
+    """
+    from torch.distributed import distributed_c10d
+
+    from ..runtime import group_timeout
+
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # an older torch: the groups keep the backend default
+        return
+    timeout = group_timeout()
+    for name in mesh.mesh_dim_names or ():
+        set_timeout(timeout, mesh.get_group(name))

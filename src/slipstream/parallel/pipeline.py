@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..runtime import group_timeout
 
 
 def pipeline_units(model: nn.Module) -> list[str]:
@@ -154,7 +155,7 @@ class TiedGradients:
             flat = ranks.reshape(ranks.shape[0], -1)
             for column in range(flat.shape[1]):
                 members = [int(flat[s, column]) for s in holders]
-                group = dist.new_group(members)
+                group = dist.new_group(members, timeout=group_timeout())
                 if me in members:
                     mine = group
             held = [n for n in names if n in own]

@@ -1,0 +1,45 @@
+"""The rule of which group and device every collective uses, checked on every call.
+
+Two ranks run every hook strategy (guard checks, auto's observation, agreement
+and verification, a re-probe) and a checkpoint round trip under
+``StrictCollectives`` (see there): host-side figures only on gloo host groups,
+data only on the data device, never a float64 figure on a group that inherits
+the training backend (NCCL on GPUs), and the configured timeout on every group.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.multiprocessing as mp
+from conftest import free_port
+
+
+@pytest.fixture(scope="module")
+def rule_results(tmp_path_factory):
+    import _strict_workers
+
+    out = str(tmp_path_factory.mktemp("rule") / "rule.json")
+    # One rank per node: the hierarchical strategies use the inter-node group.
+    mp.spawn(_strict_workers.rule, args=(2, free_port(), out, 1), nprocs=2, join=True)
+    with open(out) as f:
+        return json.load(f)
+
+
+def test_every_strategy_ran(rule_results):
+    assert rule_results["errors"] == {}
+    assert rule_results["restored_step"] == 1
+
+
+def test_no_collective_breaks_the_group_and_device_rule(rule_results):
+    assert rule_results["violation_count"] == 0, "\n\n".join(rule_results["violations"])
+    # Both kinds were exercised: agreements on the control group, data on the data groups.
+    assert rule_results["host_calls"] > 10 and rule_results["data_calls"] > 10
+
+
+def test_every_group_carries_the_configured_timeout(rule_results):
+    from _strict_workers import TIMEOUT_S
+
+    assert rule_results["groups"] >= 6
+    assert rule_results["group_timeouts_s"] == [TIMEOUT_S]
