@@ -13,6 +13,10 @@ stalled first and where, e.g.::
     all-reduce) of step 42, 0.4 s ago; rank 1: user code after step 41, 9.8 s ago.
 
 The same goes into RUN_DIR/hang.json and RUN_DIR/hang.txt.
+
+This needs the error to reach Python, which gloo does. On NCCL the watchdog
+kills the process on a timeout instead; there :mod:`.flight_recorder` reads the
+traces every rank dumps and names the rank that never entered the collective.
 """
 
 from __future__ import annotations
@@ -45,15 +49,69 @@ class CollectiveTimeout(SlipstreamError):
     exit_code = 1
 
 
+# What a peer that hung or died looks like from the rank that waited for it. Only
+# these count: an error that merely mentions NCCL or gloo ("invalid usage",
+# "unhandled cuda error", a user's ValueError quoting a backend name) is a bug to
+# report as it is, not a hang to blame on another rank.
+_STALL_MARKERS = (
+    # gloo, raised as RuntimeError (messages seen here with torch 2.13's gloo):
+    #   "[.../unbound_buffer.cc:78] Timed out waiting 3000ms for recv operation to complete"
+    #   "[.../pair.cc:537] Read error [127.0.0.1]:10915: Connection reset by peer. ..."
+    "Timed out waiting",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Application timeout caused pair closure",
+    "failed to pass monitoredBarrier",
+    # NCCL (ProcessGroupNCCL.cpp; the CPU build here cannot show them, taken from torch's source):
+    #   "[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=42, OpType=ALLREDUCE, ...)"
+    #   "Work WorkNCCL(...) timed out in blocking wait" (TORCH_NCCL_BLOCKING_WAIT=1)
+    #   "... ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely."
+    #   "NCCL communicator was aborted on rank 3. Original reason for failure was: ..." (aborted after a timeout)
+    "Watchdog caught collective operation timeout",
+    "timed out in blocking wait",
+    "ncclRemoteError",
+    "remote process exited",
+    "communicator was aborted",
+)
+
+
 def is_collective_failure(exc: BaseException) -> bool:
-    """True for the errors gloo/NCCL raise when a peer hangs or dies."""
-    if isinstance(exc, getattr(dist, "DistError", ())):
+    """True when ``exc`` (or what it wraps) says a peer hung or went away in a collective.
+
+    Counted: torch's ``DistNetworkError`` (a socket to a peer failed) and
+    ``DistStoreError`` (a store wait timed out, or the store's host is gone),
+    and gloo/NCCL errors whose text is one of the timeout or peer-gone messages
+    above. Not counted: other ``DistBackendError`` s (NCCL's invalid usage,
+    unhandled CUDA error), and any other exception that merely mentions a backend.
+
+    Example::
+
+        is_collective_failure(RuntimeError("Timed out waiting 3000ms for recv operation to complete"))  # True
+        is_collective_failure(ValueError("NCCL needs CUDA tensors"))                                   # False
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    # A wrapper (raise MyError(...) from exc) keeps the real error as __cause__. The
+    # implicit __context__ is not followed: an unrelated error raised while handling
+    # a timeout that the code chose to retry is not a hang.
+    while cur is not None and id(cur) not in seen and len(seen) < 8:
+        seen.add(id(cur))
+        if _is_stall(cur):
+            return True
+        cur = cur.__cause__
+    return False
+
+
+def _is_stall(exc: BaseException) -> bool:
+    network = getattr(dist, "DistNetworkError", None)
+    store = getattr(dist, "DistStoreError", None)
+    queue_empty = getattr(dist, "QueueEmptyError", None)  # a DistStoreError from store queues: not a peer
+    if network is not None and isinstance(exc, network):
+        return True
+    if store is not None and isinstance(exc, store) and not (queue_empty is not None and isinstance(exc, queue_empty)):
         return True
     text = str(exc)
-    return any(
-        marker in text
-        for marker in ("Timed out", "timed out", "Connection closed by peer", "Connection reset", "NCCL", "Gloo")
-    )
+    return any(marker in text for marker in _STALL_MARKERS)
 
 
 class ProgressReporter:
@@ -179,17 +237,31 @@ def diagnose_hang(
     ]
     message = "\n".join(lines)
     if run_dir:
-        try:
-            os.makedirs(run_dir, exist_ok=True)
-            with open(os.path.join(run_dir, "hang.txt"), "w", encoding="utf-8") as f:
-                f.write(message + "\n")
-            with open(os.path.join(run_dir, "hang.json"), "w", encoding="utf-8") as f:
-                json.dump(
-                    {"reporting_rank": me, "phase": reporter.phase, "step": reporter.step + 1,
-                     "timeout_s": timeout_s, "error": str(error)[:2000], "culprit": culprit, "gone": gone,
-                     "ranks": {str(r): rec for r, rec in records.items()}, "time_unix_s": now},
-                    f, indent=1,
-                )
-        except OSError:
-            pass
+        write_hang_report(
+            run_dir,
+            message,
+            {"source": "heartbeats", "reporting_rank": me, "phase": reporter.phase, "step": reporter.step + 1,
+             "timeout_s": timeout_s, "error": str(error)[:2000], "culprit": culprit, "gone": gone,
+             "ranks": {str(r): rec for r, rec in records.items()}, "time_unix_s": now},
+        )
     return CollectiveTimeout(message)
+
+
+def write_hang_report(run_dir: str, message: str, record: dict[str, Any]) -> None:
+    """Write ``RUN_DIR/hang.txt`` (the message) and ``RUN_DIR/hang.json`` (the record); best effort.
+
+    The one writer of these files: the in-process diagnosis (heartbeats) and the
+    flight-recorder diagnosis both go through it, and ``slipstream report`` reads them.
+
+    Example::
+
+        write_hang_report("runs/x", "rank 1 stalled first.", {"culprit": "rank 1 stalled first"})
+    """
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "hang.txt"), "w", encoding="utf-8") as f:
+            f.write(message + "\n")
+        with open(os.path.join(run_dir, "hang.json"), "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1, default=str)
+    except OSError:
+        pass
