@@ -40,7 +40,11 @@ model consumes integer token ids (the Kaplan et al. approximation for a
 transformer: 2 for forward, 4 for backward, attention's ``12 * layers * d *
 seq`` term ignored), or ``flops_per_sample * samples`` when the user gives
 ``flops_per_sample`` (training FLOPs, forward + backward, of one sample).
-Peak comes from ``peak_flops`` or, on known GPUs, from a small table.
+Peak comes from ``peak_flops`` or, on known GPUs, from a small table by the
+math actually in use: bf16/fp16 tensor cores, TF32 tensor cores for fp32 when
+TF32 matmuls are allowed, else the fp32 CUDA-core rate (TF32 is off by
+default in torch). The recorder re-reads the TF32 switch at every log step, so
+turning it on after ``accelerate()`` is seen.
 """
 
 from __future__ import annotations
@@ -57,20 +61,87 @@ PHASES = ("data_wait", "forward", "backward", "comm_exposed", "optimizer", "chec
 BUSY_PHASES = ("data_wait", "forward", "backward", "optimizer")
 COMM_PHASES = frozenset({"comm_exposed", "grad_sync", "straggler_gather"})
 
-# Dense tensor-core peak per GPU, FLOP/s: (16-bit, fp32 via TF32). Vendors' data sheets.
-_PEAK_FLOPS = {
-    "H200": (989e12, 494.7e12),
-    "H100": (989e12, 494.7e12),
-    "A100": (312e12, 156e12),
-    "L40S": (362e12, 183e12),
-    "A10G": (70e12, 35e12),
-    "L4": (121e12, 60e12),
-    "V100": (125e12, 15.7e12),
-}
+@dataclass(frozen=True)
+class DevicePeaks:
+    """Dense peak FLOP/s of one GPU per math mode (vendors' data sheets, SXM parts, no sparsity).
+
+    ``fp32`` is the CUDA-core rate an fp32 matmul gets with TF32 off; ``tf32``
+    the tensor-core rate when TF32 is allowed (None: the GPU has no TF32);
+    ``bf16``/``fp16`` the 16-bit tensor-core rates (None: no such tensor cores).
+    """
+
+    fp32: float
+    tf32: float | None
+    bf16: float | None
+    fp16: float
+
+
+# Matched in order against the upper-cased device name: variants before the base name.
+_PEAK_FLOPS: tuple[tuple[str, DevicePeaks], ...] = (
+    ("H200", DevicePeaks(fp32=67e12, tf32=494.7e12, bf16=989.4e12, fp16=989.4e12)),
+    ("H100 PCIE", DevicePeaks(fp32=51e12, tf32=378e12, bf16=756e12, fp16=756e12)),
+    ("H100 NVL", DevicePeaks(fp32=60e12, tf32=417.5e12, bf16=835e12, fp16=835e12)),
+    ("H100", DevicePeaks(fp32=67e12, tf32=494.7e12, bf16=989.4e12, fp16=989.4e12)),
+    ("A100", DevicePeaks(fp32=19.5e12, tf32=156e12, bf16=312e12, fp16=312e12)),
+    ("L40S", DevicePeaks(fp32=91.6e12, tf32=183e12, bf16=362e12, fp16=362e12)),
+    ("A10G", DevicePeaks(fp32=31.2e12, tf32=35e12, bf16=70e12, fp16=70e12)),
+    ("L4", DevicePeaks(fp32=30.3e12, tf32=60e12, bf16=121e12, fp16=121e12)),
+    ("V100", DevicePeaks(fp32=15.7e12, tf32=None, bf16=None, fp16=125e12)),
+)
+
+
+def tf32_matmul_allowed() -> bool:
+    """True when fp32 matmuls on CUDA may run as TF32 (the setting in effect now).
+
+    Reads torch's new switch (``torch.backends.cuda.matmul.fp32_precision``,
+    falling back to ``torch.backends.fp32_precision`` when it says "none"),
+    which the legacy ``allow_tf32`` and ``set_float32_matmul_precision`` also
+    set; reading ``allow_tf32`` itself raises in torch 2.13 once the new API
+    was used. Off by default.
+
+    Example::
+
+        torch.set_float32_matmul_precision("high")
+        tf32_matmul_allowed()   # True
+    """
+    matmul = torch.backends.cuda.matmul
+    try:
+        mode = getattr(matmul, "fp32_precision")
+        if mode == "none":
+            mode = getattr(torch.backends, "fp32_precision", "none")
+        return mode == "tf32"
+    except AttributeError:  # a torch without the new API
+        return bool(matmul.allow_tf32)
+
+
+def peak_flops_for(device_name: str, precision: str, tf32: bool) -> float | None:
+    """Dense peak FLOP/s of the GPU named ``device_name`` for the math actually used, else None.
+
+    ``precision`` is the training precision (fp32, bf16, fp16); for fp32,
+    ``tf32`` says whether matmuls run as TF32 (see :func:`tf32_matmul_allowed`):
+    with TF32 off an fp32 matmul gets the CUDA-core rate, about 7x (H100)
+    below the TF32 tensor-core rate, and MFU against the TF32 peak would read 7x too low.
+
+    Example::
+
+        peak_flops_for("NVIDIA H100 80GB HBM3", "fp32", tf32=False)   # 67e12
+        peak_flops_for("NVIDIA H100 80GB HBM3", "fp32", tf32=True)    # 494.7e12
+        peak_flops_for("NVIDIA H100 80GB HBM3", "bf16", tf32=False)   # 989.4e12
+    """
+    name = device_name.upper()
+    for key, peaks in _PEAK_FLOPS:
+        if key in name:
+            if precision == "bf16":
+                return peaks.bf16
+            if precision == "fp16":
+                return peaks.fp16
+            return peaks.tf32 if tf32 and peaks.tf32 is not None else peaks.fp32
+    return None
 
 
 def default_peak_flops(device: torch.device, precision: str = "fp32") -> float | None:
-    """Peak FLOP/s of ``device`` for ``precision`` when it is a GPU we know, else None.
+    """Peak FLOP/s of ``device`` for ``precision`` and the TF32 setting now in effect,
+    when it is a GPU we know, else None.
 
     Example::
 
@@ -78,11 +149,7 @@ def default_peak_flops(device: torch.device, precision: str = "fp32") -> float |
     """
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device).upper()
-    for key, (half, tf32) in _PEAK_FLOPS.items():
-        if key in name:
-            return half if precision in ("bf16", "fp16") else tf32
-    return None
+    return peak_flops_for(torch.cuda.get_device_name(device), precision, tf32_matmul_allowed())
 
 
 def process_rss_bytes() -> int | None:
@@ -329,11 +396,14 @@ __all__ = [
     "BUSY_PHASES",
     "PHASES",
     "CudaClock",
+    "DevicePeaks",
     "HostClock",
     "Span",
     "StepProfiler",
     "default_peak_flops",
     "model_flops",
+    "peak_flops_for",
     "process_rss_bytes",
+    "tf32_matmul_allowed",
     "window_means",
 ]

@@ -103,6 +103,8 @@ class StepRecorder:
         self.n_params = 0
         self.flops_per_sample: float | None = None
         self.peak_flops: float | None = None
+        self._peak_flops_given: float | None = None
+        self._precision = "fp32"
         self.flops_formula: str | None = None
         self._hooks: list[Any] = []
         self._phase_totals: dict[str, float] = {}
@@ -170,7 +172,9 @@ class StepRecorder:
         if optimizer is not None and get("grad_clip_norm") is None:
             self._hooks.append(optimizer.register_step_pre_hook(self._grad_norm_on_log_steps))
         self.flops_per_sample = get("flops_per_sample")
-        self.peak_flops = get("peak_flops") or default_peak_flops(self.device, get("precision", "fp32"))
+        self._peak_flops_given = get("peak_flops")
+        self._precision = get("precision", "fp32")
+        self.peak_flops = self._peak_flops_given or default_peak_flops(self.device, self._precision)
         import torch.distributed as dist
 
         if self.world_size > 1 and self.profiler is not None and dist.is_available() and dist.is_initialized():
@@ -272,6 +276,10 @@ class StepRecorder:
                     self._phase_totals[k] = self._phase_totals.get(k, 0.0) + v * len(rows)
                 self._phase_steps += len(rows)
         flops, formula = model_flops(self._samples, self._tokens, self.n_params, self.flops_per_sample)
+        if not self._peak_flops_given:
+            # The TF32 switch may have changed since attach (set_float32_matmul_precision
+            # after accelerate()): judge this window by the math now in use.
+            self.peak_flops = default_peak_flops(self.device, self._precision)
         if flops is not None:
             self.flops_formula = formula
             record["model_flops_per_s"] = flops / elapsed
