@@ -16,12 +16,13 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from .base import ErrorFeedback, Layout, Wire
+from .base import ErrorFeedback, Layout, Wire, all_finite
 
 
 class TopK(ErrorFeedback):
@@ -38,36 +39,50 @@ class TopK(ErrorFeedback):
         return max(1, min(numel, int(round(self.density * numel))))
 
     def select(self, c: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices of the k largest |c|: exactly torch.topk's set (up to ties), faster.
+        """Indices of the k largest |c|: exactly torch.topk's set (up to ties), faster on CPU.
 
         A strided sample gives a threshold that about 2k values pass; if at least k
         pass, the top k are all among them and topk runs on that short list only.
-        (Full torch.topk with k in the tens of thousands is slow on CPU.)
+        (Full torch.topk with k in the tens of thousands is slow on CPU.) On other
+        devices torch.topk is fast, and the sampled path's count check would be a
+        host sync, so they always take torch.topk.
+
+        NaN ranks with inf, above every finite value: a NaN or inf in ``c`` is always
+        selected, so an overflow reaches every rank through the gathered values.
         """
         a = c.abs()
         n = a.numel()
-        if n < 1 << 16 or k * 4 > n:
-            return torch.topk(a, k, sorted=False).indices
+        if a.device.type != "cpu" or n < 1 << 16 or k * 4 > n:
+            return torch.topk(_nan_first(a), k, sorted=False).indices
         sample = a[:: max(1, n // (1 << 15))]
         rank = max(1, min(sample.numel(), int(sample.numel() * (1 - 2.0 * k / n))))
         threshold = sample.kthvalue(rank).values
-        candidates = (a >= threshold).nonzero().view(-1)
+        # not (a < t) rather than a >= t: NaN must pass (NaN >= t is false).
+        candidates = a.lt(threshold).logical_not_().nonzero().view(-1)
         if candidates.numel() < k:
-            return torch.topk(a, k, sorted=False).indices
-        return candidates[torch.topk(a[candidates], k, sorted=False).indices]
+            return torch.topk(_nan_first(a), k, sorted=False).indices
+        return candidates[torch.topk(_nan_first(a[candidates]), k, sorted=False).indices]
 
     def reduce(self, flat: torch.Tensor, wire: Wire, key: Hashable, layout: Layout | None = None) -> torch.Tensor:
         c = self._compensate(key, flat, layout)
         k = self.k_of(c.numel())
         idx = self.select(c, k)
         vals = c[idx]
+        all_vals = wire.allgather(vals)
+        all_idx = wire.allgather(idx.to(torch.int32)).long()
+        # Every rank's k values include its inf/NaN if it has one (select), so this is
+        # the same on all ranks and false on an overflow step anywhere.
+        finite = all_finite(all_vals)
         residual = c.clone()
         residual[idx] = 0.0
-        self._store(key, residual, layout)
-        all_vals = wire.allgather(vals).view(-1)
-        all_idx = wire.allgather(idx.to(torch.int32)).view(-1)
+        self._store(key, residual, layout, finite)
+        # One index_add_ per rank, in rank order: a rank's k indices are distinct, so no
+        # call adds twice to one place. One call over all ranks' indices would (ranks
+        # pick overlapping coordinates), and CUDA sums duplicates with atomics in an
+        # order that differs run to run and rank to rank: the replicas would drift.
         c.zero_()
-        c.index_add_(0, all_idx.long(), all_vals)
+        for r in range(wire.size):
+            c.index_add_(0, all_idx[r], all_vals[r])
         return c.div_(wire.size)
 
     def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
@@ -79,3 +94,8 @@ class TopK(ErrorFeedback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.density = float(state.get("density", self.density))
+
+
+def _nan_first(a: torch.Tensor) -> torch.Tensor:
+    """|values| with NaN turned into inf, in place: topk then ranks NaN with the largest."""
+    return a.nan_to_num_(nan=math.inf, posinf=math.inf)
