@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .base import ErrorFeedback, Layout, Piece, Wire, param_units
+from .base import ErrorFeedback, Layout, Piece, Wire, all_finite, host_reads_flags, param_units
 
 
 def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
@@ -60,6 +60,9 @@ class PowerSGD(ErrorFeedback):
         self.warm_start = warm_start
         self.seed = seed
         self.q: dict[Hashable, torch.Tensor] = {}  # per parameter (or bucket+matrix)
+        # Initial Qs on the device: without warm start every step starts from them, and
+        # making one is a host-to-device copy.
+        self._q0: dict[tuple[Hashable, tuple[int, int], torch.device, torch.dtype], torch.Tensor] = {}
 
     # -- pure helpers -------------------------------------------------------------
     def split(self, numel: int, layout: Layout | None) -> tuple[list[Piece], list[Piece]]:
@@ -82,9 +85,13 @@ class PowerSGD(ErrorFeedback):
 
     def _initial_q(self, qkey: Hashable, p: Piece, like: torch.Tensor) -> torch.Tensor:
         # Same on every rank without a broadcast: seeded by (seed, parameter or bucket+matrix).
-        g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, qkey)).encode()))
-        q = torch.randn(p.cols, min(self.rank, p.rows, p.cols), generator=g, dtype=like.dtype)
-        return q.to(like.device)
+        shape = (p.cols, min(self.rank, p.rows, p.cols))
+        cache_key = (qkey, shape, like.device, like.dtype)
+        q = self._q0.get(cache_key)
+        if q is None:
+            g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, qkey)).encode()))
+            q = self._q0[cache_key] = torch.randn(*shape, generator=g, dtype=like.dtype).to(like.device)
+        return q  # only read: the Q kept for the next step is a new tensor
 
     def _residual(self, rkey: Hashable, m: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """This matrix's residual storage and whether it holds last step's residual."""
@@ -115,13 +122,14 @@ class PowerSGD(ErrorFeedback):
                 q = self._initial_q(qk, p, flat)
             qs.append(q)
         ef = self.use_error_feedback
-        if ef and mats and self.track_signal:
-            self.grad_sq = self.grad_sq + torch.dot(flat.view(-1), flat.view(-1))
+        track = ef and self.track_signal
+        grad_sq = torch.dot(flat.view(-1), flat.view(-1)) if track and mats else None
         # Residual storage per matrix (per parameter when the layout allows; 1-D and small
         # tensors are sent exactly, so they carry none).
         es = [self._residual(qk, m) if ef else (None, False) for qk, m in zip(qkeys, ms, strict=True)]
         # Collective 1: the Ps and the uncompressed pieces, in one buffer.
         rest_numel = sum(p.numel for p in rest)
+        rest = _runs(rest)  # adjacent 1-D pieces (a norm's weight and bias) in one copy
         p_sizes = [m.shape[0] * q.shape[1] for m, q in zip(ms, qs, strict=True)]
         buf1 = torch.empty(rest_numel + sum(p_sizes), dtype=flat.dtype, device=flat.device)
         off = 0
@@ -145,6 +153,11 @@ class PowerSGD(ErrorFeedback):
             off += p.numel
         if not ms:
             return flat
+        # Overflow anywhere shows in the summed buffers, the same on every rank: the
+        # uncompressed pieces travel as they are, and an inf/NaN in some C reaches its
+        # column of Q^T = P^T C (inf*p is +-inf, inf*0 is NaN), so buf2 is non-finite and
+        # so is that column of the output P Q^T: every rank's scaler sees the overflow.
+        finite = all_finite(buf1)
         for p in ps:
             orthonormalize_(p)
         # Collective 2: the Qs, stored transposed (r x cols): P^T C reads C row by row,
@@ -158,17 +171,33 @@ class PowerSGD(ErrorFeedback):
             off += q.numel()
         wire.allreduce(buf2)
         buf2.div_(n)
+        finite = finite & all_finite(buf2)
+        # On CPU the flag is read (nothing to stall): a finite step writes the residual
+        # as it always did. Elsewhere the residual goes through a device-side select.
+        host = host_reads_flags(finite.device)
+        write = bool(finite) if host else True
         # Pass 3: E' = C - P Q^T straight into the residual (one fused addmm), then C = P Q^T.
-        for m, p, q, (e, _) in zip(ms, ps, new_qs, es, strict=True):
+        rsq = []
+        for m, p, q, (e, carried) in zip(ms, ps, new_qs, es, strict=True):
             qt = q.t()
             if e is not None:
-                torch.addmm(m, p, qt, alpha=-1, out=e)
-                if self.track_signal:
+                if host and write:
+                    torch.addmm(m, p, qt, alpha=-1, out=e)
+                elif host:  # overflow step: keep last step's residual
+                    if not carried:
+                        e.zero_()
+                else:  # E' in m for a moment (P Q^T overwrites it below), then a select into E
+                    m.addmm_(p, qt, alpha=-1)
+                    torch.where(finite, m, e if carried else m.new_zeros(()), out=e)
+                if track:
                     ev = e.reshape(-1)
-                    self.residual_sq = self.residual_sq + torch.dot(ev, ev)
+                    rsq.append(torch.dot(ev, ev))
             torch.mm(p, qt, out=m)
-        for qk, q in zip(qkeys, new_qs, strict=True):
-            self.q[qk] = q.clone()
+        if track:
+            self._add_signal(finite, grad_sq, *rsq)
+        # An overflow step leaves the warm start where it was.
+        for qk, q, old in zip(qkeys, new_qs, qs, strict=True):
+            self.q[qk] = torch.where(finite, q, old, out=torch.empty_like(q))
         return flat
 
     def state_dict(self) -> dict[str, Any]:
@@ -185,4 +214,17 @@ class PowerSGD(ErrorFeedback):
 
         super().load_state_dict(state)
         self.rank = int(state.get("rank", self.rank))
+        self._q0 = {}
         self.q = {_key_parse(k): v.clone() for k, v in state.get("q", {}).items()}
+
+
+def _runs(pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` with each stretch of adjacent ones merged into one 1-D piece."""
+    out: list[Piece] = []
+    for p in pieces:
+        if out and out[-1].offset + out[-1].numel == p.offset:
+            n = out[-1].numel + p.numel
+            out[-1] = Piece(out[-1].offset, n, 1, n)
+        else:
+            out.append(p)
+    return out
