@@ -350,6 +350,17 @@ def _timeout_from_env() -> float:
         raise ConfigError(f"SLIPSTREAM_COLLECTIVE_TIMEOUT_S must be a number of seconds, got {raw!r}") from None
 
 
+def started() -> Runtime | None:
+    """The runtime :func:`init` started in this process, or None (never starts one).
+
+    Example::
+
+        rt = runtime.started()
+        device = rt.device if rt is not None else torch.device("cpu")
+    """
+    return _RUNTIME if _RUNTIME is not None and dist.is_initialized() else None
+
+
 def current() -> Runtime:
     """The runtime started by :func:`init` (starting a default one if needed)."""
     return _RUNTIME if _RUNTIME is not None and dist.is_initialized() else init()

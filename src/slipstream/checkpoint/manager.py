@@ -31,8 +31,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .. import runtime
 from ..errors import EXIT_PREEMPTED, ConfigError
-from . import layout
+from . import layout, safe_load
 
 log = logging.getLogger("slipstream.checkpoint")
 
@@ -43,6 +44,14 @@ def _exit_now(code: int) -> None:
 
 
 class CheckpointManager:
+    """Saves and restores registered objects together (see the module's example).
+
+    ``device``: where per-rank tensors saved from a GPU are restored; default
+    this rank's device (:func:`slipstream.checkpoint.safe_load.default_device`).
+    Checkpoint files are read as plain data only: a file holding pickled
+    objects is refused (:class:`~slipstream.checkpoint.safe_load.CheckpointRefused`).
+    """
+
     def __init__(
         self,
         directory: str,
@@ -53,6 +62,7 @@ class CheckpointManager:
         async_save: bool = False,
         handle_sigterm: bool = True,
         preemption_deadline_s: float = 25.0,
+        device: torch.device | str | None = None,
     ) -> None:
         if not directory:
             raise ConfigError("checkpoint_dir must be a path, got an empty string")
@@ -71,6 +81,10 @@ class CheckpointManager:
         self.every_s = every_s
         self.keep_last = keep_last
         self.async_save = async_save
+        # Where per-rank tensors saved from a GPU (error-feedback buffers) come back:
+        # this rank's GPU, whichever index it had when saved. CPU tensors (RNG states)
+        # stay on the CPU. None: this rank's device, looked up when a GPU tensor turns up.
+        self.device = torch.device(device) if device is not None else None
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         # Checkpoint collectives get their own gloo groups, so they stay on the
@@ -78,8 +92,13 @@ class CheckpointManager:
         # exchange, barriers, synchronous saves, loads) and `writer_group` for
         # asynchronous saves, whose collectives run in a background thread and
         # must never interleave with the main thread's on one group.
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.writer_group = dist.new_group(backend="gloo") if dist.is_initialized() and async_save else None
+        # Both carry the run's collective timeout: a peer lost in a save or a load
+        # fails the survivors as soon as a lost training collective would.
+        if dist.is_initialized():
+            self.group = dist.new_group(backend="gloo", timeout=runtime.group_timeout())
+            self.writer_group = dist.new_group(backend="gloo", timeout=runtime.group_timeout()) if async_save else None
+        else:
+            self.group = self.writer_group = None
         self._shared: dict[str, Stateful] = {}
         self._per_rank: dict[str, Stateful] = {}
         self._pending: Future | None = None
@@ -215,11 +234,14 @@ class CheckpointManager:
         if choice[0] is None:
             return 0
         path, step, saved_world = choice[0]
-        dcp.load(dict(self._shared), checkpoint_id=path, process_group=self.group)
+        # DCP copies every tensor into the registered one, on that tensor's device; its
+        # non-tensor values (counters, scaler and scheduler state) and its metadata are
+        # read as plain data, not as arbitrary pickles.
+        safe_load.dcp_load(dict(self._shared), path, process_group=self.group)
         rank_file = os.path.join(path, f"rank{self.rank}.pt")
         if self._per_rank:
             if os.path.exists(rank_file):
-                per_rank = torch.load(rank_file, weights_only=False)
+                per_rank = safe_load.load_rank_file(rank_file, self.device)
                 for name, obj in self._per_rank.items():
                     if name in per_rank:
                         obj.load_state_dict(per_rank[name])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from typing import Any, Callable
 
@@ -9,6 +10,10 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .. import runtime
+
+log = logging.getLogger("slipstream.checkpoint")
 
 
 class ModelOptimizerState:
@@ -55,24 +60,82 @@ def _rename(osd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
 
 
 class RNGState:
-    """Python, numpy, torch CPU and CUDA generator states of this rank."""
+    """Python, numpy, torch CPU and CUDA generator states of this rank.
+
+    Stored as plain data, so a checkpoint loads with ``weights_only=True``:
+    python's state is a tuple of ints, numpy's a dict with its key as an int64
+    tensor, torch's a CPU ByteTensor, and CUDA's the ByteTensor of this rank's
+    current GPU only (each rank draws from its own device; a machine that sees
+    fewer GPUs must still restore). States written by the earlier format (numpy's
+    tuple, CUDA's list of every visible GPU) load too.
+
+    Example::
+
+        mgr.register("rng", RNGState(), per_rank=True)
+    """
 
     def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state(legacy=False)
         state = {
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": {
+                "bit_generator": np_state["bit_generator"],
+                # uint32 words; int64 holds them exactly and is a plain tensor type.
+                "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+                "pos": int(np_state["state"]["pos"]),
+                "has_gauss": int(np_state["has_gauss"]),
+                "gauss": float(np_state["gauss"]),
+            },
             "torch": torch.get_rng_state(),
         }
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state_all()
+        # Only when this process uses CUDA: asking for a state would create a CUDA
+        # context (hundreds of MB) on a GPU that a CPU rank never touches.
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
+        random.setstate(_python_state(state["python"]))
+        saved = state["numpy"]
+        if isinstance(saved, dict):
+            np.random.set_state((saved["bit_generator"], saved["key"].numpy().astype(np.uint32), saved["pos"],
+                                 saved["has_gauss"], saved["gauss"]))
+        else:  # earlier format: get_state()'s tuple
+            np.random.set_state(saved)
         torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+        if "cuda" in state:
+            _load_cuda_state(state["cuda"])
+
+
+def _python_state(saved: Any) -> tuple:
+    version, internal, gauss_next = saved
+    return (version, tuple(internal), gauss_next)
+
+
+def _load_cuda_state(saved: Any) -> None:
+    if not torch.cuda.is_available():
+        log.warning("checkpoint holds a CUDA RNG state and no GPU is visible here: not restored")
+        return
+    if isinstance(saved, torch.Tensor):
+        # "cuda": the current device when the state is applied (set_rng_state is lazy
+        # before CUDA starts), i.e. this rank's GPU as runtime.init() set it.
+        torch.cuda.set_rng_state(saved, "cuda")
+        return
+    # Earlier format: one state per GPU the saving process saw, by index. This rank
+    # drew from its own device only, so only that entry matters.
+    index = _cuda_index()
+    if index < len(saved):
+        torch.cuda.set_rng_state(saved[index], index)
+    else:
+        log.warning("checkpoint holds CUDA RNG states of %d GPU(s), none for this rank's cuda:%d: not restored",
+                    len(saved), index)
+
+
+def _cuda_index() -> int:
+    rt = runtime.started()
+    if rt is not None and rt.device.type == "cuda":
+        return rt.device.index
+    return torch.cuda.current_device()
 
 
 class CallbackState:
