@@ -2,9 +2,10 @@
 
 1. **In isolation** (:func:`hot_path_cost_s`): the exact calls a profiled step
    makes (begin/end of forward, backward and optimizer, one post-accumulate
-   hook per parameter, ``end_step``, and the per-step share of ``resolve()``
-   at log time), timed in a loop with nothing else running. Deterministic
-   enough to assert on.
+   hook per hooked parameter (at most ``MAX_GRAD_HOOKS`` after the first
+   backward), ``end_step``, and the per-step share of ``resolve()`` at log
+   time), timed in a loop with nothing else running. Deterministic enough to
+   assert on.
 2. **Side by side** (:func:`main`): the same training run with ``profile=True``
    and ``profile=False`` in one process, steps alternating ABBA, medians of
    this thread's CPU time (robust on a shared machine) and of wall time.
@@ -39,6 +40,9 @@ def mlp(width: int = 1024, depth: int = 8, classes: int = 10) -> nn.Module:
 
 def hot_path_cost_s(n_params: int, steps: int = 2000, log_every_steps: int = 10) -> float:
     """Seconds the profiler adds to one step with ``n_params`` hooked parameter tensors (CPU clock).
+
+    Pass the profiler's ``hook_count`` (not the model's parameter count): after
+    the first backward only that many are hooked.
 
     Example::
 
@@ -112,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     on, off = statistics.median(wall[True]), statistics.median(wall[False])
     con, coff = statistics.median(cpu[True]), statistics.median(cpu[False])
     n_params = sum(1 for p in runs[True].module.parameters() if p.requires_grad)
-    iso = hot_path_cost_s(n_params, log_every_steps=args.log_every_steps)
+    prof = runs[True].recorder.profiler
+    n_hooks = prof.hook_count if prof is not None else 0
+    iso = hot_path_cost_s(n_hooks, log_every_steps=args.log_every_steps)
     for run in runs.values():
         run.finish()
     scratch.cleanup()
     if rt.is_main:
         print(
-            f"world_size {rt.world_size}, {n_params} parameter tensors, "
+            f"world_size {rt.world_size}, {n_params} parameter tensors ({n_hooks} hooked), "
             f"{args.steps} steps per configuration, alternating\n"
             f"median thread CPU per step: profile on {con * 1e3:.2f} ms, off {coff * 1e3:.2f} ms, "
             f"ratio {con / coff:.4f} ({(con / coff - 1) * 100:+.2f} %)\n"

@@ -30,9 +30,12 @@ How it is measured. On CPU every boundary is ``time.perf_counter()``: no
 device to synchronise. On CUDA every device phase boundary records a
 ``torch.cuda.Event`` (non-blocking); the events are read back once per log
 window (``flush``), after the one synchronisation the recorder already does
-for the loss. The "last gradient ready" point is a
-``register_post_accumulate_grad_hook`` on every trainable parameter, which
-re-records one event (or stores one float) per backward.
+for the loss. The "first/last gradient ready" points come from
+``register_post_accumulate_grad_hook``: the first backward hooks every
+trainable parameter once to learn the order in which gradients arrive, then
+only the first and last to arrive and a few evenly spaced between stay hooked
+(at most ``MAX_GRAD_HOOKS``), so a backward costs a handful of Python calls
+and CUDA event records instead of one per parameter (a GPT has hundreds).
 
 MFU (model FLOPs utilisation) = achieved model FLOP/s / peak FLOP/s of the
 device. Model FLOPs of a training step are ``6 * n_params * tokens`` when the
@@ -57,9 +60,16 @@ from typing import Any
 
 import torch
 
+# Parameters hooked after the first backward: the first and last gradient to
+# arrive bound the backward compute and the gradient sync; the ones between only
+# keep the "last" point close when the arrival order varies between steps
+# (control flow, unused parameters).
+MAX_GRAD_HOOKS = 8
+
 PHASES = ("data_wait", "forward", "backward", "comm_exposed", "optimizer", "checkpoint")
 BUSY_PHASES = ("data_wait", "forward", "backward", "optimizer")
 COMM_PHASES = frozenset({"comm_exposed", "grad_sync", "straggler_gather"})
+
 
 @dataclass(frozen=True)
 class DevicePeaks:
@@ -261,6 +271,8 @@ class StepProfiler:
         self._grad_last: tuple[float, Any] | None = None
         self._grad_last_event: Any = None
         self._hooks: list[Any] = []
+        self._params: list[torch.nn.Parameter] = []
+        self._arrival: list[torch.nn.Parameter] | None = None  # filled during the calibrating backward
         self.spans: list[Span] = []  # filled by resolve(), for the timeline
 
     # --- hot path ---------------------------------------------------------------------
@@ -280,6 +292,8 @@ class StepProfiler:
         mark = self.clock.mark()
         if phase == "backward":
             self._in_backward = False
+            if self._arrival:
+                self._narrow_hooks()
             last = self._grad_last
             if last is not None:
                 self._row.spans.append(("backward", start, last))
@@ -321,18 +335,61 @@ class StepProfiler:
 
     # --- instrumentation -----------------------------------------------------------------
     def install(self, params: Iterable[torch.nn.Parameter]) -> int:
-        """Hook every trainable parameter; returns how many were hooked."""
-        n = 0
+        """Hook the trainable parameters' gradient accumulation; returns how many are hooked.
+
+        All of them until the first backward ends, which records the order the
+        gradients arrive in; then at most ``MAX_GRAD_HOOKS`` (see
+        :meth:`hook_count`).
+        """
+        self.remove()
+        self._params = [p for p in params if p.requires_grad]
+        if len(self._params) <= MAX_GRAD_HOOKS:
+            self._hook(self._params, self.grad_ready)
+        else:
+            self._arrival = []
+            self._hook(self._params, self._grad_ready_calibrating)
+        return len(self._hooks)
+
+    @property
+    def hook_count(self) -> int:
+        """Parameters hooked now (every backward runs this many hook calls)."""
+        return len(self._hooks)
+
+    def _hook(self, params: Iterable[torch.nn.Parameter], fn: Any) -> None:
         for p in params:
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(self.grad_ready))
-                n += 1
-        return n
+            self._hooks.append(p.register_post_accumulate_grad_hook(fn))
+
+    def _grad_ready_calibrating(self, param: torch.Tensor) -> None:
+        if self._in_backward and self._arrival is not None:
+            self._arrival.append(param)
+        self.grad_ready()
+
+    def _narrow_hooks(self) -> None:
+        """After the calibrating backward: keep the first and last gradient to arrive, and
+        evenly spaced ones between, up to MAX_GRAD_HOOKS."""
+        seen: set[int] = set()
+        order = []
+        for p in self._arrival or []:
+            if id(p) not in seen:
+                seen.add(id(p))
+                order.append(p)
+        if self._arrival and self._arrival[-1] is not order[-1]:
+            # Accumulated twice (reentrant checkpointing): it also arrived last.
+            order.remove(self._arrival[-1])
+            order.append(self._arrival[-1])
+        self._arrival = None
+        n = len(order)
+        picks = sorted({round(i * (n - 1) / (MAX_GRAD_HOOKS - 1)) for i in range(MAX_GRAD_HOOKS)}) if n > 1 else [0]
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._hook([order[i] for i in picks if i < n], self.grad_ready)
 
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._arrival = None
 
     # --- log time ------------------------------------------------------------------------
     def resolve(self) -> list[dict[str, float]]:
@@ -398,6 +455,7 @@ __all__ = [
     "CudaClock",
     "DevicePeaks",
     "HostClock",
+    "MAX_GRAD_HOOKS",
     "Span",
     "StepProfiler",
     "default_peak_flops",
