@@ -3,8 +3,9 @@
 A checkpoint directory may come from anywhere (a shared volume, an object
 store), and a pickle runs code when it is loaded. Per-rank files are read with
 ``torch.load(weights_only=True)``: tensors, numbers, strings, None, and lists,
-tuples and dicts of them; anything else is refused, naming the file. DCP's
-non-tensor values go through :class:`WeightsOnlyLoadPlanner` for the same reason.
+tuples and dicts of them; anything else is refused, naming the file. For the
+same reason :func:`dcp_load` checks DCP's ``.metadata`` (a plain pickle) against
+DCP's metadata types and loads DCP's non-tensor values weights_only.
 
 Tensors saved from a GPU come back on this rank's device (which may have
 another index than when saved, or be the CPU); CPU tensors (RNG states) stay
@@ -181,6 +182,9 @@ _METADATA_GLOBALS = {
 }
 
 
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)  # torch.float32, torch.strided, ...
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch.distributed.checkpoint.metadata":
@@ -189,7 +193,7 @@ class _MetadataUnpickler(pickle.Unpickler):
                 return found
         elif (module, name) in _METADATA_GLOBALS:
             return super().find_class(module, name)
-        elif module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        elif module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
 

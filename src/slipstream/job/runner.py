@@ -185,8 +185,10 @@ def plan_gpus(spec: JobSpec, have: int, visible: str | None = None, backend: str
                 f"{have} GPU(s) here (CUDA_VISIBLE_DEVICES={shown}) for {need} requested ({spec.replicas} replica(s) "
                 f"x gpu_count {spec.gpu_count}): NCCL needs one GPU per process; lower replicas or gpu_count, {advice}"
             )
-        where = "replicas share them (gloo)" if device == "cuda" else "gloo runs on the CPU (add --device cuda to share them)"
-        return [None] * spec.replicas, f"{have} GPU(s) here for {need} requested ({spec.replicas} x gpu_count {spec.gpu_count}): {where}"
+        how = "replicas share them (gloo)" if device == "cuda" else "gloo runs on the CPU (add --device cuda to share them)"
+        return [None] * spec.replicas, (
+            f"{have} GPU(s) here for {need} requested ({spec.replicas} x gpu_count {spec.gpu_count}): {how}"
+        )
     ids = visible.split(",") if visible else [str(i) for i in range(have)]
     return [",".join(ids[i * spec.gpu_count:(i + 1) * spec.gpu_count]) for i in range(spec.replicas)], None
 
