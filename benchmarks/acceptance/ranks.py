@@ -1,0 +1,143 @@
+"""Acceptance steps "sync/*", "layout/*" and "nccl/*": one launch of N ranks trains
+the GPT of examples/train_gpt.py under a list of configurations in turn; every
+rank writes, per configuration, a digest of the whole model it ends with.
+
+    slipstream run -n 2 -m benchmarks.acceptance.ranks --plan plan.json --out DIR
+
+plan.json::
+
+    {"steps": 4, "model": {"dim": 64, "layers": 2, "heads": 4, "context": 32, "batch": 8},
+     "configs": [{"name": "sync/powersgd", "options": {"sync": "powersgd"}}, ...]}
+
+``options`` go to ``slipstream.accelerate`` as keyword options (sync, precision,
+dp_shard, tp, pp, ...). Per configuration and rank, in DIR/<name with / as __>/:
+``rank<R>.started`` when it begins, then ``rank<R>.json``: status, the effective
+config, backend and device, per-name digests of ``run.unwrapped_state_dict()``
+(every rank gets the whole model, gathered over its shards, tensor-parallel
+slices and pipeline stages), the losses, seconds.
+
+Equal digests on every rank is the claim: data-parallel replicas, tensor-parallel
+replicas of unsharded weights and the tied embedding/head copies of pipeline
+stages all ended with the same bits. The tied pair is also compared directly.
+
+A configuration that raises writes its error and ends the process with exit
+code 3: after a failure the ranks' collectives may no longer line up, so the
+orchestrator relaunches the configurations that have not started yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import slipstream
+from benchmarks.acceptance.common import load_example, tensor_digest, write_result
+
+
+def config_dir(out: Path, name: str) -> Path:
+    return out / name.replace("/", "__")
+
+
+def effective_mismatches(config, options: dict) -> list[str]:
+    """Options asked for that the run's TrainConfig does not show (a lost flag or env)."""
+    wrong = []
+    for key, wanted in options.items():
+        have = getattr(config, key, None)
+        if isinstance(have, tuple):
+            wanted = tuple(wanted)
+        if have != wanted:
+            wrong.append(f"{key}: asked {wanted!r}, got {have!r}")
+    return wrong
+
+
+def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path) -> dict:
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = ex.GPT(dim=model_cfg["dim"], layers=model_cfg["layers"], heads=model_cfg["heads"],
+                   context=model_cfg["context"])
+    run = slipstream.accelerate(
+        model,
+        lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
+        tp_plan=ex.TP_PLAN,
+        run_dir=str(run_dir),
+        total_steps=steps,
+        log_every_steps=2,  # log steps exchange per-rank timings over the control group: exercise it
+        progress=False,
+        **options,
+    )
+    wrong = effective_mismatches(run.config, options)
+    if wrong:
+        raise RuntimeError("the run's config does not show the options given: " + "; ".join(wrong))
+    losses = []
+    corpus = ex.load_corpus(int(0.25 * 2**20))
+    while run.step_count < steps:
+        # Ranks of one tensor-parallel group or pipeline read the same rows: index by dp_rank.
+        x, y = ex.batch_for(run.micro_step_count, run.dp_rank, corpus, model_cfg["batch"], model_cfg["context"], 0)
+        losses.append(run.train_step(x.to(rt.device), y.to(rt.device), ex.loss_fn))
+    run.finish()
+    state = run.unwrapped_state_dict()  # a collective on sharded layouts: every rank calls it
+    digests = {name: tensor_digest(t) for name, t in state.items() if isinstance(t, torch.Tensor)}
+    tied = None
+    if "tok.weight" in state and "head.weight" in state:
+        tied = bool(torch.equal(state["tok.weight"].cpu(), state["head.weight"].cpu()))
+    loss_values = torch.stack(losses).float().cpu().tolist()  # one host sync, after training
+    layout = run.describe_layout()
+    del run, model, state
+    if rt.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "digests": digests,
+        "tied_equal": tied,
+        "losses": [round(v, 6) for v in loss_values],
+        "losses_finite": all(math.isfinite(v) for v in loss_values),
+        "layout": layout,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--plan", required=True, help="JSON file: steps, model sizes, configurations")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    plan = json.loads(Path(args.plan).read_text())
+    out = Path(args.out)
+
+    rt = slipstream.init()
+    ex = load_example("train_gpt")
+    asked_backend = os.environ.get("SLIPSTREAM_BACKEND")
+    asked_device = os.environ.get("SLIPSTREAM_DEVICE")
+    placement = {"backend": rt.backend, "device": str(rt.device), "world_size": rt.world_size}
+    for cfg in plan["configs"]:
+        folder = config_dir(out, cfg["name"])
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"rank{rt.rank}.started").write_text(str(time.time()))
+        started = time.perf_counter()
+        try:
+            if (asked_backend and rt.backend != asked_backend) or (asked_device and rt.device.type != asked_device):
+                raise RuntimeError(f"asked for backend {asked_backend} on {asked_device}, "
+                                   f"slipstream.init() gave {rt.backend} on {rt.device}")
+            record = train_one(ex, rt, plan["model"], plan["steps"], cfg["options"], folder / "run")
+            record.update(status="ok", placement=placement, seconds=round(time.perf_counter() - started, 2))
+            write_result(folder / f"rank{rt.rank}.json", record)
+        except Exception as exc:  # noqa: BLE001 - recorded, then this launch ends (see the module docstring)
+            write_result(folder / f"rank{rt.rank}.json", {
+                "status": "error", "placement": placement, "seconds": round(time.perf_counter() - started, 2),
+                "message": f"{type(exc).__name__}: {exc}"[:2000], "traceback": traceback.format_exc()[-4000:],
+            })
+            print(f"[acceptance] rank {rt.rank}: {cfg['name']} failed: {type(exc).__name__}: {exc}",
+                  file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            # Not slipstream.shutdown(): its exit barrier would wait for a peer that may be stuck in a collective.
+            os._exit(3)
+    slipstream.shutdown(exit_code=0)
+
+
+if __name__ == "__main__":
+    main()

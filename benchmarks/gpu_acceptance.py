@@ -1,0 +1,633 @@
+"""GPU acceptance run (issue #13, "Correct on GPUs"): one command that the first
+machine with a GPU runs once, and that CI runs on the CPU so that run is not
+spent on bugs in this script.
+
+    python -m benchmarks.gpu_acceptance --out DIR [--device cuda|cpu] [--only REGEX]
+                                        [--budget-s 480] [--steps-scale X]
+
+Steps (each a subprocess with its own timeout; a failure does not stop the
+others; a step that cannot apply on this device is "skipped" with the reason):
+
+* environment: versions, the GPU, the sync strategies on offer, and a one-rank
+  gloo group with tensors on the device (what the multi-rank steps rely on).
+* example/<gpt|resnet>/<fp32|bf16|fp16>: the unmodified example at world size 1
+  (NCCL on cuda, gloo on cpu), checkpointed (blocking and asynchronous saves)
+  and resumed, bitwise equal to an uninterrupted run (benchmarks/acceptance/resume.py).
+* perf: bf16 against fp32 step time (CUDA events on a GPU), the step profiler
+  on against off, peak memory (benchmarks/acceptance/perf.py).
+* sync/<strategy> for every name in slipstream.sync.available(), and
+  layout/<name> (FSDP2, ZeRO-2, TP, PP, 4-rank combinations): 2 or 4 ranks
+  through `slipstream run`, sharing one GPU with gloo + CUDA tensors
+  (SLIPSTREAM_BACKEND=gloo SLIPSTREAM_DEVICE=cuda); every rank's model must
+  end with the same bits (benchmarks/acceptance/ranks.py).
+* nccl/2-ranks-1-gpu: NCCL with two ranks on one GPU, which Slipstream must
+  refuse with a clear error (or, if it ever works, train correctly).
+
+Ranks steps of one kind share a launch (starting processes costs more than
+training these models); a configuration that fails ends its launch and the
+configurations not yet started are launched again, so one failure costs the
+others nothing but a restart.
+
+Writes DIR/acceptance.json and DIR/acceptance.md after every step (a killed run
+still leaves a report), prints a line per step, exits 1 if any step failed.
+See docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Fixed so the JSON is checkable: pass, fail, skipped; a skip says which kind.
+PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
+SKIP_DEVICE, SKIP_BUDGET, SKIP_SELECTION, SKIP_BLOCKED = "device", "budget", "selection", "blocked"
+
+
+@dataclass
+class Step:
+    """One line of the report."""
+
+    name: str
+    estimate_s: float  # planned cost on this device, for the budget
+    status: str = "pending"
+    seconds: float = 0.0
+    reason: str = ""  # why skipped or failed, one line
+    skip_kind: str = ""
+    figures: dict = field(default_factory=dict)
+    checks: list = field(default_factory=list)
+    commands: list = field(default_factory=list)
+    output_tail: str = ""
+    options: dict = field(default_factory=dict)  # ranks steps: accelerate() options
+
+    def skip(self, kind: str, reason: str) -> None:
+        self.status, self.skip_kind, self.reason = SKIPPED, kind, reason
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("options")
+        out.pop("estimate_s")
+        if self.status != FAIL:
+            out.pop("output_tail")
+        out["command"] = self.commands[0] if len(self.commands) == 1 else self.commands
+        out.pop("commands")
+        return out
+
+
+@dataclass
+class Sizes:
+    """What each step trains, per device (scaled by --steps-scale)."""
+
+    example_args: dict[str, list[str]]
+    every: int  # checkpoint interval k of the resume steps (they run 3k steps)
+    ranks_model: dict
+    ranks_steps: int
+    perf_args: list[str]
+
+
+def sizes_for(device: str, scale: float) -> Sizes:
+    def steps(n: int, least: int) -> int:
+        return max(least, int(round(n * scale)))
+
+    if device == "cuda":
+        gpt = ["--batch-size", "8", "--layers", "2", "--dim", "128", "--context", "64", "--corpus-mb", "0.5"]
+        resnet = ["--batch-size", "16", "--width", "16"]
+        model = {"dim": 128, "layers": 2, "heads": 4, "context": 64, "batch": 8}
+        perf = ["--warmup", str(steps(3, 1)), "--steps", str(steps(10, 2)), "--rounds", "3"]
+    else:
+        gpt = ["--batch-size", "4", "--layers", "2", "--dim", "64", "--context", "32", "--corpus-mb", "0.2"]
+        resnet = ["--batch-size", "8", "--width", "8"]
+        model = {"dim": 64, "layers": 2, "heads": 4, "context": 32, "batch": 8}
+        # Small: CPU timings on a shared machine are noise, and bf16 matmuls have no
+        # native support on most CPUs (about 10x slower than fp32 here). What CI
+        # proves is that the measurement runs; the figures that matter come from a GPU.
+        perf = ["--dim", "64", "--layers", "1", "--context", "32", "--batch", "4",
+                "--warmup", str(steps(1, 1)), "--steps", str(steps(3, 2)), "--rounds", "2"]
+    return Sizes({"gpt": gpt, "resnet": resnet}, steps(2, 1), model, steps(4, 2), perf)
+
+
+# 2-rank layouts (docs/parallel.md); DDP itself is sync/allreduce. Options go to accelerate().
+LAYOUTS_2 = {
+    "ddp-bf16": {"precision": "bf16"},
+    "ddp-fp16": {"precision": "fp16"},  # the gradient scaler's inf check crosses ranks
+    "fsdp": {"dp_shard": 2},
+    "fsdp-zero2": {"dp_shard": 2, "zero_stage": 2},
+    "fsdp-bf16": {"dp_shard": 2, "precision": "bf16"},
+    "fsdp-activation-ckpt": {"dp_shard": 2, "activation_checkpointing": ["Block"]},
+    "tp": {"tp": 2},
+    "tp-bf16": {"tp": 2, "precision": "bf16"},
+    "pp-gpipe": {"pp": 2, "pp_schedule": "gpipe"},
+    "pp-1f1b": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4},
+}
+LAYOUTS_4 = {
+    "fsdp2xtp2": {"dp_shard": 2, "tp": 2},
+    "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
+    "pp2xfsdp2": {"pp": 2, "dp_shard": 2},
+    "tp2xpp2": {"tp": 2, "pp": 2},
+}
+
+# Planned seconds per device: (process start-up, per unit of work). Rough, from
+# the 2-core CPU machine; the GPU host has 16 cores and starts processes faster.
+ESTIMATES = {
+    "cuda": {"environment": 15, "example": 30, "perf": 60, "launch": 20, "config2": 4, "config4": 6, "nccl": 25},
+    "cpu": {"environment": 15, "example": 25, "perf": 30, "launch": 20, "config2": 3, "config4": 8, "nccl": 0},
+}
+
+
+@dataclass
+class Group:
+    """Ranks steps that share launches: same number of ranks, same environment."""
+
+    nproc: int
+    env: dict[str, str]
+    steps: list[Step]
+    nccl_refusal: bool = False  # the step passes if the launch is refused with a clear error
+
+
+class Acceptance:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.out = Path(args.out).resolve()
+        self.started = time.monotonic()
+        self.started_utc = datetime.datetime.now(datetime.timezone.utc)
+        self.steps: list[Step] = []
+        self.environment: dict = {}
+        self.device = args.device
+        self.only = re.compile(args.only) if args.only else None
+
+    # --- time ---------------------------------------------------------------
+    def remaining_s(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.started)
+
+    def fits(self, step: Step) -> bool:
+        if self.remaining_s() >= step.estimate_s:
+            return True
+        step.skip(SKIP_BUDGET, f"budget: {self.remaining_s():.0f} s left of --budget-s {self.args.budget_s:.0f}, "
+                               f"step planned at {step.estimate_s:.0f} s")
+        return False
+
+    def timeout_for(self, planned_s: float) -> float:
+        """Generous against the plan (first CUDA start-ups are slow), never past the budget."""
+        return max(5.0, min(max(90.0, 4 * planned_s), self.remaining_s()))
+
+    # --- processes ------------------------------------------------------------
+    def run_process(self, cmd: list[str], env: dict[str, str], timeout_s: float, log: Path) -> tuple[int | None, float]:
+        """Run ``cmd`` with its output in ``log``; (exit code or None on timeout, seconds)."""
+        started = time.monotonic()
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                rc: int | None = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                stop_tree(proc)
+                rc = None
+        return rc, round(time.monotonic() - started, 2)
+
+    def program_step(self, step: Step, module: str, args: list[str], env: dict[str, str], timeout_s: float) -> None:
+        """A step that is one program writing a result JSON (environment, example, perf)."""
+        folder = self.out / "steps" / step.name.replace("/", "__")
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        result_path = folder / "result.json"
+        # --result first: an example step's args end with "-- EXAMPLE ARGS".
+        cmd = [sys.executable, "-m", module, "--result", str(result_path), *args]
+        step.commands.append(command_text(cmd, env))
+        rc, step.seconds = self.run_process(cmd, env, timeout_s, folder / "output.log")
+        result = read_json(result_path)
+        step.checks = result.get("checks", []) if result else []
+        step.figures = result.get("figures", {}) if result else {}
+        if result and result.get("commands"):
+            step.commands.extend(result["commands"])
+        if result and result.get("environment"):
+            self.environment = result["environment"]
+        if rc is None:
+            step.status, step.reason = FAIL, f"timed out after {timeout_s:.0f} s"
+        elif result is None:
+            step.status, step.reason = FAIL, f"exit code {rc} and no result file"
+        else:
+            step.status = PASS if result.get("status") == PASS and rc == 0 else FAIL
+            if step.status == FAIL:
+                failed = [c for c in step.checks if not c.get("ok")]
+                step.reason = result.get("message") or (
+                    f"{failed[0]['name']}: {failed[0].get('detail', '')}" if failed else f"exit code {rc}")
+        if step.status == FAIL:
+            step.output_tail = ((result or {}).get("output_tail") or "") + "\n--- step output ---\n" + tail(folder / "output.log")
+
+    # --- the plan ---------------------------------------------------------------
+    def run(self) -> int:
+        self.out.mkdir(parents=True, exist_ok=True)
+        env_step = Step("environment", ESTIMATES["cpu"]["environment"])
+        self.steps.append(env_step)
+        probe_args = ["--device", self.device] if self.device else []
+        self.program_step(env_step, "benchmarks.acceptance.probe", probe_args, {}, self.timeout_for(30))
+        self.report_progress(env_step)
+        if not self.device:
+            self.device = self.environment.get("device_chosen") or "cpu"
+        placement_ok = env_step.status == PASS
+        sizes = sizes_for(self.device, self.args.steps_scale)
+        est = ESTIMATES[self.device]
+        env_step.estimate_s = est["environment"]
+
+        def example(name: str, precision: str) -> tuple[list[Step], Any]:
+            step = Step(f"example/{name}/{precision}", est["example"])
+            return [step], lambda: self.example_step(step, name, precision, sizes)
+
+        def ranks(nproc: int, backend: str, steps: list[Step], nccl_refusal: bool = False) -> tuple[list[Step], Any]:
+            group = Group(nproc, self.ranks_env(backend), steps, nccl_refusal=nccl_refusal)
+            return steps, lambda: self.ranks_group(group, sizes)
+
+        perf = Step("perf", est["perf"])
+        if self.environment.get("sync_available"):
+            syncs = [Step(f"sync/{s}", est["config2"], options={"sync": s}) for s in self.environment["sync_available"]]
+        else:  # nothing to plan from: one line says so
+            syncs = [Step("sync/*", 0)]
+        layouts2 = [Step(f"layout/{n}", est["config2"], options=o) for n, o in LAYOUTS_2.items()]
+        layouts4 = [Step(f"layout/{n}", est["config4"], options=o) for n, o in LAYOUTS_4.items()]
+        # Most telling first, so a budget that runs out takes the least: each precision's
+        # examples, then the profile figures, the NCCL refusal, the 2-rank matrix, the rest.
+        units = [
+            example("gpt", "fp32"), example("resnet", "fp32"),
+            ([perf], lambda: self.perf_step(perf, sizes)),
+            ranks(2, "nccl", [Step("nccl/2-ranks-1-gpu", est["nccl"])], nccl_refusal=True),
+            ranks(2, "gloo", syncs + layouts2),
+            example("gpt", "bf16"), example("resnet", "bf16"), example("gpt", "fp16"), example("resnet", "fp16"),
+            ranks(4, "gloo", layouts4),
+        ]
+        for unit_steps, _ in units:
+            self.steps.extend(unit_steps)
+
+        for unit_steps, action in units:
+            for step in unit_steps:
+                self.apply_device_and_selection(step, placement_ok, env_step)
+            if any(step.status == "pending" for step in unit_steps):
+                action()
+            for step in unit_steps:
+                if step.status == "pending":  # a group member the action left (should not happen)
+                    step.status, step.reason = FAIL, "not run: internal error in the acceptance script"
+                self.report_progress(step)
+            self.write_reports()
+        self.write_reports()
+        failed = [s for s in self.steps if s.status == FAIL]
+        total = round(time.monotonic() - self.started, 1)
+        print(f"acceptance: {len(self.steps) - len(failed)} of {len(self.steps)} steps passed or skipped, "
+              f"{len(failed)} failed, {total} s; report: {self.out / 'acceptance.md'}", flush=True)
+        return 1 if failed else 0
+
+    def apply_device_and_selection(self, step: Step, placement_ok: bool, env_step: Step) -> None:
+        if self.only and not self.only.search(step.name):
+            step.skip(SKIP_SELECTION, f"not selected by --only {self.args.only!r}")
+        elif step.name.startswith("nccl/") and self.device != "cuda":
+            step.skip(SKIP_DEVICE, "device: NCCL needs CUDA, and this run is on the CPU (gloo steps cover the CPU)")
+        elif not self.environment.get("device_usable") or step.name == "sync/*":
+            step.skip(SKIP_BLOCKED, f"blocked: the environment step failed ({env_step.reason})")
+        elif not placement_ok and (step.name.startswith(("sync/", "layout/"))):
+            step.skip(SKIP_BLOCKED, f"blocked: a gloo group with {self.device} tensors did not start "
+                                    f"in the environment step ({env_step.reason})")
+
+    # --- step kinds -----------------------------------------------------------------
+    def example_step(self, step: Step, name: str, precision: str, sizes: Sizes) -> None:
+        if not self.fits(step):
+            return
+        folder = self.out / "steps" / step.name.replace("/", "__")
+        timeout = self.timeout_for(step.estimate_s)
+        args = ["--example", name, "--precision", precision, "--device", self.device, "--every", str(sizes.every),
+                "--out", str(folder / "runs"), "--run-timeout-s", str(max(30.0, timeout / 4)),
+                *(["--no-fork"] if self.args.no_fork else []), "--", *sizes.example_args[name]]
+        self.program_step(step, "benchmarks.acceptance.resume", args, {}, timeout)
+
+    def perf_step(self, step: Step, sizes: Sizes) -> None:
+        if not self.fits(step):
+            return
+        folder = self.out / "steps" / "perf"
+        args = ["--device", self.device, "--out", str(folder / "runs"), *sizes.perf_args]
+        self.program_step(step, "benchmarks.acceptance.perf", args, {}, self.timeout_for(step.estimate_s))
+
+    def ranks_env(self, backend: str) -> dict[str, str]:
+        env = {"SLIPSTREAM_BACKEND": backend, "SLIPSTREAM_DEVICE": self.device,
+               # A hang becomes an error (and a relaunch of the rest) after this long, not after 600 s.
+               "SLIPSTREAM_COLLECTIVE_TIMEOUT_S": "60"}
+        if self.device == "cuda":
+            # Every rank on the first visible GPU: the point is ranks sharing one device.
+            visible = (self.environment.get("cuda_visible_devices") or "0").split(",")[0].strip() or "0"
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        return env
+
+    def ranks_group(self, group: Group, sizes: Sizes) -> None:
+        """Launch the group's pending steps, again and again while a failure leaves some unstarted."""
+        est = ESTIMATES[self.device]
+        folder = self.out / "steps" / f"ranks{group.nproc}-{group.env['SLIPSTREAM_BACKEND']}"
+        attempt = 0
+        while True:
+            todo = [s for s in group.steps if s.status == "pending"]
+            if not todo:
+                return
+            # Keep what fits the budget, in order; the rest is skipped now.
+            fitting, planned = [], est["launch"]
+            for step in todo:
+                if planned + step.estimate_s <= self.remaining_s():
+                    fitting.append(step)
+                    planned += step.estimate_s
+                else:
+                    step.skip(SKIP_BUDGET, f"budget: {self.remaining_s():.0f} s left of --budget-s "
+                                           f"{self.args.budget_s:.0f}, this launch planned at {planned + step.estimate_s:.0f} s")
+            if not fitting:
+                return
+            attempt += 1
+            launch_dir = folder / f"launch{attempt}"
+            if launch_dir.exists():
+                shutil.rmtree(launch_dir)
+            launch_dir.mkdir(parents=True)
+            plan = {"steps": sizes.ranks_steps, "model": sizes.ranks_model,
+                    "configs": [{"name": s.name, "options": s.options} for s in fitting]}
+            (launch_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+            cmd = [sys.executable, "-m", "slipstream", "run", "-n", str(group.nproc),
+                   "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"),
+                   "--out", str(launch_dir)]
+            timeout = self.timeout_for(planned)
+            rc, seconds = self.run_process(cmd, group.env, timeout, launch_dir / "output.log")
+            launch_text = command_text(cmd, group.env)
+            state = f"exit code {rc}" if rc is not None else f"timed out after {timeout:.0f} s"
+            progressed = False
+            for step in fitting:
+                step.commands = [launch_text]
+                step.figures["launch"] = f"{launch_dir.name}: {len(fitting)} configuration(s), {state}, {seconds} s"
+                started = any(p.name.endswith(".started") for p in (launch_dir / step.name.replace("/", "__")).glob("*"))
+                if group.nccl_refusal:
+                    self.judge_nccl(step, group, launch_dir, rc)
+                elif started:
+                    progressed = True
+                    self.judge_ranks(step, group, launch_dir, rc)
+                elif rc == 0:
+                    step.status, step.reason = FAIL, "the launch succeeded but this configuration never started"
+                # else: not started in a launch that failed: stays pending for the next launch
+                if step.status == FAIL and not step.output_tail:
+                    step.output_tail = tail(launch_dir / "output.log")
+            if group.nccl_refusal:
+                return
+            if not progressed:  # the launch failed before any configuration: do not retry forever
+                for step in fitting:
+                    if step.status == "pending":
+                        step.status, step.reason = FAIL, f"the launch failed before this configuration started ({state})"
+                        step.output_tail = tail(launch_dir / "output.log")
+                return
+
+    def rank_records(self, step: Step, group: Group, launch_dir: Path) -> list[dict | None]:
+        folder = launch_dir / step.name.replace("/", "__")
+        return [read_json(folder / f"rank{r}.json") for r in range(group.nproc)]
+
+    def judge_ranks(self, step: Step, group: Group, launch_dir: Path, rc: int | None) -> None:
+        records = self.rank_records(step, group, launch_dir)
+        missing = [r for r, rec in enumerate(records) if rec is None]
+        errors = [(r, rec) for r, rec in enumerate(records) if rec is not None and rec.get("status") != "ok"]
+        seconds = [rec.get("seconds", 0) for rec in records if rec]
+        step.seconds = max(seconds) if seconds else 0.0
+        if errors:
+            r, rec = errors[0]
+            step.status, step.reason = FAIL, f"rank {r}: {rec.get('message', 'error')}"
+            step.output_tail = rec.get("traceback", "") + "\n--- launch output ---\n" + tail(launch_dir / "output.log")
+            return
+        if missing:
+            state = f"exit code {rc}" if rc is not None else "timed out"
+            step.status, step.reason = FAIL, f"rank(s) {missing} never finished this configuration (launch {state})"
+            return
+        checks = ranks_checks(records, group.env)
+        step.checks = checks
+        first = records[0]
+        step.figures.update({
+            "ranks": group.nproc, "layout": first.get("layout"),
+            "backend": first["placement"]["backend"], "device": first["placement"]["device"],
+            "model_digest": combined_digest(first["digests"])[:16],
+            "final_loss_rank0": first["losses"][-1] if first.get("losses") else None,
+        })
+        failed = [c for c in checks if not c["ok"]]
+        step.status = FAIL if failed else PASS
+        if failed:
+            step.reason = f"{failed[0]['name']}: {failed[0]['detail']}"
+
+    def judge_nccl(self, step: Step, group: Group, launch_dir: Path, rc: int | None) -> None:
+        """Two ranks, NCCL, one GPU: pass if refused with Slipstream's one-line error, or if it trained correctly."""
+        records = self.rank_records(step, group, launch_dir)
+        text = tail(launch_dir / "output.log", 20_000)
+        refusal = re.findall(r"slipstream: error[^\n]*", text)
+        if rc == 0 and all(rec and rec.get("status") == "ok" for rec in records):
+            self.judge_ranks(step, group, launch_dir, rc)
+            step.figures["outcome"] = "worked: NCCL ran two ranks on one GPU"
+        elif rc is None:
+            step.status, step.reason = FAIL, "hung: neither refused nor finished before the timeout"
+        elif refusal:
+            step.status = PASS
+            step.figures["outcome"] = "refused as expected"
+            step.figures["message"] = refusal[0][:400]
+        else:
+            step.status = FAIL
+            step.reason = (f"exit code {rc}, and no Slipstream one-line error: two ranks on one GPU under NCCL "
+                           "should either train correctly or be refused clearly (see the output)")
+        if step.status == FAIL:
+            step.output_tail = text[-4000:]
+
+    # --- reporting ----------------------------------------------------------------
+    def report_progress(self, step: Step) -> None:
+        index = self.steps.index(step) + 1
+        total = len(self.steps) if len(self.steps) > 1 else "?"  # the plan exists once the environment is known
+        detail = step.reason if step.status != PASS else brief(step.figures)
+        print(f"[{index:2d}/{total:>2}] {step.status:7s} {step.name:34s} {step.seconds:6.1f} s  {detail}"[:220],
+              flush=True)
+
+    def write_reports(self) -> None:
+        counts = {k: sum(1 for s in self.steps if s.status == k) for k in (PASS, FAIL, SKIPPED)}
+        doc = {
+            "title": "Slipstream GPU acceptance run",
+            "started_utc": self.started_utc.isoformat(timespec="seconds"),
+            "wall_s": round(time.monotonic() - self.started, 1),
+            "device": self.device,
+            "budget_s": self.args.budget_s,
+            "steps_scale": self.args.steps_scale,
+            "argv": sys.argv,
+            "git": git_state(),
+            "environment": self.environment,
+            "summary": counts,
+            "steps": [s.to_json() for s in self.steps],
+        }
+        tmp = self.out / "acceptance.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        os.replace(tmp, self.out / "acceptance.json")
+        (self.out / "acceptance.md").write_text(markdown(doc))
+
+
+def ranks_checks(records: list[dict], env: dict[str, str]) -> list[dict]:
+    """Checks over every rank's record of one configuration (pure: JSON in, checks out)."""
+    checks = []
+    placements = {(r["placement"]["backend"], r["placement"]["device"].split(":")[0]) for r in records}
+    wanted = (env["SLIPSTREAM_BACKEND"], env["SLIPSTREAM_DEVICE"])
+    checks.append({"name": "every rank on the backend and device asked for", "ok": placements == {wanted},
+                   "detail": f"asked {wanted}, got {sorted(placements)}"})
+    names = set().union(*(r["digests"] for r in records))
+    differing = sorted(n for n in names if len({r["digests"].get(n) for r in records}) > 1)
+    checks.append({"name": f"parameter digests equal on all {len(records)} ranks", "ok": not differing,
+                   "detail": f"{len(names)} tensors" if not differing else f"differ: {', '.join(differing[:6])}"})
+    tied = [r.get("tied_equal") for r in records]
+    if any(t is not None for t in tied):
+        checks.append({"name": "tied embedding and head weights equal", "ok": all(t is not False for t in tied),
+                       "detail": str(tied)})
+    checks.append({"name": "losses finite on every rank", "ok": all(r.get("losses_finite") for r in records),
+                   "detail": str([r.get("losses", [])[-1:] for r in records])})
+    return checks
+
+
+def combined_digest(digests: dict[str, str]) -> str:
+    return hashlib.sha256("".join(f"{k}={digests[k]};" for k in sorted(digests)).encode()).hexdigest()
+
+
+def stop_tree(proc: subprocess.Popen) -> None:
+    """Stop a timed-out step and everything it started. `slipstream run` turns SIGTERM
+    into stopping its workers; whatever is left after a grace period is killed."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        # Workers of the elastic agent may sit in sessions of their own: walk the tree.
+        from slipstream.launch.proc import kill_tree  # imports torch; only ever needed here
+
+        kill_tree(proc.pid)
+    except Exception:  # noqa: BLE001 - best effort; the process group kill below still applies
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def command_text(cmd: list[str], env: dict[str, str]) -> str:
+    shown = [f"{k}={v}" for k, v in sorted(env.items())]
+    return " ".join(shown + [shlex.quote(c) for c in ["python" if c == sys.executable else c for c in cmd]])
+
+
+def git_state() -> dict:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def brief(figures: dict) -> str:
+    """The few figures worth a progress line."""
+    keys = ("bitwise_equal", "final_loss", "bf16_speedup_vs_fp32", "bf16_speedup_vs_tf32", "profiler_overhead_pct",
+            "peak_memory_mib", "outcome", "layout", "final_loss_rank0", "device", "torch")
+    return ", ".join(f"{k} {figures[k]}" for k in keys if k in figures)
+
+
+def markdown(doc: dict) -> str:
+    env = doc["environment"] or {}
+    gpu = env.get("device_name") or "none"
+    lines = [
+        "# Slipstream GPU acceptance run",
+        "",
+        f"- device: **{doc['device']}** (GPU: {gpu}; torch {env.get('torch', '?')}, CUDA {env.get('cuda_runtime', '-')}, "
+        f"NCCL {env.get('nccl', '-')}; {env.get('cpu_count', '?')} CPUs)",
+        f"- started {doc['started_utc']}, wall {doc['wall_s']} s of a {doc['budget_s']:.0f} s budget, "
+        f"steps scale {doc['steps_scale']}",
+        f"- commit {doc['git'].get('commit', '?')[:12]}{' (with uncommitted changes)' if doc['git'].get('dirty') else ''}",
+        f"- result: {doc['summary'][PASS]} passed, {doc['summary'][FAIL]} failed, {doc['summary'][SKIPPED]} skipped",
+        f"- command: `{' '.join(['python -m benchmarks.gpu_acceptance', *doc['argv'][1:]])}`",
+        "",
+        "| step | status | s | figures or reason |",
+        "|---|---|---:|---|",
+    ]
+    for s in doc["steps"]:
+        text = s["reason"] if s["status"] != PASS else brief(s["figures"])
+        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {md_cell(text)} |")
+    perf = next((s for s in doc["steps"] if s["name"] == "perf" and s["status"] == PASS), None)
+    if perf:
+        f = perf["figures"]
+        lines += ["", "## Performance (world size 1)", "",
+                  f"Model {f.get('model')}; timing: {f.get('timing')}; medians of every timed step.", "",
+                  "| configuration | step ms (median) |", "|---|---:|"]
+        lines += [f"| {k} | {v} |" for k, v in f.get("step_ms_median", {}).items()]
+        lines += ["", f"- bf16 speed-up over fp32: **{f.get('bf16_speedup_vs_fp32')}x**"
+                  + (f"; over fp32 with TF32 matmuls: **{f['bf16_speedup_vs_tf32']}x**" if "bf16_speedup_vs_tf32" in f else "")
+                  + " (vendors claim 1.5-2x)",
+                  f"- profiler on vs off, overhead %: {f.get('profiler_overhead_pct')}",
+                  f"- peak memory MiB ({f.get('peak_memory_source')}): {f.get('peak_memory_mib')}"]
+    failures = [s for s in doc["steps"] if s["status"] == FAIL]
+    if failures:
+        lines += ["", "## Failures", ""]
+        for s in failures:
+            command = s["command"] if isinstance(s["command"], str) else (s["command"] or [""])[0]
+            lines += [f"### {s['name']}", "", s["reason"], "", f"command: `{command}`", "", "```",
+                      s.get("output_tail", "").strip()[-3000:], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def md_cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")[:300]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_acceptance", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="directory for acceptance.json, acceptance.md and every step's files")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="default: cuda if torch sees a GPU, else cpu")
+    p.add_argument("--only", default=None, metavar="REGEX",
+                   help="run only steps whose name matches (re.search); the environment step always runs")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="wall-clock budget for the whole run; steps that no longer fit are skipped (default 480)")
+    p.add_argument("--steps-scale", type=float, default=1.0,
+                   help="multiply every step's training steps (e.g. 0.5 on a slow CPU); each keeps a minimum")
+    p.add_argument("--no-fork", action="store_true",
+                   help="start every example run as a new python process (default: fork from a warm parent)")
+    args = p.parse_args(argv)
+    if args.budget_s <= 0 or not math.isfinite(args.budget_s):
+        p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.steps_scale <= 0:
+        p.error(f"--steps-scale must be > 0, got {args.steps_scale}")
+    if args.only:
+        try:
+            re.compile(args.only)
+        except re.error as exc:
+            p.error(f"--only must be a regular expression: {exc}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return Acceptance(parse_args(argv)).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
