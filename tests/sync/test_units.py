@@ -243,3 +243,21 @@ def test_one_rank_keeps_ddp_reducer_and_counts_steps(tmp_path):
             sync.apply("gzip", DDP(torch.nn.Linear(2, 2)))
     finally:
         dist.destroy_process_group()
+
+
+def test_codec_state_loaded_onto_the_gradients_device():
+    """A checkpoint written on another device (or loaded to the CPU) must not leave residuals
+    and Q factors where the codec silently ignores them (they are matched by device)."""
+    from slipstream.sync.compress import PowerSGD
+    from slipstream.sync.hooks import HookSync
+
+    codec = PowerSGD(rank=1)
+    codec.residuals = {("param", 0): torch.ones(6)}
+    codec.q = {("param", 0): torch.ones(3, 1)}
+    saved = HookSync("powersgd", object(), {"powersgd": codec}, "powersgd").state_dict()
+    fresh = PowerSGD(rank=1)
+    state = HookSync("powersgd", object(), {"powersgd": fresh}, "powersgd")
+    state.device = torch.device("meta")  # stands in for the GPU the gradients live on
+    state.load_state_dict(saved)
+    assert fresh.residuals[("param", 0)].device.type == "meta"
+    assert fresh.q[("param", 0)].device.type == "meta"

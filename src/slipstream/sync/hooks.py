@@ -328,7 +328,9 @@ class HookSync:
         self.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
         for k, sd in state["codecs"].items():
             if k in self.codecs:
-                self.codecs[k].load_state_dict(sd)
+                # Residuals and Q factors live where the gradients do: a checkpoint
+                # written on another device (or loaded to the CPU) is moved here once.
+                self.codecs[k].load_state_dict(_to_device(sd, self.device))
         if self.guard is not None and state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
 
@@ -604,6 +606,17 @@ class HookSync:
 # dropped). Five: one burst of other load on a shared core can inflate two or three of them
 # several-fold (seen: PowerSGD costed at 10x its steady time, and auto chose bf16 at 1 Gbit/s).
 _COST_RUNS = 6
+
+
+def _to_device(tree: Any, device: torch.device) -> Any:
+    """``tree`` (dicts, lists, tuples of tensors and plain values) with every tensor on ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: _to_device(v, device) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_device(v, device) for v in tree)
+    return tree
 
 
 def _hook(state: HookSync, bucket: dist.GradBucket) -> torch.futures.Future:
