@@ -4,8 +4,8 @@ on against off, and peak memory, at world size 1 (NCCL on a GPU, gloo on the CPU
     python -m benchmarks.acceptance.perf --device cuda --result r.json --out DIR
 
 The GPT of examples/train_gpt.py, trained through ``slipstream.accelerate`` under
-each configuration: precision fp32, bf16 (and on a GPU fp32 with TF32 matmuls,
-the baseline vendors usually quote their 1.5-2x against), each with the
+each configuration: precision fp32, bf16, and fp32 with TF32 matmuls (the
+baseline vendors usually quote their 1.5-2x against; no effect on a CPU), each with the
 profiler (TrainConfig.profile) on and off. Every configuration is built afresh
 in each of --rounds rounds, the order rotating between rounds so a noisy
 neighbour hurts all alike (shared/GUIDE.md, "How we measure"); a round runs
@@ -35,6 +35,20 @@ import torch
 
 import slipstream
 from benchmarks.acceptance.common import load_example, peak_memory_bytes, write_result
+
+
+_DEFAULT_FP32_PRECISION = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+
+
+def set_tf32(on: bool) -> None:
+    """TF32 for fp32 matmuls, or back to the default. torch 2.13's new switch
+    (fp32_precision): mixing it with the legacy allow_tf32 makes reading either raise,
+    and Slipstream's profiler reads the new one (metrics.profiler.tf32_matmul_allowed)."""
+    matmul = torch.backends.cuda.matmul
+    if _DEFAULT_FP32_PRECISION is None:  # a torch without the new API
+        matmul.allow_tf32 = on
+    else:
+        matmul.fp32_precision = "tf32" if on else _DEFAULT_FP32_PRECISION
 
 
 def time_steps(run, batches, device: torch.device, warmup: int, steps: int, loss_fn) -> tuple[list[float], float]:
@@ -89,8 +103,9 @@ def main() -> None:
         corpus = ex.load_corpus(int(0.5 * 2**20))
         batches = [tuple(t.to(rt.device) for t in ex.batch_for(i, 0, corpus, size["batch"], size["context"], 0))
                    for i in range(4)]
-        # (name, precision, tf32 matmuls); TF32 only means something on a GPU.
-        variants = [("fp32", "fp32", False), ("bf16", "bf16", False)] + ([("fp32_tf32", "fp32", True)] if gpu else [])
+        # (name, precision, TF32 matmuls). TF32 changes nothing on a CPU; it runs there
+        # too so that CI exercises the switch before a GPU depends on it.
+        variants = [("fp32", "fp32", False), ("bf16", "bf16", False), ("fp32_tf32", "fp32", True)]
         configs = [(name, precision, tf32, profile) for name, precision, tf32 in variants for profile in (True, False)]
         times: dict[str, list[float]] = {}
         peaks: dict[str, int] = {}
@@ -99,8 +114,7 @@ def main() -> None:
             shift = r % len(configs)
             for name, precision, tf32, profile in configs[shift:] + configs[:shift]:
                 key = f"{name}/profile_{'on' if profile else 'off'}"
-                torch.backends.cuda.matmul.allow_tf32 = tf32
-                torch.backends.cudnn.allow_tf32 = tf32
+                set_tf32(tf32)
                 if gpu:
                     torch.cuda.reset_peak_memory_stats(rt.device)
                 torch.manual_seed(0)
@@ -121,12 +135,11 @@ def main() -> None:
                 del run, model
                 if gpu:
                     torch.cuda.empty_cache()
-        torch.backends.cuda.matmul.allow_tf32 = False
+        set_tf32(False)
         median = {key: statistics.median(values) for key, values in times.items()}
         figures: dict = {"model": size, "step_ms_median": {k: round(v, 3) for k, v in median.items()}}
         figures["bf16_speedup_vs_fp32"] = round(median["fp32/profile_off"] / median["bf16/profile_off"], 3)
-        if gpu:
-            figures["bf16_speedup_vs_tf32"] = round(median["fp32_tf32/profile_off"] / median["bf16/profile_off"], 3)
+        figures["bf16_speedup_vs_tf32"] = round(median["fp32_tf32/profile_off"] / median["bf16/profile_off"], 3)
         figures["profiler_overhead_pct"] = {
             name: round(100 * (median[f"{name}/profile_on"] / median[f"{name}/profile_off"] - 1), 2)
             for name, _, _ in variants
