@@ -100,6 +100,7 @@ class ParallelAccelerated(Accelerated):
         self.dims = layout.dims
         self._schedule = None
         self._loss_fn: Callable | None = None
+        self._selectors: dict[str, torch.Tensor] | None = None  # see _global_grad_norm
         if self.dims.pp > 1:
             from ..parallel.pipeline import build_schedule
 
@@ -182,27 +183,45 @@ class ParallelAccelerated(Accelerated):
 
     def _global_grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient, over every shard, TP slice and pipeline
-        stage (a weight tied across stages counted once). A collective on the mesh."""
+        stage (a weight tied across stages counted once). A collective on the mesh: one
+        all-reduce of a few floats per mesh dimension the gradients are sharded over, plus
+        one over the pipeline, whatever the number of parameters. No host sync."""
         skip = set()
         if self.layout.tied is not None and not self.layout.is_first_stage:
             skip = {id(p) for p, _ in self.layout.tied.params}
         counted = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
-        square = torch.zeros((), device=self.device)
-        for g in counted:
-            n = torch.linalg.vector_norm(g)
-            if hasattr(n, "full_tensor"):
-                n = n.full_tensor()
-            square = square + n.float() ** 2
+        if self._selectors is None:
+            # Which mesh dims to sum over, and (as 0/1 device vectors, made once: no
+            # host-to-device copy per step) which entries of the sums each one covers.
+            # Structural (from the parameters' placements, fixed once parallelized), so
+            # every rank of a dimension's group makes the same calls.
+            sharded = _sharded_dims(self.module.parameters(), _GRAD_DIMS)
+            self._selectors = {
+                name: torch.tensor([float(bool(m & (1 << i))) for m in range(1 << len(_GRAD_DIMS))],
+                                   device=self.device)
+                for i, name in enumerate(_GRAD_DIMS)
+                if name in sharded and getattr(self.dims, name) > 1
+            }
+        square = _local_square_sums(counted, _GRAD_DIMS, self.device)
+        for name, sel in self._selectors.items():
+            part = square * sel  # the patterns sharded over this dim; the others must not be summed over it
+            dist.all_reduce(part, group=self.dims.mesh.get_group(name))
+            square = square * (1 - sel) + part
+        total = square.sum()
         if self.dims.pp > 1:
-            dist.all_reduce(square, group=self._pp_group)
-        return square.sqrt()
+            dist.all_reduce(total, group=self._pp_group)
+        return total.sqrt()
 
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip by the global 2-norm (:meth:`_global_grad_norm`); returns the norm before clipping."""
         total = self._global_grad_norm()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for g in (p.grad for p in self.module.parameters() if p.grad is not None):
-            (g.to_local() if hasattr(g, "to_local") else g).mul_(coef)
+            local = g.to_local() if hasattr(g, "to_local") else g
+            groups.setdefault((local.device, local.dtype), []).append(local)
+        for (device, _), local in groups.items():
+            torch._foreach_mul_(local, coef.to(device))
         return total
 
     def _grad_norm_due(self) -> bool:
@@ -225,6 +244,71 @@ class ParallelAccelerated(Accelerated):
             dist.all_gather_object(parts, state, group=self._pp_group)
             state = {k: v for part in parts for k, v in part.items()}
         return state
+
+
+# Mesh dimensions a gradient may be sharded over (pipeline stages are summed apart).
+_GRAD_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+def _placement_mask(grad: Any, dims: tuple[str, ...]) -> int | None:
+    """Bit i set when ``grad`` (a DTensor) is sharded over ``dims[i]``; 0 for a plain tensor.
+    None when its squares cannot be summed locally: a Partial placement (the local
+    values are addends of the gradient, not pieces of it) or a mesh dimension outside ``dims``."""
+    placements = getattr(grad, "placements", None)
+    if placements is None:
+        return 0
+    names = grad.device_mesh.mesh_dim_names or ()
+    mask = 0
+    for i, placement in enumerate(placements):
+        if placement.is_replicate():
+            continue
+        if placement.is_partial():
+            return None
+        # Any other placement holds a distinct piece per rank: Shard, and also FSDP2's
+        # _StridedShard under TP, which torch 2.13 does not count as is_shard().
+        if i >= len(names) or names[i] not in dims:
+            return None
+        mask |= 1 << dims.index(names[i])
+    return mask
+
+
+def _sharded_dims(params: Any, dims: tuple[str, ...]) -> set[str]:
+    """The dimensions of ``dims`` any parameter is sharded over (from placements, not values)."""
+    out: set[str] = set()
+    for p in params:
+        mask = _placement_mask(p, dims)
+        out.update(d for i, d in enumerate(dims) if mask and mask & (1 << i))
+    return out
+
+
+def _local_square_sums(grads: list[Any], dims: tuple[str, ...], device: torch.device) -> torch.Tensor:
+    """Pure: fp32 sums of squares of this rank's gradient pieces, one entry per sharding
+    pattern: entry ``m`` holds the gradients sharded exactly over the dims whose bit is set
+    in ``m``, so that summing entry ``m`` over those dims' groups (and no others) counts every
+    element once. Gradients that cannot be summed locally (see :func:`_placement_mask`) are
+    reduced whole here, one collective each (none of the layouts here produce them).
+
+    Example::
+
+        _local_square_sums([torch.ones(3)], ("dp_shard",), torch.device("cpu"))   # tensor([3., 0.])
+    """
+    by_mask: dict[int, list[torch.Tensor]] = {}
+    whole: list[torch.Tensor] = []
+    for g in grads:
+        mask = _placement_mask(g, dims)
+        if mask is None:
+            n = torch.linalg.vector_norm(g)
+            whole.append((n.full_tensor() if hasattr(n, "full_tensor") else n).float().square())
+        else:
+            by_mask.setdefault(mask, []).append(g.to_local() if hasattr(g, "to_local") else g)
+    square = torch.zeros(1 << len(dims), device=device, dtype=torch.float32)
+    for mask, local in by_mask.items():
+        # One fused kernel per pattern; norms in fp32 even for bf16 gradients.
+        norms = torch._foreach_norm(local, 2, dtype=torch.float32)
+        square[mask] = torch.stack([n.to(device) for n in norms]).square().sum()
+    for sq in whole:
+        square[0] += sq.to(device)
+    return square
 
 
 def _rebuild_optimizer(
