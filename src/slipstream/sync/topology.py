@@ -93,12 +93,9 @@ def detect(env: Mapping[str, str] | None = None) -> Topology:
         rank = int(env["RANK"])
         return Topology(rank, world, int(env.get("LOCAL_RANK", rank % local_world)), local_world)
     if dist.is_available() and dist.is_initialized():
-        try:
-            from .. import runtime
+        from ..runtime import started
 
-            rt = runtime._RUNTIME  # only if slipstream.init() started this process group
-        except Exception:  # pragma: no cover - runtime import problems
-            rt = None
+        rt = started()  # only if slipstream.init() started this process group
         if rt is not None and rt.world_size == dist.get_world_size():
             return Topology(rt.rank, rt.world_size, rt.local_rank, rt.local_world_size)
         world = dist.get_world_size()
