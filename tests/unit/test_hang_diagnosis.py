@@ -311,3 +311,23 @@ def test_hang_report_files_come_from_one_writer(tmp_path):
     progress.write_hang_report(str(tmp_path), "rank 1 stalled first.", {"culprit": "rank 1 stalled first"})
     assert (tmp_path / "hang.txt").read_text() == "rank 1 stalled first.\n"
     assert '"culprit": "rank 1 stalled first"' in (tmp_path / "hang.json").read_text()
+
+
+def test_progress_files_add_where_each_ranks_host_code_was(tmp_path):
+    import time
+
+    from slipstream.fault.flight_recorder import PROGRESS_DIRNAME, diagnose_flight_recorder
+
+    # No process group here: the reporter publishes to its file only.
+    reporters = [progress.ProgressReporter(r, 2, interval_s=0.05, progress_dir=str(tmp_path / PROGRESS_DIRNAME))
+                 for r in (0, 1)]
+    reporters[0].mark(progress.BACKWARD, step=41)
+    reporters[1].mark(progress.USER, step=41)
+    time.sleep(0.3)
+    for rep in reporters:
+        rep.close()
+    dumps = {0: _dump([(0, "0", "default_pg", (0, 1), _ops(41, 42))]), 1: _dump([(0, "0", "default_pg", (0, 1), _ops(41))])}
+    verdict = diagnose_flight_recorder(_write(tmp_path, dumps), world_size=2)
+    assert verdict.culprits == [1]
+    assert "rank 0: backward (gradient all-reduce) of step 42" in verdict.message
+    assert "rank 1: user code between steps after step 41" in verdict.message

@@ -7,7 +7,14 @@ from .flight_recorder import (
     diagnose_flight_recorder,
     read_traces,
 )
-from .progress import CollectiveTimeout, ProgressReporter, diagnose_hang, is_collective_failure, write_hang_report
+from .progress import (
+    CollectiveTimeout,
+    ProgressReporter,
+    diagnose_hang,
+    is_collective_failure,
+    read_progress_files,
+    write_hang_report,
+)
 
 __all__ = [
     "CollectiveTimeout",
@@ -18,6 +25,7 @@ __all__ = [
     "diagnose_flight_recorder",
     "diagnose_hang",
     "is_collective_failure",
+    "read_progress_files",
     "read_traces",
     "write_hang_report",
 ]

@@ -23,7 +23,12 @@ Two pieces:
 * :func:`diagnose_flight_recorder` reads the dumps of a run directory, writes
   ``RUN_DIR/hang.txt`` and ``hang.json`` (the files the in-process diagnosis
   writes on gloo) and returns the verdict; :func:`analyze_traces` is the pure
-  part, for dumps already loaded.
+  part, for dumps already loaded. When the ranks' progress reporters also
+  wrote ``RUN_DIR/progress/rank<R>.json``, the report adds where each rank's
+  host code was (step and phase), which the device-side trace cannot say.
+
+Traces and progress files are read from the run directory, so on several
+nodes it must be shared (or the diagnosis sees only the local ranks).
 
 The dump format is the pickle torch's ``FlightRecorder::dump`` writes (the one
 ``torch.distributed.flight_recorder.fr_trace`` reads): a dict with
@@ -51,6 +56,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TRACE_DIRNAME = "flight_recorder"
+# Where ProgressReporter(progress_dir=RUN_DIR/progress) writes each rank's last (step, phase).
+PROGRESS_DIRNAME = "progress"
 TRACE_PREFIX = "nccl_trace_rank_"
 
 # Entries kept per rank. torchtitan keeps 20000; a few thousand cover the last
@@ -435,7 +442,7 @@ def diagnose_flight_recorder(
         if verdict is not None:
             print(verdict.message)
     """
-    from .progress import write_hang_report
+    from .progress import describe_progress, read_progress_files, write_hang_report
 
     directory = os.path.join(run_dir, TRACE_DIRNAME)
     dumps, errors = read_traces(directory)
@@ -444,6 +451,14 @@ def diagnose_flight_recorder(
     verdict = analyze_traces(dumps, world_size, now_ns=time.time_ns())
     if verdict is not None and errors:
         verdict.message += "\nunreadable traces: " + "; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+    beats = read_progress_files(os.path.join(run_dir, PROGRESS_DIRNAME))
+    if verdict is not None and beats:
+        # The host side of the story: on NCCL the device runs behind the host, so a
+        # rank's phase says where its Python code was, and the trace where its GPU was.
+        now = time.time()
+        verdict.message += "\nhost code of each rank (last heartbeat): " + "; ".join(
+            f"rank {r}: {describe_progress(rec, now)}" for r, rec in sorted(beats.items())
+        ) + "."
     if verdict is not None and write:
         write_hang_report(
             run_dir,
@@ -466,6 +481,7 @@ def diagnose_flight_recorder(
 __all__ = [
     "DEFAULT_BUFFER_ENTRIES",
     "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "PROGRESS_DIRNAME",
     "FlightRecorderVerdict",
     "analyze_traces",
     "configure_flight_recorder",

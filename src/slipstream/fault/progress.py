@@ -115,9 +115,23 @@ def _is_stall(exc: BaseException) -> bool:
 
 
 class ProgressReporter:
-    """Publishes this rank's (step, phase) to the store from a daemon thread."""
+    """Publishes this rank's (step, phase) from a daemon thread: to the job's store, and to
+    ``progress_dir/rank<R>.json`` when given.
 
-    def __init__(self, rank: int, world_size: int, interval_s: float = 1.0, store: Any = None) -> None:
+    The store copy serves the in-process diagnosis (:func:`diagnose_hang`, gloo).
+    The file copy outlives the process: on NCCL, where a hung collective kills
+    every rank, :func:`~slipstream.fault.flight_recorder.diagnose_flight_recorder`
+    reads it beside the flight-recorder traces to say where each rank's host code was.
+
+    Example::
+
+        reporter = ProgressReporter(rank, world_size, progress_dir=os.path.join(run_dir, "progress"))
+        reporter.mark(FORWARD, step=41)
+    """
+
+    def __init__(
+        self, rank: int, world_size: int, interval_s: float = 1.0, store: Any = None, progress_dir: str | None = None
+    ) -> None:
         self.rank = rank
         self.world_size = world_size
         self.interval_s = interval_s
@@ -125,9 +139,13 @@ class ProgressReporter:
         self.phase = USER
         self._since = time.time()
         self._store = store if store is not None else _default_store()
+        self._store_live = True
+        self._path = os.path.join(progress_dir, f"rank{rank}.json") if progress_dir else None
+        if self._path is not None:
+            os.makedirs(progress_dir, exist_ok=True)  # type: ignore[arg-type]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if self._store is not None:
+        if self._store is not None or self._path is not None:
             self._publish()
             self._thread = threading.Thread(target=self._run, name="slipstream-progress", daemon=True)
             self._thread.start()
@@ -141,14 +159,30 @@ class ProgressReporter:
             self._since = time.time()
 
     def _publish(self) -> None:
-        record = {"step": self.step, "phase": self.phase, "since": self._since, "t": time.time(), "pid": os.getpid()}
-        self._store.set(f"{_PREFIX}{self.rank}", json.dumps(record))
+        record = json.dumps(
+            {"step": self.step, "phase": self.phase, "since": self._since, "t": time.time(), "pid": os.getpid()}
+        )
+        if self._path is not None:
+            try:
+                tmp = f"{self._path}.tmp"
+                with open(tmp, "w", encoding="utf-8") as f:
+                    f.write(record)
+                os.replace(tmp, self._path)  # a reader never sees half a record
+            except OSError:
+                self._path = None  # the run directory went away: keep the store copy
+        if self._store is not None and self._store_live:
+            try:
+                self._store.set(f"{_PREFIX}{self.rank}", record)
+            except Exception:  # noqa: BLE001 - the store is gone (peer died); the file copy goes on
+                self._store_live = False
+                if self._path is None:
+                    raise
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
                 self._publish()
-            except Exception:  # noqa: BLE001 - the store is gone (peer died): stop quietly
+            except Exception:  # noqa: BLE001 - nothing left to publish to: stop quietly
                 return
 
     def close(self) -> None:
@@ -265,3 +299,36 @@ def write_hang_report(run_dir: str, message: str, record: dict[str, Any]) -> Non
             json.dump(record, f, indent=1, default=str)
     except OSError:
         pass
+
+
+def read_progress_files(progress_dir: str) -> dict[int, dict]:
+    """The last record each rank's :class:`ProgressReporter` wrote to ``progress_dir``.
+
+    Example::
+
+        read_progress_files("runs/x/progress")   # {0: {"step": 41, "phase": "forward", ...}, 1: {...}}
+    """
+    out: dict[int, dict] = {}
+    if not os.path.isdir(progress_dir):
+        return out
+    for name in os.listdir(progress_dir):
+        rank = name[len("rank"):-len(".json")] if name.startswith("rank") and name.endswith(".json") else ""
+        if not rank.isdigit():
+            continue
+        try:
+            with open(os.path.join(progress_dir, name), encoding="utf-8") as f:
+                out[int(rank)] = json.load(f)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def describe_progress(record: dict | None, now: float) -> str:
+    """Where a rank's host code was, from one progress record, e.g.
+    "user code between steps after step 41 for 598.2 s (heartbeat 0.4 s ago)".
+
+    Example::
+
+        describe_progress({"step": 41, "phase": USER, "since": t0, "t": t1}, time.time())
+    """
+    return _where(record, now)
