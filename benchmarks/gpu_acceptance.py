@@ -110,15 +110,19 @@ def sizes_for(device: str, scale: float) -> Sizes:
         model = {"dim": 128, "layers": 2, "heads": 4, "context": 64, "batch": 8}
         perf = ["--warmup", str(steps(3, 1)), "--steps", str(steps(10, 2)), "--rounds", "3"]
     else:
+        # Tiny, and k = 1 (3 steps a run): on 2 busy cores the examples' fixed costs
+        # (start-up, checkpoints) already take most of CI's few minutes, and a bf16
+        # convolution on a CPU without native bf16 costs about 1 s per step at width 8.
         gpt = ["--batch-size", "4", "--layers", "2", "--dim", "64", "--context", "32", "--corpus-mb", "0.2"]
-        resnet = ["--batch-size", "8", "--width", "8"]
+        resnet = ["--batch-size", "4", "--width", "4"]
         model = {"dim": 64, "layers": 2, "heads": 4, "context": 32, "batch": 8}
         # Small: CPU timings on a shared machine are noise, and bf16 matmuls have no
         # native support on most CPUs (about 10x slower than fp32 here). What CI
         # proves is that the measurement runs; the figures that matter come from a GPU.
         perf = ["--dim", "64", "--layers", "1", "--context", "32", "--batch", "4",
                 "--warmup", str(steps(1, 1)), "--steps", str(steps(3, 2)), "--rounds", "2"]
-    return Sizes({"gpt": gpt, "resnet": resnet}, steps(2, 1), model, steps(4, 2), perf)
+    every = steps(2, 1) if device == "cuda" else steps(1, 1)
+    return Sizes({"gpt": gpt, "resnet": resnet}, every, model, steps(4 if device == "cuda" else 3, 2), perf)
 
 
 # 2-rank layouts (docs/parallel.md); DDP itself is sync/allreduce. Options go to accelerate().
@@ -361,6 +365,8 @@ class Acceptance:
                    "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"),
                    "--out", str(launch_dir)]
             timeout = self.timeout_for(planned)
+            print(f"        launching {len(fitting)} configuration(s) on {group.nproc} ranks "
+                  f"({group.env['SLIPSTREAM_BACKEND']}, {self.device}), up to {timeout:.0f} s ...", flush=True)
             rc, seconds = self.run_process(cmd, group.env, timeout, launch_dir / "output.log")
             launch_text = command_text(cmd, group.env)
             state = f"exit code {rc}" if rc is not None else f"timed out after {timeout:.0f} s"

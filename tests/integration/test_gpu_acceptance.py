@@ -1,0 +1,130 @@
+"""The GPU acceptance run (benchmarks/gpu_acceptance.py), whole, on the CPU.
+
+The first machine with a GPU runs that script once, under an 8-minute budget;
+running it here first means that run is not spent on bugs in the script. Real
+runs throughout: the examples train, checkpoint and resume, `slipstream run`
+launches 2 and 4 ranks under every sync strategy and layout, the profiler is
+timed. On the CPU the only step that may be skipped is the NCCL one (it needs
+CUDA); everything else must pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_acceptance
+from slipstream import sync
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def acceptance(out: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict, str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_acceptance", "--out", str(out), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")},  # nothing leaks in
+    )
+    doc = json.loads((out / "acceptance.json").read_text())
+    return proc, doc, (out / "acceptance.md").read_text()
+
+
+def failures(doc: dict) -> str:
+    return "\n\n".join(f"{s['name']}: {s['reason']}\n{s.get('output_tail', '')[-2500:]}"
+                       for s in doc["steps"] if s["status"] == "fail")
+
+
+def test_whole_run_passes_on_cpu(tmp_path):
+    # A budget no step can run out of: on CPU every step must run, none be skipped for time.
+    proc, doc, md = acceptance(tmp_path / "acc", "--device", "cpu", "--budget-s", "1500", timeout=1200)
+    assert proc.returncode == 0, failures(doc) or proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    names = [s["name"] for s in doc["steps"]]
+    expected = (["environment"]
+                + [f"example/{e}/{p}" for p in ("fp32", "bf16", "fp16") for e in ("gpt", "resnet")]
+                + ["perf", "nccl/2-ranks-1-gpu"]
+                + [f"sync/{s}" for s in sync.available()]
+                + [f"layout/{n}" for n in (*gpu_acceptance.LAYOUTS_2, *gpu_acceptance.LAYOUTS_4)])
+    assert sorted(names) == sorted(expected)
+    assert doc["device"] == "cpu" and doc["environment"]["torch"]
+    assert doc["summary"] == {"pass": len(names) - 1, "fail": 0, "skipped": 1}
+    for step in doc["steps"]:
+        assert step["status"] in ("pass", "skipped"), step
+        assert isinstance(step["seconds"], (int, float)) and isinstance(step["figures"], dict)
+        if step["status"] == "skipped":  # only for a stated device reason
+            assert step["name"] == "nccl/2-ranks-1-gpu" and step["skip_kind"] == "device", step
+            assert "NCCL needs CUDA" in step["reason"]
+        else:
+            assert step["command"] and all(c["ok"] for c in step["checks"]), step
+        print(f"{step['name']}: {step['status']} {step['seconds']} s")  # shown with -s: where the time went
+
+    by_name = {s["name"]: s for s in doc["steps"]}
+    for name in names:
+        if name.startswith("example/"):
+            assert by_name[name]["figures"]["bitwise_equal"] == "3/3", by_name[name]
+        if name.startswith(("sync/", "layout/")):
+            step = by_name[name]
+            assert any(c["name"].startswith("parameter digests equal") and c["ok"] for c in step["checks"]), step
+            assert step["figures"]["backend"] == "gloo" and step["figures"]["device"] == "cpu"
+    assert by_name["layout/hsdp2x2"]["figures"]["ranks"] == 4
+    perf = by_name["perf"]["figures"]
+    assert perf["bf16_speedup_vs_fp32"] > 0 and set(perf["profiler_overhead_pct"]) == {"fp32", "bf16", "fp32_tf32"}
+    assert perf["peak_memory_mib"] > 0 and perf["timing"].startswith("perf_counter")
+
+    # The markdown summary: a header, one table row per step, the performance figures.
+    assert md.startswith("# Slipstream GPU acceptance run")
+    assert "| step | status | s | figures or reason |" in md
+    for name in names:
+        assert f"| {name} | " in md
+    assert "bf16 speed-up over fp32" in md and "## Failures" not in md
+    for name in names:  # progress: a line per step as it went
+        assert name in proc.stdout
+
+
+def test_budget_and_selection_skip_with_their_reasons(tmp_path):
+    # 24 s covers the environment step, not an example step (planned at 25 s on CPU).
+    proc, doc, md = acceptance(tmp_path / "acc", "--device", "cpu", "--budget-s", "24",
+                               "--only", "example/gpt/fp32|sync/allreduce", timeout=300)
+    by_name = {s["name"]: s for s in doc["steps"]}
+    assert by_name["environment"]["status"] == "pass", failures(doc)
+    assert by_name["example/gpt/fp32"]["skip_kind"] == "budget", by_name["example/gpt/fp32"]
+    assert by_name["sync/allreduce"]["skip_kind"] == "budget"
+    assert by_name["layout/tp"]["skip_kind"] == "selection" and "--only" in by_name["layout/tp"]["reason"]
+    assert by_name["nccl/2-ranks-1-gpu"]["skip_kind"] == "selection"
+    assert proc.returncode == 0 and doc["summary"]["fail"] == 0
+
+
+def test_a_failed_step_fails_the_run_and_is_reported(tmp_path):
+    # Asking for CUDA on a machine without it: the environment step fails, the rest
+    # cannot be planned against a GPU and say so; the exit code is 1.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here, so asking for CUDA does not fail")
+    proc, doc, md = acceptance(tmp_path / "acc", "--device", "cuda", "--budget-s", "120", timeout=300)
+    assert proc.returncode == 1
+    env = doc["steps"][0]
+    assert env["name"] == "environment" and env["status"] == "fail"
+    assert "sees no CUDA device" in env["reason"] and env["output_tail"]
+    assert all(s["status"] == "skipped" and s["skip_kind"] == "blocked" for s in doc["steps"][1:]
+               if not s["name"].startswith("nccl/")), doc["steps"]
+    assert "## Failures" in md and "### environment" in md
+
+
+def test_rank_checks_name_the_tensors_that_differ():
+    ok = {"placement": {"backend": "gloo", "device": "cuda:0"}, "digests": {"a": "1", "b": "2"},
+          "tied_equal": True, "losses": [5.0, 4.0], "losses_finite": True}
+    bad = {**ok, "digests": {"a": "1", "b": "3"}, "tied_equal": False}
+    env = {"SLIPSTREAM_BACKEND": "gloo", "SLIPSTREAM_DEVICE": "cuda"}
+    assert all(c["ok"] for c in gpu_acceptance.ranks_checks([ok, ok], env))
+    checks = {c["name"]: c for c in gpu_acceptance.ranks_checks([ok, bad], env)}
+    assert not checks["parameter digests equal on all 2 ranks"]["ok"]
+    assert checks["parameter digests equal on all 2 ranks"]["detail"] == "differ: b"
+    assert not checks["tied embedding and head weights equal"]["ok"]
+    cpu = {**ok, "placement": {"backend": "gloo", "device": "cpu"}}
+    assert not gpu_acceptance.ranks_checks([ok, cpu], env)[0]["ok"]  # a rank that landed on the CPU
