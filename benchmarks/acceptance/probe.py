@@ -21,6 +21,17 @@ import traceback
 from benchmarks.acceptance.common import write_result
 
 
+def nccl_version() -> str | None:
+    """NCCL's version as text (torch returns a tuple, an int in older releases), or None."""
+    try:
+        import torch.cuda.nccl as nccl
+
+        version = nccl.version()
+    except Exception:  # noqa: BLE001 - a torch built without NCCL: recorded as None, not fatal
+        return None
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def describe(device: str) -> dict:
     import torch
 
@@ -45,7 +56,7 @@ def describe(device: str) -> dict:
             memory_gib=round(props.total_memory / 2**30, 1),
             bf16_supported=torch.cuda.is_bf16_supported(),
             cudnn=torch.backends.cudnn.version(),
-            nccl=".".join(map(str, torch.cuda.nccl.version())) if hasattr(torch.cuda, "nccl") else None,
+            nccl=nccl_version(),
             cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
     return info

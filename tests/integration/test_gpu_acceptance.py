@@ -128,3 +128,16 @@ def test_rank_checks_name_the_tensors_that_differ():
     assert not checks["tied embedding and head weights equal"]["ok"]
     cpu = {**ok, "placement": {"backend": "gloo", "device": "cpu"}}
     assert not gpu_acceptance.ranks_checks([ok, cpu], env)[0]["ok"]  # a rank that landed on the CPU
+
+
+def test_nccl_refusal_is_judged_from_a_real_launch(tmp_path):
+    """The one step CI cannot run as the GPU does. Here NCCL is refused for another
+    reason (no CUDA at all), through the same launch and the same judgement."""
+    run = gpu_acceptance.Acceptance(gpu_acceptance.parse_args(["--out", str(tmp_path), "--device", "cpu"]))
+    run.device = "cuda"  # what the GPU run asks for
+    step = gpu_acceptance.Step("nccl/2-ranks-1-gpu", 25)
+    env = {"SLIPSTREAM_BACKEND": "nccl", "SLIPSTREAM_DEVICE": "cuda", "SLIPSTREAM_COLLECTIVE_TIMEOUT_S": "60"}
+    run.ranks_group(gpu_acceptance.Group(2, env, [step], nccl_refusal=True), gpu_acceptance.sizes_for("cpu", 1.0))
+    assert step.status == "pass", (step.reason, step.output_tail)
+    assert step.figures["outcome"] == "refused as expected"
+    assert "slipstream: error" in step.figures["message"] and "nccl" in step.figures["message"].lower()
