@@ -288,6 +288,13 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
         torch.cuda.set_device(where)
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "nccl" and not dist.is_initialized():
+        # On NCCL a hung collective ends in the watchdog's SIGABRT, never in Python:
+        # torch's flight recorder dumps every rank's last collectives instead, into
+        # the run directory, where the launcher names the stalled rank.
+        from .fault.flight_recorder import configure_flight_recorder
+
+        os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
     if not dist.is_initialized():
         if launch.launcher == "single":
             store = dist.HashStore()

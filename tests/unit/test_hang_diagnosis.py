@@ -331,3 +331,21 @@ def test_progress_files_add_where_each_ranks_host_code_was(tmp_path):
     assert verdict.culprits == [1]
     assert "rank 0: backward (gradient all-reduce) of step 42" in verdict.message
     assert "rank 1: user code between steps after step 41" in verdict.message
+
+
+def test_the_launchers_failure_summary_names_the_stalled_rank(tmp_path, capsys):
+    """NCCL kills the ranks (watchdog SIGABRT) before Python can diagnose: the launcher
+    reads their dumps in the run directory and says who never entered the collective."""
+    from slipstream.launch.api import LaunchOptions, _report_failure
+
+    dumps = {r: _dump([(0, "0", "default_pg", WORLD, _ops(41, 42))]) for r in (0, 2, 3)}
+    dumps[1] = _dump([(0, "0", "default_pg", WORLD, _ops(41))])
+    run_dir = _write(tmp_path, dumps)
+
+    class Failed(Exception):
+        failures: dict = {}
+
+    _report_failure(Failed(), LaunchOptions("train.py", worker_env={"SLIPSTREAM_RUN_DIR": run_dir}), 12.0, [])
+    err = capsys.readouterr().err
+    assert "training failed" in err
+    assert "hang (from the ranks' flight-recorder dumps)" in err and "rank 1 never entered it" in err

@@ -251,4 +251,23 @@ def _report_failure(
             f"    {role}: rank {global_rank} (local {failure.local_rank}, pid {failure.pid}): "
             f"exit code {failure.exitcode}: {reason}"
         )
+    verdict = _flight_recorder_verdict(opts)
+    if verdict is not None:
+        lines.append("  hang (from the ranks' flight-recorder dumps): " + verdict.replace("\n", "\n    "))
     print("\n".join(lines), file=sys.stderr)
+
+
+def _flight_recorder_verdict(opts: LaunchOptions) -> str | None:
+    """On NCCL a hung collective kills the workers (watchdog SIGABRT) before any Python
+    diagnosis runs; their flight-recorder dumps in the run directory still say which
+    rank never entered the collective (the last attempt's: dumps are per rank)."""
+    from ..fault.flight_recorder import diagnose_flight_recorder
+
+    run_dir = opts.worker_env.get("SLIPSTREAM_RUN_DIR") or os.environ.get("SLIPSTREAM_RUN_DIR")
+    if not run_dir or not os.path.isdir(run_dir):
+        return None
+    try:
+        verdict = diagnose_flight_recorder(run_dir)
+    except Exception as exc:  # noqa: BLE001 - the summary above must still print
+        return f"could not read the dumps in {run_dir}: {exc}"
+    return verdict.message if verdict is not None else None

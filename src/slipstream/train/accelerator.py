@@ -114,7 +114,11 @@ class Accelerated:
         self.resumed_from_step: int | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.checkpoints: CheckpointManager | None = None
-        self.progress = ProgressReporter(runtime.rank, runtime.world_size) if runtime.world_size > 1 else None
+        # Heartbeats also go to RUN_DIR/progress: on NCCL the launcher's hang report
+        # (from flight-recorder dumps) adds where each rank's host code was.
+        progress_dir = os.path.join(recorder.run_dir, "progress") if recorder.run_dir else None
+        self.progress = (ProgressReporter(runtime.rank, runtime.world_size, progress_dir=progress_dir)
+                         if runtime.world_size > 1 else None)
         model._sl_progress = self.progress
         self._observe_loss = getattr(sync_state, "observe_loss", None)
 
