@@ -377,6 +377,7 @@ class Acceptance:
                 started = any(p.name.endswith(".started") for p in (launch_dir / step.name.replace("/", "__")).glob("*"))
                 if group.nccl_refusal:
                     self.judge_nccl(step, group, launch_dir, rc)
+                    step.seconds = max(step.seconds, seconds)  # a refusal has no per-configuration time
                 elif started:
                     progressed = True
                     self.judge_ranks(step, group, launch_dir, rc)

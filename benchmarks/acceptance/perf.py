@@ -10,7 +10,7 @@ profiler (TrainConfig.profile) on and off. Every configuration is built afresh
 in each of --rounds rounds, the order rotating between rounds so a noisy
 neighbour hurts all alike (shared/GUIDE.md, "How we measure"); a round runs
 --warmup steps, then times --steps steps. Step times are medians over every
-timed step of every round.
+timed step of every round; each round's median is reported too, to judge the noise.
 
 Timing: on a GPU, CUDA events recorded around each step and read once after a
 synchronize at the end of the round, so no host sync enters the timed loop
@@ -108,6 +108,7 @@ def main() -> None:
         variants = [("fp32", "fp32", False), ("bf16", "bf16", False), ("fp32_tf32", "fp32", True)]
         configs = [(name, precision, tf32, profile) for name, precision, tf32 in variants for profile in (True, False)]
         times: dict[str, list[float]] = {}
+        round_medians: dict[str, list[float]] = {}  # per round, to judge the noise
         peaks: dict[str, int] = {}
         last_loss: dict[str, float] = {}
         for r in range(args.rounds):
@@ -129,6 +130,7 @@ def main() -> None:
                 step_ms, loss = time_steps(run, batches, rt.device, args.warmup, args.steps, ex.loss_fn)
                 run.finish()
                 times.setdefault(key, []).extend(step_ms)
+                round_medians.setdefault(key, []).append(round(statistics.median(step_ms), 3))
                 last_loss[key] = loss
                 if gpu:
                     peaks[key] = max(peaks.get(key, 0), int(torch.cuda.max_memory_allocated(rt.device)))
@@ -137,7 +139,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
         set_tf32(False)
         median = {key: statistics.median(values) for key, values in times.items()}
-        figures: dict = {"model": size, "step_ms_median": {k: round(v, 3) for k, v in median.items()}}
+        figures: dict = {"model": size, "step_ms_median": {k: round(v, 3) for k, v in median.items()},
+                         "step_ms_round_medians": round_medians}
         figures["bf16_speedup_vs_fp32"] = round(median["fp32/profile_off"] / median["bf16/profile_off"], 3)
         figures["bf16_speedup_vs_tf32"] = round(median["fp32_tf32/profile_off"] / median["bf16/profile_off"], 3)
         figures["profiler_overhead_pct"] = {
