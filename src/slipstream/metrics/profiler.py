@@ -60,6 +60,9 @@ from typing import Any
 
 import torch
 
+# Marks are (host seconds, CUDA event or None): the clocks are shared with the sync engine.
+from ..timing import CudaClock, HostClock, duration_s
+
 # Parameters hooked after the first backward: the first and last gradient to
 # arrive bound the backward compute and the gradient sync; the ones between only
 # keep the "last" point close when the arrival order varies between steps
@@ -175,60 +178,6 @@ def process_rss_bytes() -> int | None:
         return int(psutil.Process().memory_info().rss)
     except Exception:  # noqa: BLE001 - memory is best effort
         return None
-
-
-# --- clocks ------------------------------------------------------------------------------
-# A mark is (host perf_counter seconds, device event or None). Durations between two
-# marks use the device events when both have one, else the host times.
-
-
-class HostClock:
-    """Marks are host timestamps only (CPU training: nothing runs asynchronously)."""
-
-    def mark(self) -> tuple[float, Any]:
-        return (time.perf_counter(), None)
-
-    def new_event(self) -> Any:
-        return None
-
-    def record(self, event: Any) -> None:
-        pass
-
-    def synchronize(self, marks: Iterable[tuple[float, Any]]) -> None:
-        pass
-
-
-class CudaClock:
-    """Marks carry a CUDA event recorded on the current stream: no host wait."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def mark(self) -> tuple[float, Any]:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return (time.perf_counter(), event)
-
-    def new_event(self) -> Any:
-        return torch.cuda.Event(enable_timing=True)
-
-    def record(self, event: Any) -> None:
-        event.record()
-
-    def synchronize(self, marks: Iterable[tuple[float, Any]]) -> None:
-        # Events complete in stream order: waiting for the latest recorded one is enough.
-        last = None
-        for _, event in marks:
-            if event is not None:
-                last = event
-        if last is not None:
-            last.synchronize()
-
-
-def _duration(a: tuple[float, Any], b: tuple[float, Any]) -> float:
-    if a[1] is not None and b[1] is not None:
-        return max(0.0, a[1].elapsed_time(b[1]) / 1e3)
-    return max(0.0, b[0] - a[0])
 
 
 @dataclass
@@ -406,7 +355,7 @@ class StepProfiler:
             sums = dict.fromkeys(PHASES, 0.0)
             anchor: tuple[float, Any] | None = None
             for phase, a, b in row.spans:
-                dur = _duration(a, b)
+                dur = duration_s(a, b)
                 if phase in sums:
                     sums[phase] += dur
                 start = a[0]
