@@ -349,3 +349,14 @@ def test_the_launchers_failure_summary_names_the_stalled_rank(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "training failed" in err
     assert "hang (from the ranks' flight-recorder dumps)" in err and "rank 1 never entered it" in err
+
+
+def test_configure_reads_the_real_process_environment(monkeypatch, tmp_path):
+    """os.environ refuses non-string look-ups (a dict does not): read it as init() does."""
+    from slipstream.fault.flight_recorder import configure_flight_recorder
+
+    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
+    wanted = configure_flight_recorder(str(tmp_path))
+    assert "TORCH_FR_BUFFER_SIZE" not in wanted  # the user's older name wins
+    assert wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

@@ -127,7 +127,7 @@ def configure_flight_recorder(
     # A user who set the older name of a variable chose its value: setting the
     # newer name would override it.
     older = {"TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
-    wanted = {k: v for k, v in wanted.items() if older.get(k) not in env}
+    wanted = {k: v for k, v in wanted.items() if k not in older or older[k] not in env}
     return {k: v for k, v in wanted.items() if k not in env}
 
 
