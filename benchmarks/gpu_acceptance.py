@@ -145,6 +145,12 @@ LAYOUTS_4 = {
     "tp2xpp2": {"tp": 2, "pp": 2},
 }
 
+def _pipelined(step_name: str) -> bool:
+    """Whether a ``layout/<name>`` step has pipeline stages (pp > 1)."""
+    name = step_name.split("/", 1)[1] if step_name.startswith("layout/") else ""
+    return {**LAYOUTS_2, **LAYOUTS_4}.get(name, {}).get("pp", 1) > 1
+
+
 # Planned seconds per device: (process start-up, per unit of work). Rough, from
 # the 2-core CPU machine; the GPU host has 16 cores and starts processes faster.
 ESTIMATES = {
@@ -299,6 +305,11 @@ class Acceptance:
             step.skip(SKIP_SELECTION, f"not selected by --only {self.args.only!r}")
         elif step.name.startswith("nccl/") and self.device != "cuda":
             step.skip(SKIP_DEVICE, "device: NCCL needs CUDA, and this run is on the CPU (gloo steps cover the CPU)")
+        elif self.device == "cuda" and _pipelined(step.name):
+            # Ranks share the GPU over gloo here, and gloo's send/recv cannot carry GPU
+            # memory (Slipstream refuses it): a GPU pipeline needs NCCL and a GPU per stage.
+            step.skip(SKIP_DEVICE, "device: pp over gloo cannot carry CUDA tensors (send/recv), and one GPU "
+                                   "cannot give NCCL a GPU per stage; the CPU run covers the pipeline layouts")
         elif not self.environment.get("device_usable") or step.name == "sync/*":
             step.skip(SKIP_BLOCKED, f"blocked: the environment step failed ({env_step.reason})")
         elif not placement_ok and (step.name.startswith(("sync/", "layout/"))):

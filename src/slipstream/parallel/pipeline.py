@@ -178,6 +178,25 @@ class TiedGradients:
             dist.all_reduce(local, group=group)
 
 
+def check_p2p_device(device: torch.device, group) -> None:
+    """Refuse stage-to-stage sends that the backend cannot carry.
+
+    gloo's send/recv hand the tensor's raw pointer to a host transport: with
+    CUDA tensors (gloo on GPUs, shared on purpose) that reads device memory from
+    the host and crashes the process. Its collectives stage CUDA tensors
+    through the host; its point-to-point calls do not.
+
+    Example::
+
+        check_p2p_device(torch.device("cpu"), None)   # gloo on the CPU: fine
+    """
+    if device.type == "cuda" and dist.is_initialized() and str(dist.get_backend(group)) == "gloo":
+        raise ConfigError(
+            "pp > 1 with backend gloo and CUDA tensors: gloo's send/recv cannot carry GPU memory; "
+            "use backend nccl (one GPU per rank), or device cpu for a pipeline over gloo"
+        )
+
+
 def build_schedule(
     stage_module: nn.Module,
     stage_index: int,
@@ -196,6 +215,7 @@ def build_schedule(
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    check_p2p_device(device, pp_group)
     stage = PipelineStage(stage_module, stage_index, stages, device, group=pp_group)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
     return stage, kind(stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
