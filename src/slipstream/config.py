@@ -25,6 +25,7 @@ from typing import Any, Mapping
 from .errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+CHECKPOINT_VERIFY_MODES = ("full", "size", "off")  # see slipstream.checkpoint.verify
 PP_SCHEDULES = ("gpipe", "1f1b")
 ZERO_STAGES = (2, 3)
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -102,6 +103,12 @@ class TrainConfig:
     """Complete checkpoints kept; older ones are deleted."""
     checkpoint_async: bool = False
     """Stage to CPU memory and write in a background thread (the loop blocks only for staging)."""
+    checkpoint_verify: str = "full"
+    """Check before loading: full (sizes and CRC-32 of every file), size (sizes only), off.
+    A checkpoint that fails is moved aside and the previous one is loaded."""
+    checkpoint_max_failures: int = 3
+    """Saves that may fail in a row (full disk, ...) before the run exits 1; each failure
+    before that is reported and training continues."""
     preemption_deadline_s: float = 25.0
     """After SIGTERM: an emergency checkpoint at the next step, then exit 143; past this
     deadline the process exits 143 regardless (keep it under the pod's grace period)."""
@@ -162,6 +169,14 @@ class TrainConfig:
             f"checkpoint_every_s must be > 0 or None, got {self.checkpoint_every_s}",
         )
         _require(self.preemption_deadline_s > 0, f"preemption_deadline_s must be > 0, got {self.preemption_deadline_s}")
+        _require(
+            self.checkpoint_verify in CHECKPOINT_VERIFY_MODES,
+            f"checkpoint_verify must be one of {', '.join(CHECKPOINT_VERIFY_MODES)}, got {self.checkpoint_verify!r}",
+        )
+        _require(
+            isinstance(self.checkpoint_max_failures, int) and self.checkpoint_max_failures >= 1,
+            f"checkpoint_max_failures must be >= 1, got {self.checkpoint_max_failures}",
+        )
         _require(self.checkpoint_keep_last >= 1, f"checkpoint_keep_last must be >= 1, got {self.checkpoint_keep_last}")
         _require(self.checkpoint_dir is None or self.checkpoint_dir != "", "checkpoint_dir must be a path or None, got ''")
         _require(self.log_every_steps >= 1, f"log_every_steps must be >= 1, got {self.log_every_steps}")
@@ -328,4 +343,4 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     return raw
 
 
-__all__ = ["DEGREES", "PP_SCHEDULES", "PRECISIONS", "TrainConfig"]
+__all__ = ["CHECKPOINT_VERIFY_MODES", "DEGREES", "PP_SCHEDULES", "PRECISIONS", "TrainConfig"]

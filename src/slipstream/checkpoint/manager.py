@@ -14,12 +14,17 @@ Example::
     step = mgr.restore_latest()      # 0 when there is nothing to resume
     ...
     mgr.maybe_save(step)             # every 100 steps, or when preempted
+
+Checkpoints are verified before they are loaded (:mod:`.verify`); a save that
+fails (a full disk, say) is reported in one line (:mod:`.storage`) and retried
+at the next interval, up to ``max_failures`` times in a row.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -33,9 +38,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import runtime
 from ..errors import EXIT_PREEMPTED, ConfigError
-from . import layout, safe_load
+from . import layout, safe_load, storage
+from . import verify as integrity  # the name `verify` is the constructor's option
 
 log = logging.getLogger("slipstream.checkpoint")
+
+
+class NoUsableCheckpoint(ConfigError):
+    """The checkpoint directory held checkpoints, and none of them verifies (exit 2)."""
 
 
 def _exit_now(code: int) -> None:
@@ -50,6 +60,9 @@ class CheckpointManager:
     this rank's device (:func:`slipstream.checkpoint.safe_load.default_device`).
     Checkpoint files are read as plain data only: a file holding pickled
     objects is refused (:class:`~slipstream.checkpoint.safe_load.CheckpointRefused`).
+    ``verify``: how a checkpoint is checked before loading (``full``, ``size``,
+    ``off``; see :mod:`slipstream.checkpoint.verify`). ``max_failures``: saves
+    that may fail in a row before the run gives up with exit 1.
     """
 
     def __init__(
@@ -63,6 +76,8 @@ class CheckpointManager:
         handle_sigterm: bool = True,
         preemption_deadline_s: float = 25.0,
         device: torch.device | str | None = None,
+        verify: str = "full",
+        max_failures: int = 3,
     ) -> None:
         if not directory:
             raise ConfigError("checkpoint_dir must be a path, got an empty string")
@@ -74,12 +89,22 @@ class CheckpointManager:
             raise ConfigError(f"preemption_deadline_s must be > 0, got {preemption_deadline_s}")
         if keep_last < 1:
             raise ConfigError(f"checkpoint_keep_last must be >= 1, got {keep_last}")
+        if verify not in integrity.VERIFY_MODES:
+            raise ConfigError(f"checkpoint_verify must be one of {', '.join(integrity.VERIFY_MODES)}, got {verify!r}")
+        if max_failures < 1:
+            raise ConfigError(f"checkpoint_max_failures must be >= 1, got {max_failures}")
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise ConfigError(f"checkpoint_dir exists and is not a directory: {directory}")
         self.directory = directory
         self.every_steps = every_steps
         self.every_s = every_s
         self.keep_last = keep_last
+        self.verify = verify
+        self.max_failures = max_failures
+        self.consecutive_failures = 0
+        self.last_save_failed = False  # the latest save (or emergency save) was not written
+        self._space_checked = False  # rank 0: keep_last x size vs free space, once per run
+        self._commit_error: BaseException | None = None  # rank 0: an asynchronous commit that failed
         self.async_save = async_save
         # Where per-rank tensors saved from a GPU (error-feedback buffers) come back:
         # this rank's GPU, whichever index it had when saved. CPU tensors (RNG states)
@@ -154,65 +179,184 @@ class CheckpointManager:
             self.save(step, blocking=preempted)
         return preempted
 
-    def save(self, step: int, blocking: bool = False) -> None:
-        """Write a checkpoint of ``step`` (asynchronously when configured and not ``blocking``)."""
+    def save(self, step: int, blocking: bool = False) -> bool:
+        """Write a checkpoint of ``step`` (asynchronously when configured and not ``blocking``).
+
+        Returns False when it failed (reported, see :meth:`_save_failed`); an
+        asynchronous save's outcome is known at the next :meth:`wait`. Every
+        phase ends with all ranks agreeing on success, so a rank whose write
+        failed and one whose write succeeded reach the same collectives.
+        """
         started = time.perf_counter()
         self.wait()
         partial = layout.step_dir(self.directory, step, partial=True)
         final = layout.step_dir(self.directory, step)
+        error: BaseException | None = None
         if self.rank == 0:
-            os.makedirs(partial, exist_ok=True)
-        self._barrier()
-        if self._per_rank:
-            per_rank = {name: obj.state_dict() for name, obj in self._per_rank.items()}
+            try:
+                os.makedirs(partial, exist_ok=True)
+            except OSError as exc:
+                error = exc
+        ok = self._agree(error, step, partial)  # also the barrier: the directory exists for every rank
+        if ok and self._per_rank:
             tmp = os.path.join(partial, f"rank{self.rank}.pt.tmp")
-            torch.save(per_rank, tmp)
-            os.replace(tmp, os.path.join(partial, f"rank{self.rank}.pt"))
+            try:
+                per_rank = {name: obj.state_dict() for name, obj in self._per_rank.items()}
+                torch.save(per_rank, tmp)
+                os.replace(tmp, os.path.join(partial, f"rank{self.rank}.pt"))
+            except storage.SAVE_ERRORS as exc:
+                error = exc
+            ok = self._agree(error, step, partial, where=tmp)  # torch.save's errors do not name the file
         info = {"step": step, "world_size": self.world_size}
-        if self.async_save and not blocking:
+        if ok and self.async_save and not blocking:
             future = dcp.async_save(dict(self._shared), checkpoint_id=partial, process_group=self.writer_group)
             self._pending, self._pending_step = future, step
             if self.rank == 0:
                 self._committed.clear()
+                self._commit_error = None
                 future.add_done_callback(lambda f: self._finish(f, partial, final, info))
-        else:
-            dcp.save(dict(self._shared), checkpoint_id=partial, process_group=self.group)
-            # dcp.save returns on the coordinator only after every rank's data is
-            # written (it gathers their results before writing .metadata).
-            if self.rank == 0:
-                self._commit(partial, final, info)
-            self._barrier()
-            self.last_saved_step = step
+        elif ok:
+            try:
+                # DCP raises on every rank when any rank's write failed; it returns on the
+                # coordinator only after every rank's data is written (it gathers their
+                # results before writing .metadata).
+                dcp.save(dict(self._shared), checkpoint_id=partial, process_group=self.group)
+                if self.rank == 0:
+                    self._commit(partial, final, info)
+            except storage.SAVE_ERRORS as exc:
+                error = exc
+            ok = self._agree(error, step, partial)
+            if ok:
+                self._saved(step)
         self._last_save_time = time.monotonic()
         self.blocking_s.append(time.perf_counter() - started)
+        return ok
 
     def _finish(self, future: Future, partial: str, final: str, info: dict) -> None:
+        # The writer thread, rank 0 only. A failure is kept for wait(), where all ranks agree on it.
         try:
-            if future.exception() is not None:
-                log.error("asynchronous checkpoint of step %s failed: %s", info["step"], future.exception())
-                return
-            self._commit(partial, final, info)
+            if future.exception() is None:
+                self._commit(partial, final, info)
+        except storage.SAVE_ERRORS as exc:
+            self._commit_error = exc
         finally:
             self._committed.set()
 
     def _commit(self, partial: str, final: str, info: dict) -> None:
-        layout.commit(partial, final, info)
+        # Rank 0 reads every file back for its checksum (2.5 GB/s, page cache warm):
+        # a cost measured in docs/fault-tolerance.md, paid in the writer thread when async.
+        files = integrity.describe_files(partial)
+        layout.commit(partial, final, {**info, "files": files})
         layout.prune(self.directory, self.keep_last, in_flight_step=None)
         self.last_saved_step = info["step"]
+        self._check_space(sum(entry["bytes"] for entry in files.values()))
 
-    def wait(self) -> None:
-        """Block until an asynchronous save in flight is written (and committed on rank 0)."""
-        if self._pending is not None:
+    def _check_space(self, one_checkpoint: int) -> None:
+        """Once per run, after the first commit: will keep_last checkpoints (and the
+        next one being written) fit in the free space?"""
+        if self._space_checked:
+            return
+        self._space_checked = True
+        kept = len(layout.list_complete(self.directory))
+        needed = (self.keep_last + 1 - kept) * one_checkpoint  # the next save writes before the prune
+        free = storage.free_bytes(self.directory)
+        if free is not None and free < needed:
+            log.warning(
+                "checkpoint_dir %s: one checkpoint is %s; keeping checkpoint_keep_last=%d needs %s more "
+                "(%d kept now, one more while the next is written), %s free: saves will fail with no space "
+                "left; free space, lower checkpoint_keep_last or point checkpoint_dir elsewhere",
+                self.directory, storage.human(one_checkpoint), self.keep_last, storage.human(needed), kept,
+                storage.human(free),
+            )
+
+    def wait(self) -> bool:
+        """Block until an asynchronous save in flight is written (and committed on rank 0).
+
+        Returns False when it failed (reported as :meth:`save` does).
+        """
+        if self._pending is None:
+            return True
+        step, error = self._pending_step, None
+        try:
             self._pending.result()
-            if self.rank == 0 and not self._committed.wait(timeout=60):
+        except storage.SAVE_ERRORS as exc:
+            error = exc
+        if self.rank == 0:
+            if not self._committed.wait(timeout=60):
                 # add_done_callback runs the commit and then the prune in the writer
                 # thread. Waiting for the rename alone was not enough: the prune, still
                 # running, deleted the next save's step_N.partial as debris (seen in CI).
-                log.warning("asynchronous checkpoint of step %s: commit still running after 60 s",
-                            self._pending_step)
-            self.last_saved_step = self._pending_step
-            self._pending = self._pending_step = None
-            self._barrier()
+                log.warning("asynchronous checkpoint of step %s: commit still running after 60 s", step)
+            error = error or self._commit_error
+        self._pending = self._pending_step = None
+        ok = self._agree(error, step, layout.step_dir(self.directory, step, partial=True))
+        if ok:
+            self._saved(step)
+        return ok
+
+    def _saved(self, step: int) -> None:
+        self.last_saved_step = step
+        self.consecutive_failures = 0
+        self.last_save_failed = False
+
+    def _agree(self, error: BaseException | None, step: int, partial: str, where: str | None = None) -> bool:
+        """All ranks learn whether any rank failed (one all-reduce); on failure, every
+        rank also gets the first failing rank's description and follows the policy."""
+        flag = torch.tensor([int(error is not None)], dtype=torch.int32)
+        many = self.group is not None and self.world_size > 1
+        if many:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if not flag.item():
+            return True
+        description = None
+        if error is not None:
+            try:
+                description = self._describe(error, where or partial)
+            except Exception as exc:  # noqa: BLE001 - describing must not break the agreement (a hang)
+                description = f"{type(error).__name__}: {error} writing {where or partial} ({exc} while describing it)"
+        if many:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, (self.rank, description), group=self.group)
+            rank, description = next(item for item in gathered if item[1] is not None)
+            if rank and not description.startswith("rank "):
+                description = f"rank {rank}: {description}"
+        self._save_failed(step, partial, description)  # type: ignore[arg-type]  (some rank failed: not None)
+        return False
+
+    def _describe(self, error: BaseException, partial: str) -> str:
+        latest = layout.find_latest(self.directory)
+        size = source = None
+        if latest is not None:
+            try:
+                size, source = integrity.checkpoint_bytes(latest.info), f", from {os.path.basename(latest.path)}'s marker"
+            except (OSError, ValueError):
+                pass
+        if size is None:
+            size = sum(storage.state_bytes(obj.state_dict()) for obj in self._shared.values())
+            source = ", estimated from the state's tensors"
+        return storage.describe_failure(error, partial, size, source or "")
+
+    def _save_failed(self, step: int, partial: str, description: str) -> None:
+        """The policy: warn loudly and keep training (the next interval retries), until
+        ``max_failures`` saves in a row failed; then exit 1 (CheckpointSaveFailed)."""
+        self.consecutive_failures += 1
+        self.last_save_failed = True
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)  # every rank is past its writes: the agreement said so
+        latest = layout.find_latest(self.directory)
+        kept = f"{os.path.basename(latest.path)} is intact" if latest else "no earlier checkpoint exists"
+        what = "emergency checkpoint (SIGTERM)" if self.preempt_requested else "checkpoint"
+        message = f"{what} of step {step} not written: {description}; {kept}"
+        if self.consecutive_failures >= self.max_failures:
+            raise storage.CheckpointSaveFailed(
+                f"{message}; giving up after {self.consecutive_failures} failed saves in a row "
+                f"(checkpoint_max_failures={self.max_failures})"
+            )
+        if self.rank == 0:
+            log.error(
+                "%s; training continues and retries at the next save (failure %d of checkpoint_max_failures=%d)",
+                message, self.consecutive_failures, self.max_failures,
+            )
 
     def _barrier(self) -> None:
         if self.group is not None and self.world_size > 1:
@@ -223,16 +367,23 @@ class CheckpointManager:
         """Load the newest complete checkpoint into the registered objects.
 
         Returns its step, or 0 when there is none. Every rank loads the same
-        checkpoint: rank 0 chooses and tells the others.
+        checkpoint: rank 0 verifies, chooses and tells the others. A checkpoint
+        that fails verification is moved aside (``step_N.corrupt-<time>``) and
+        the next older one is tried; when none is left, every rank raises
+        :class:`NoUsableCheckpoint` (exit 2) rather than start from scratch.
         """
-        choice = [None]
+        choice: list = [None]
         if self.rank == 0:
-            latest = layout.find_latest(self.directory)
-            choice[0] = (latest.path, latest.step, latest.info.get("world_size")) if latest else None
+            try:
+                choice[0] = self._choose()
+            except Exception as exc:  # noqa: BLE001 - told to every rank below, not raised here alone (a hang)
+                choice[0] = f"checkpoint_dir {self.directory} cannot be searched for checkpoints: {exc}"
         if self.group is not None and self.world_size > 1:
             dist.broadcast_object_list(choice, src=0, group=self.group)
         if choice[0] is None:
             return 0
+        if isinstance(choice[0], str):
+            raise NoUsableCheckpoint(choice[0])
         path, step, saved_world = choice[0]
         # DCP copies every tensor into the registered one, on that tensor's device; its
         # non-tensor values (counters, scaler and scheduler state) and its metadata are
@@ -253,6 +404,32 @@ class CheckpointManager:
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         return step
+
+    def _choose(self) -> tuple[str, int, int] | str | None:
+        """Rank 0: the newest checkpoint that verifies, as (path, step, world size); a
+        message when checkpoints exist and none verifies; None when there never were any."""
+        failed = []
+        for ckpt in reversed(layout.list_complete(self.directory)):
+            verdict = integrity.check(ckpt, self.verify)
+            if not verdict.failed:
+                if verdict.unrecorded:
+                    log.info("checkpoint %s has a marker without a file list (written by an earlier version): "
+                             "file sizes and checksums cannot be checked", ckpt.path)
+                return ckpt.path, ckpt.step, ckpt.info["world_size"]
+            failed.append(os.path.basename(ckpt.path))
+            try:
+                moved = "moved aside to " + os.path.basename(integrity.move_aside(ckpt.path))
+            except OSError as exc:
+                moved = f"could not be moved aside ({exc}), skipped"
+            log.error("checkpoint %s failed verification (checkpoint_verify=%s): %s; %s, trying the previous one",
+                      ckpt.path, self.verify, verdict.reason, moved)
+        aside = integrity.moved_aside(self.directory)
+        unmoved = [name for name in failed if not any(a.startswith(name + ".corrupt-") for a in aside)]
+        if failed or aside:
+            return (f"checkpoint_dir {self.directory} holds no checkpoint that verifies (failed: "
+                    f"{', '.join(aside + unmoved)}); refusing to start from scratch over it: restore a good checkpoint "
+                    "there, or point checkpoint_dir at an empty directory to start over")
+        return None
 
     def close(self) -> None:
         self.wait()

@@ -136,6 +136,8 @@ class Accelerated:
             keep_last=cfg.checkpoint_keep_last,
             async_save=cfg.checkpoint_async,
             preemption_deadline_s=cfg.preemption_deadline_s,
+            verify=cfg.checkpoint_verify,
+            max_failures=cfg.checkpoint_max_failures,
         )
         mgr.register("model_optimizer", self._model_optimizer_state())
         mgr.register("train", CallbackState(self._counters_state, self._load_counters_state))
@@ -216,11 +218,11 @@ class Accelerated:
 
     def _exit_preempted(self) -> None:
         if self.runtime.is_main:
-            print(
-                f"[slipstream] preempted (SIGTERM): checkpoint of step {self.step_count} written; "
-                f"exiting with code {EXIT_PREEMPTED}",
-                flush=True,
-            )
+            mgr = self.checkpoints
+            written = (f"checkpoint of step {self.step_count} written" if mgr is None or not mgr.last_save_failed
+                       else f"the emergency checkpoint of step {self.step_count} failed (above); the newest one "
+                            f"is step {mgr.last_saved_step}")
+            print(f"[slipstream] preempted (SIGTERM): {written}; exiting with code {EXIT_PREEMPTED}", flush=True)
         self.recorder.close()
         raise SystemExit(EXIT_PREEMPTED)
 
