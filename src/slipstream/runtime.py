@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -323,14 +325,43 @@ def _install_excepthook() -> None:
 
     def hook(kind, value, tb):
         if isinstance(value, SlipstreamError):
-            rank = os.environ.get("RANK", "0")
-            print(f"slipstream: error (rank {rank}): {value}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(value.exit_code)
+            exit_on_error(value)
         previous(kind, value, tb)
 
     hook._slipstream = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def exit_on_error(exc: SlipstreamError) -> NoReturn:
+    """Report ``exc`` in one line and end this process with ``exc.exit_code``.
+
+    The exit code tells ``slipstream run`` what happened (2: a configuration
+    error, not worth a restart). The line goes to stderr and, under
+    ``slipstream run`` / torchrun, also into this worker's error file
+    (TORCHELASTIC_ERROR_FILE), which the elastic agent reads back: that is how
+    the launcher repeats it in its final report. ``os._exit``: the
+    interpreter's teardown can abort a gloo rank (see
+    :mod:`slipstream.gloo_exit`) and turn exit 2 into SIGABRT.
+
+    Example::
+
+        except ConfigError as exc:
+            runtime.exit_on_error(exc)   # "slipstream: error (rank 0): ...", exit 2
+    """
+    line = f"slipstream: error (rank {os.environ.get('RANK', '0')}): {exc}"
+    sys.stdout.flush()
+    # One write: ranks share the terminal, and print()'s separate newline interleaves their lines.
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            # torch's error-file format with a plain-string message (ProcessFailure reads both).
+            with open(error_file, "w", encoding="utf-8") as fh:
+                json.dump({"message": line, "timestamp": int(time.time())}, fh)
+        except OSError:
+            pass  # the exit code alone still tells the launcher what happened
+    os._exit(exc.exit_code)
 
 
 def group_timeout() -> datetime.timedelta:

@@ -90,3 +90,15 @@ def test_slipstream_run_dash_m_runs_the_module_through_the_worker_entry(tmp_path
     got = json.loads((tmp_path / "ours.json").read_text())
     assert got["name"] == "__main__" and got["argv"] == [str(pkg / "probe.py"), "x"]
     assert got["path0"] == str(tmp_path) and got["squares"] == [4, 9]
+
+
+def test_a_slipstream_error_ends_the_worker_with_one_line_its_code_and_an_error_record(tmp_path):
+    """Raised before slipstream.init() (no excepthook yet): the entry reports it as the hook
+    would, and leaves the line in the error file the elastic agent reads back for the launcher."""
+    script = tmp_path / "bad.py"
+    script.write_text("from slipstream.errors import ConfigError\nraise ConfigError('precision must be fp32, got x')\n")
+    error_file = tmp_path / "error.json"
+    proc = _run([*ENTRY, str(script)], tmp_path, RANK="3", TORCHELASTIC_ERROR_FILE=str(error_file))
+    assert proc.returncode == 2
+    assert proc.stderr == "slipstream: error (rank 3): precision must be fp32, got x\n"
+    assert json.loads(error_file.read_text())["message"] == "slipstream: error (rank 3): precision must be fp32, got x"

@@ -10,6 +10,8 @@ torch 2.13 from aborting a rank that finished training (SIGABRT in interpreter
 teardown), an abort the elastic agent would otherwise count as a failed
 attempt and restart the job for. ``python -m`` cannot take a hook of its own,
 so this small entry point is the way to add one without touching the script.
+A :class:`~slipstream.errors.SlipstreamError` escaping the script ends the
+worker as ``slipstream.init()``'s excepthook would: one line, its exit code.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import runpy
 import sys
 
 from slipstream import gloo_exit
+from slipstream.errors import SlipstreamError
+from slipstream.runtime import exit_on_error
 
 USAGE = "usage: python -m slipstream.launch.worker (SCRIPT | --module MODULE) [ARGS...]"
 
@@ -41,7 +45,13 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-m", "--module") and len(argv) < 2:
         sys.exit(f"slipstream worker: {USAGE}")
     gloo_exit.install()
-    script_globals = run_as_main(argv)
+    try:
+        script_globals = run_as_main(argv)
+    except SlipstreamError as exc:
+        # Also before (or without) slipstream.init(), whose excepthook does the
+        # same: one line, the message in the error file, exit 2 for a
+        # configuration error, which the launcher does not restart.
+        exit_on_error(exc)
     # The script's objects (a DDP model holding the process group, ...) are
     # freed when its globals go; settle the worker threads before that.
     gloo_exit.wait_for_gloo_workers()
