@@ -137,3 +137,31 @@ def test_busy_rendezvous_port_is_reported(tmp_path):
     assert proc.returncode == 2
     assert f"rendezvous port {port} is already in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+CONFIG_ERROR = str(HERE / "scripts_config_error.py")
+CONFIG_MESSAGE = "checkpoint_dir exists and is not a directory: /no/such/ckpt (on purpose)"
+
+
+def test_a_configuration_error_in_a_worker_exits_2_with_its_message_and_is_not_restarted(tmp_path):
+    """Issue #22: a worker's ConfigError (exit 2) made `slipstream run` report 'training failed',
+    exit 1, after spending every restart on an error that could only recur."""
+    proc = slipstream_run("-n", "2", "--max-restarts", "2", CONFIG_ERROR, "--marker", str(tmp_path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "training failed" not in proc.stderr
+    report = proc.stderr.split("slipstream run: configuration error in")[-1]
+    assert "not restarted (2 restart(s) left unused)" in report
+    # The failing workers' own lines, in the launcher's final report (the agent may stop
+    # one rank before it gets to raise; one rank's line is enough).
+    assert any(f"slipstream: error (rank {rank}): {CONFIG_MESSAGE}" in report for rank in (0, 1)), report
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["start-rank0-attempt0", "start-rank1-attempt0"]
+
+
+def test_a_configuration_error_before_init_exits_2_too():
+    """Raised before slipstream.init() installed its excepthook: the worker entry reports it."""
+    proc = slipstream_run("-n", "2", CONFIG_ERROR, "--before-init")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    report = proc.stderr.split("slipstream run: configuration error in")[-1]
+    assert f"): {CONFIG_MESSAGE}" in report and "slipstream: error (rank " in report
+    assert "training failed" not in proc.stderr and "Traceback" not in proc.stderr

@@ -17,7 +17,8 @@ What differs from torchrun, and why:
   from an earlier attempt.
 * Clear errors before anything starts (missing script, bad counts, busy port)
   and exit codes that tell success (0), training failure (1) and usage
-  errors (2) apart.
+  errors (2) apart. A worker's usage error (exit 2, e.g. a ConfigError) is
+  reported with its message, exits 2 and is not restarted: it would recur.
 * OMP_NUM_THREADS defaults to cores / local workers rather than 1.
 
 Example::
@@ -28,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -37,8 +39,9 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Iterator
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 
 
 @dataclass
@@ -155,7 +158,8 @@ def launch(opts: LaunchOptions) -> int:
     """Run the workers to completion; returns the process exit code.
 
     0 when every worker succeeded, 1 when they failed with no restart left,
-    130 when interrupted.
+    2 when a worker exited 2 (a usage or configuration error: reported with
+    the worker's message, not restarted), 130 when interrupted.
     """
     opts.validate()
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
@@ -202,8 +206,13 @@ def launch(opts: LaunchOptions) -> int:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addHandler(history)
     try:
-        elastic_launch(config, sys.executable)(*cmd_args)
+        with _no_restart_on_usage_error():
+            elastic_launch(config, sys.executable)(*cmd_args)
     except ChildFailedError as exc:
+        failures = getattr(exc, "failures", {})
+        if any(f.exitcode == EXIT_USAGE for f in failures.values()):
+            _report_usage_error(failures, opts, len(history.failures))
+            return EXIT_USAGE
         _report_failure(exc, opts, time.monotonic() - started, history.failures)
         return EXIT_TRAINING_FAILED
     except RendezvousError as exc:
@@ -221,6 +230,69 @@ def launch(opts: LaunchOptions) -> int:
     finally:
         agent_log.removeHandler(history)
     return EXIT_OK
+
+
+@contextlib.contextmanager
+def _no_restart_on_usage_error() -> Iterator[None]:
+    """Have torch's launcher build an agent that spends no restart on a usage error.
+
+    A worker exits 2 only for a usage or configuration error (a SlipstreamError
+    such as ConfigError, argparse in the script, a script Python cannot open):
+    deterministic, so every restart would fail the same way, each after a new
+    rendezvous and start-up. The elastic agent restarts on any failure and has
+    no hook for this; ``launch_agent`` constructs ``LocalElasticAgent`` by name,
+    so for this call the name stands for a subclass that, when a failed attempt
+    has a rank that exited 2, leaves no restart: the agent then stops as when
+    its budget is spent and ``launch`` reports the error, exit 2.
+
+    "Any rank", not "every rank": a peer of the rank that left can fail with
+    exit 1 (connection closed) before the agent looks; exit 2 is never the
+    consequence of another rank's failure. If a later torch renames these
+    internals, restarts happen as before and the exit code is still 2.
+    """
+    from torch.distributed.elastic.agent.server import api as agent_api
+    from torch.distributed.launcher import api as launcher_api
+
+    base = getattr(launcher_api, "LocalElasticAgent", None)
+    if base is None or not hasattr(agent_api, "WorkerState"):
+        yield
+        return
+    failed = agent_api.WorkerState.FAILED
+
+    class NoRestartOnUsageError(base):  # type: ignore[misc, valid-type]
+        def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's signature
+            result = super()._monitor_workers(worker_group)
+            if result.state == failed and any(f.exitcode == EXIT_USAGE for f in result.failures.values()):
+                self._remaining_restarts = 0
+            return result
+
+    launcher_api.LocalElasticAgent = NoRestartOnUsageError
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = base
+
+
+def _report_usage_error(failures: dict, opts: LaunchOptions, attempts: int) -> None:
+    """The workers' own one-line messages, from their error files, under a header
+    that says why there was no restart. Ranks the agent stopped are not listed."""
+    usage = sorted(rank for rank, f in failures.items() if f.exitcode == EXIT_USAGE)
+    which = f"rank {usage[0]}" if len(usage) == 1 else f"ranks {', '.join(map(str, usage))}"
+    when = f" in attempt {attempts}" if attempts > 1 else ""
+    left = opts.max_restarts - max(0, attempts - 1)
+    why = f"; not restarted ({left} restart(s) left unused), it would fail the same way" if left > 0 else ""
+    lines = [f"slipstream run: configuration error in {which} (exit code {EXIT_USAGE}){when}{why}:"]
+    for rank in sorted(failures):
+        failure = failures[rank]
+        if failure.exitcode < 0:
+            continue
+        text = (failure.message if isinstance(failure.message, str) else str(failure.message)).strip()
+        if text.startswith("slipstream: error"):
+            lines.append("  " + text.replace("\n", "\n  "))
+        else:
+            lines.append(f"  rank {rank} (pid {failure.pid}): exit code {failure.exitcode}, "
+                         "no error record; see the worker's output above")
+    print("\n".join(lines), file=sys.stderr)
 
 
 def _report_failure(
