@@ -4,7 +4,9 @@ Exit codes (documented in README.md, matched by Kubernetes podFailurePolicy):
 
 * 0   success
 * 1   training failed (a worker failed and the restart budget is spent)
-* 2   usage or configuration error (bad flag, missing file, invalid spec)
+* 2   usage or configuration error (bad flag, missing file, invalid spec); also
+      when raised in a worker: ``slipstream run`` exits 2 with the worker's
+      message and does not restart it (it would recur)
 * 130 interrupted by the user (Ctrl-C)
 * 143 preempted: SIGTERM arrived, an emergency checkpoint was written, the job
       can be resumed (128 + SIGTERM; a podFailurePolicy can match it)

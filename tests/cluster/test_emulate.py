@@ -134,6 +134,24 @@ def test_failure_is_propagated_and_cleaned_up(tmp_path):
     assert list_namespaces() == []
 
 
+def test_a_configuration_error_exits_2_with_its_message(tmp_path):
+    """Issue #22: on the emulated cluster too, a worker's ConfigError ends `slipstream run`
+    with exit 2 and its message, no restart spent, nothing left behind."""
+    require_root()
+    script = str(ROOT / "tests" / "integration" / "scripts_config_error.py")
+    r = subprocess.run(
+        [sys.executable, "-m", "slipstream", "run", "--emulate", "2x1", "--max-restarts", "1", script,
+         "--marker", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    assert r.returncode == 2, r.stderr[-3000:]
+    report = r.stderr.split("slipstream run: configuration error in")[-1]
+    assert "slipstream: error (rank " in report and "checkpoint_dir exists and is not a directory" in report
+    assert "training failed" not in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["start-rank0-attempt0", "start-rank1-attempt0"]
+    assert list_namespaces() == []
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_removes_everything(tmp_path, sig):
     require_root()

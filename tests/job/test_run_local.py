@@ -157,3 +157,34 @@ def test_prewarm_fills_the_cache_before_replicas_start(tmp_path):
                        "data": {"source": str(tmp_path / "ds"), "cache_dir": str(cache), "prewarm": True}})
     assert prewarm_local(spec, dict(os.environ)) == 0
     assert any(p.is_file() and p.stat().st_size > 0 for p in cache.rglob("*"))
+
+
+def test_a_configuration_error_in_a_replica_exits_2_with_its_message(tmp_path):
+    """Issue #22: through a job spec too, a worker's ConfigError ends the run with exit 2
+    (not 1), its message shown, no restart spent although the spec allows two."""
+    script = REPO / "tests" / "integration" / "scripts_config_error.py"
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: config-error\nimage: img:1\ncommand: [python, {script}]\nreplicas: 2\ngpu_count: 0\n"
+                    "restarts:\n  max_restarts: 2\n")
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "run", str(spec), "--", "--marker", str(marks)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    report = proc.stderr.split("slipstream run: configuration error in")[-1]
+    assert "slipstream: error (rank " in report and "checkpoint_dir exists and is not a directory" in report
+    assert "training failed" not in proc.stderr
+    assert sorted(p.name for p in marks.iterdir()) == ["start-rank0-attempt0", "start-rank1-attempt0"]
+
+
+def test_a_replica_usage_error_decides_the_exit_code(monkeypatch):
+    """A peer replica that noticed the departure first (exit 1) does not hide the cause (exit 2)."""
+    from slipstream.job import runner
+
+    monkeypatch.setattr(runner, "STOP_GRACE_S", 0.5)
+    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"]),
+             subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(2)"])]
+    try:
+        assert runner._wait_all(procs) == 2
+    finally:
+        runner._stop(procs)

@@ -20,7 +20,8 @@ path as a cluster run):
 
 If one replica fails, the others are stopped (SIGTERM, then SIGKILL after a
 grace period) and the run exits with the failing replica's code (1 for a
-training failure, 143 for preemption).
+training failure, 143 for preemption), or 2 if any replica exited 2 (a
+worker's usage or configuration error, which is not restarted).
 
 Example::
 
@@ -40,7 +41,7 @@ import time
 import uuid
 from typing import Any
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, ConfigError, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, ConfigError, UsageError
 from .render import entry_argv, launcher_flags, prewarm_command
 from .spec import JobSpec, load_spec
 
@@ -282,6 +283,10 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
         if not bad:
             return EXIT_OK
         first_failure = bad[0]
+    if any(p.returncode == EXIT_USAGE for p in procs):
+        # A replica's usage error (a worker's ConfigError: exit 2, not restarted) is the cause,
+        # even when a peer replica noticed its departure first and exited 1.
+        return EXIT_USAGE
     code = first_failure[1]
     if code < 0:  # killed by a signal
         return 128 - code if -code == signal.SIGTERM else EXIT_TRAINING_FAILED

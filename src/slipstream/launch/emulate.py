@@ -55,7 +55,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from .api import LaunchOptions
 
 NS_PREFIX = os.environ.get("SLIPSTREAM_EMULATE_NS_PREFIX", "ss-")
@@ -408,7 +408,8 @@ class EmulatedCluster:
             failure_grace_s: float = 30.0, log_path: str | None = None, cwd: str | None = None) -> int:
         """Start one agent per node, wait for all; the job's exit code.
 
-        0 when every node succeeded; otherwise the first non-zero code (1 for a
+        0 when every node succeeded; otherwise 2 if a node exited 2 (a worker's
+        usage or configuration error), else the first non-zero code (1 for a
         training failure). When one node fails, the others get
         ``failure_grace_s`` to notice and exit before they are stopped.
         ``timeout_s``: stop everything after this long and return 1.
@@ -445,6 +446,10 @@ class EmulatedCluster:
             for c in codes:
                 if c not in (None, 0) and first_failure is None:
                     first_failure, failed_at = (c if c > 0 else EXIT_TRAINING_FAILED), time.monotonic()
+                # A node's usage error (exit 2: a worker's ConfigError, not restarted) is the
+                # cause to report, even when a peer node noticed its departure first (exit 1).
+                if c == EXIT_USAGE:
+                    first_failure = EXIT_USAGE
             if all(c is not None for c in codes):
                 return first_failure if first_failure is not None else EXIT_OK
             now = time.monotonic()
@@ -495,7 +500,8 @@ def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions
 
     Builds the namespaces and shaped links, runs one elastic agent per node,
     deletes everything afterwards (success, failure, Ctrl-C, SIGTERM) and
-    returns the job's exit code: 0, 1 (training failed) or 130 (interrupted).
+    returns the job's exit code: 0, 1 (training failed), 2 (a worker's usage or
+    configuration error) or 130 (interrupted).
     Raises :class:`UsageError` without root/CAP_NET_ADMIN or on bad arguments.
 
     Example::
