@@ -243,31 +243,21 @@ class CheckpointManager:
             self._committed.set()
 
     def _commit(self, partial: str, final: str, info: dict) -> None:
-        # Rank 0 reads every file back for its checksum (2.5 GB/s, page cache warm):
-        # a cost measured in docs/fault-tolerance.md, paid in the writer thread when async.
-        files = integrity.describe_files(partial)
+        # Rank 0 reads every file back for its checksum (about 2 GB/s from the page cache:
+        # +30% on a synchronous save of 269 MB here, docs/fault-tolerance.md), in the writer
+        # thread when async. checkpoint_verify=size or off records sizes only, skipping that.
+        files = integrity.describe_files(partial, checksums=self.verify == "full")
         layout.commit(partial, final, {**info, "files": files})
         layout.prune(self.directory, self.keep_last, in_flight_step=None)
         self.last_saved_step = info["step"]
         self._check_space(sum(entry["bytes"] for entry in files.values()))
 
     def _check_space(self, one_checkpoint: int) -> None:
-        """Once per run, after the first commit: will keep_last checkpoints (and the
-        next one being written) fit in the free space?"""
-        if self._space_checked:
-            return
-        self._space_checked = True
-        kept = len(layout.list_complete(self.directory))
-        needed = (self.keep_last + 1 - kept) * one_checkpoint  # the next save writes before the prune
-        free = storage.free_bytes(self.directory)
-        if free is not None and free < needed:
-            log.warning(
-                "checkpoint_dir %s: one checkpoint is %s; keeping checkpoint_keep_last=%d needs %s more "
-                "(%d kept now, one more while the next is written), %s free: saves will fail with no space "
-                "left; free space, lower checkpoint_keep_last or point checkpoint_dir elsewhere",
-                self.directory, storage.human(one_checkpoint), self.keep_last, storage.human(needed), kept,
-                storage.human(free),
-            )
+        if not self._space_checked:  # once per run, after the first commit: its size is known now
+            self._space_checked = True
+            warning = storage.space_warning(self.directory, self.keep_last, one_checkpoint)
+            if warning:
+                log.warning("%s", warning)
 
     def wait(self) -> bool:
         """Block until an asynchronous save in flight is written (and committed on rank 0).
@@ -375,7 +365,7 @@ class CheckpointManager:
         choice: list = [None]
         if self.rank == 0:
             try:
-                choice[0] = self._choose()
+                choice[0] = integrity.choose_newest(self.directory, self.verify)
             except Exception as exc:  # noqa: BLE001 - told to every rank below, not raised here alone (a hang)
                 choice[0] = f"checkpoint_dir {self.directory} cannot be searched for checkpoints: {exc}"
         if self.group is not None and self.world_size > 1:
@@ -404,32 +394,6 @@ class CheckpointManager:
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         return step
-
-    def _choose(self) -> tuple[str, int, int] | str | None:
-        """Rank 0: the newest checkpoint that verifies, as (path, step, world size); a
-        message when checkpoints exist and none verifies; None when there never were any."""
-        failed = []
-        for ckpt in reversed(layout.list_complete(self.directory)):
-            verdict = integrity.check(ckpt, self.verify)
-            if not verdict.failed:
-                if verdict.unrecorded:
-                    log.info("checkpoint %s has a marker without a file list (written by an earlier version): "
-                             "file sizes and checksums cannot be checked", ckpt.path)
-                return ckpt.path, ckpt.step, ckpt.info["world_size"]
-            failed.append(os.path.basename(ckpt.path))
-            try:
-                moved = "moved aside to " + os.path.basename(integrity.move_aside(ckpt.path))
-            except OSError as exc:
-                moved = f"could not be moved aside ({exc}), skipped"
-            log.error("checkpoint %s failed verification (checkpoint_verify=%s): %s; %s, trying the previous one",
-                      ckpt.path, self.verify, verdict.reason, moved)
-        aside = integrity.moved_aside(self.directory)
-        unmoved = [name for name in failed if not any(a.startswith(name + ".corrupt-") for a in aside)]
-        if failed or aside:
-            return (f"checkpoint_dir {self.directory} holds no checkpoint that verifies (failed: "
-                    f"{', '.join(aside + unmoved)}); refusing to start from scratch over it: restore a good checkpoint "
-                    "there, or point checkpoint_dir at an empty directory to start over")
-        return None
 
     def close(self) -> None:
         self.wait()

@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import EXIT_TRAINING_FAILED, SlipstreamError
+from .layout import list_complete
 
 SAVE_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
 
@@ -39,6 +40,9 @@ _ERRNO_NAMES = {
     errno.EROFS: "read-only file system",
     errno.EIO: "I/O error",
 }
+
+
+_NEARLY_FULL_BYTES = 1 << 20  # below this, a write error without an errno is taken for a full disk
 
 
 class CheckpointSaveFailed(SlipstreamError):
@@ -126,15 +130,37 @@ def describe_failure(exc: BaseException, path: str, one_checkpoint_bytes: int | 
         what = _ERRNO_NAMES[cause.errno]
     elif "No space left" in text:
         what = "no space left on device"
-    elif "unexpected pos" in text:  # torch's zip writer: the file system took fewer bytes than written
-        short = one_checkpoint_bytes is None or free is None or free < one_checkpoint_bytes
-        what = "no space left on device (a write was cut short)" if short else f"a write was cut short ({text})"
+    elif free is not None and free < max(one_checkpoint_bytes or 0, _NEARLY_FULL_BYTES):
+        # torch.save on a full disk raises without an errno: "unexpected pos 704 vs 598" (its zip
+        # writer saw a short write) or "basic_ios::clear: iostream error" (both seen on a full tmpfs).
+        what = f"no space left on device ({type(cause).__name__}: {text})"
+    elif "unexpected pos" in text:
+        what = f"a write was cut short ({text})"
     else:
         what = f"{type(cause).__name__}: {text}"
     size = f"one checkpoint is {human(one_checkpoint_bytes)}{size_source}"
     rank = failing_rank(exc)
     who = f"rank {rank}: " if rank else ""  # DCP raises a peer's failure here too: name the peer
     return f"{who}{what} writing {where} ({human(free)} free there; {size})"
+
+
+def space_warning(directory: str, keep_last: int, one_checkpoint_bytes: int) -> str | None:
+    """A warning when ``keep_last`` checkpoints (and the next one, written before the
+    oldest is pruned) will not fit in the free space of ``directory``; else None.
+
+    Example::
+
+        space_warning("ckpt", 3, 500_000_000)   # "checkpoint_dir ckpt: one checkpoint is 476.8 MiB; ..."
+    """
+    kept = len(list_complete(directory))
+    needed = (keep_last + 1 - kept) * one_checkpoint_bytes
+    free = free_bytes(directory)
+    if free is None or free >= needed:
+        return None
+    return (f"checkpoint_dir {directory}: one checkpoint is {human(one_checkpoint_bytes)}; keeping "
+            f"checkpoint_keep_last={keep_last} needs {human(needed)} more ({kept} kept now, one more while the "
+            f"next is written), {human(free)} free: saves will fail with no space left; free space, lower "
+            "checkpoint_keep_last or point checkpoint_dir elsewhere")
 
 
 def _first_line(exc: BaseException) -> str:

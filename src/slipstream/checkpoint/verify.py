@@ -6,7 +6,8 @@ this project's CPUs, so checksumming is cheaper than writing the bytes). At
 load, rank 0 checks a checkpoint before choosing it:
 
 * ``full`` (default): every listed file is present, has its recorded size and
-  its recorded checksum;
+  its recorded checksum (when recorded: a run with ``size`` or ``off`` records
+  sizes only, to spare the save the second pass over its bytes);
 * ``size``: present with its recorded size (catches truncation and missing
   files; reads nothing but directory entries);
 * ``off``: no check beyond the marker being readable.
@@ -24,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -31,7 +33,9 @@ import zlib
 from dataclasses import dataclass
 
 from ..config import CHECKPOINT_VERIFY_MODES as VERIFY_MODES
-from .layout import MARKER, CheckpointDir
+from .layout import MARKER, CheckpointDir, list_complete
+
+log = logging.getLogger("slipstream.checkpoint")
 _CHUNK_BYTES = 8 << 20  # large reads: checksum speed, not syscalls, sets the pace
 _RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
 
@@ -116,6 +120,8 @@ def check(ckpt: CheckpointDir, mode: str = "full") -> Verdict:
     if not isinstance(files, dict):
         return Verdict(None, unrecorded=True)
     for rel, entry in files.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
+            return Verdict(f"{MARKER}: the entry of {rel} is malformed ({entry!r})")
         path = os.path.join(ckpt.path, rel)
         try:
             found = os.path.getsize(path)
@@ -125,10 +131,47 @@ def check(ckpt: CheckpointDir, mode: str = "full") -> Verdict:
             how = "truncated" if found < entry["bytes"] else "longer than written"
             return Verdict(f"{rel}: {found} bytes, the marker recorded {entry['bytes']} ({how})")
         if mode == "full" and "crc32" in entry:
-            crc = f"{file_crc32(path):08x}"
+            try:
+                crc = f"{file_crc32(path):08x}"
+            except OSError as exc:  # an I/O error: the same verdict as a bad checksum
+                return Verdict(f"{rel}: cannot be read ({exc})")
             if crc != entry["crc32"]:
                 return Verdict(f"{rel}: checksum crc32 {crc}, the marker recorded {entry['crc32']} (contents changed)")
     return Verdict(None)
+
+
+def choose_newest(root: str, mode: str) -> tuple[str, int, int] | str | None:
+    """The newest checkpoint under ``root`` that passes :func:`check`, as (path, step,
+    world size). Each one that fails is logged (which file, how) and moved aside.
+    Returns a message instead when checkpoints existed and none verifies (or only
+    moved-aside ones are left), and None when there never were any.
+
+    Example::
+
+        choose_newest("ckpt", "full")   # ("ckpt/step_00000020", 20, 2) when step 30 is damaged
+    """
+    failed = []
+    for ckpt in reversed(list_complete(root)):
+        verdict = check(ckpt, mode)
+        if not verdict.failed:
+            if verdict.unrecorded:
+                log.info("checkpoint %s has a marker without a file list (written by an earlier version): "
+                         "file sizes and checksums cannot be checked", ckpt.path)
+            return ckpt.path, ckpt.step, ckpt.info["world_size"]
+        failed.append(os.path.basename(ckpt.path))
+        try:
+            moved = "moved aside to " + os.path.basename(move_aside(ckpt.path))
+        except OSError as exc:
+            moved = f"could not be moved aside ({exc}), skipped"
+        log.error("checkpoint %s failed verification (checkpoint_verify=%s): %s; %s, trying the previous one",
+                  ckpt.path, mode, verdict.reason, moved)
+    aside = moved_aside(root)
+    unmoved = [name for name in failed if not any(a.startswith(name + ".corrupt-") for a in aside)]
+    if failed or aside:
+        return (f"checkpoint_dir {root} holds no checkpoint that verifies (failed: {', '.join(aside + unmoved)}); "
+                "refusing to start from scratch over it: restore a good checkpoint there, or point "
+                "checkpoint_dir at an empty directory to start over")
+    return None
 
 
 def _rank_files_problem(path: str, world_size: int, files: dict | None) -> str | None:
