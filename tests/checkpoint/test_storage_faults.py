@@ -118,7 +118,10 @@ def test_failures_are_described_in_one_line(tmp_path):
         .startswith(f"permission denied writing {tmp_path}")
     # torch.save on a full disk: a short write in its zip writer, no errno.
     short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    assert storage.describe_failure(short, str(tmp_path), 1 << 60).startswith("no space left on device")
+    assert storage.describe_failure(short, str(tmp_path), 1 << 60).startswith("no space left on device (RuntimeError")
+    assert storage.describe_failure(short, str(tmp_path), 1000).startswith("a write was cut short")  # room left
+    stream = RuntimeError("basic_ios::clear: iostream error")  # torch.save's other full-disk error
+    assert storage.describe_failure(stream, str(tmp_path), 1 << 60).startswith("no space left on device")
 
 
 # --- two ranks: one fails, both agree --------------------------------------------------
@@ -187,3 +190,21 @@ def test_an_asynchronous_save_that_fails_is_reported_at_the_next_save(tmp_path):
                for m in results[0]["errors"]), results[0]["errors"]
     assert [c.step for c in layout.list_complete(directory)] == [10, 30, 40, 50]
     assert not [n for n in os.listdir(directory) if n.endswith(".partial")]
+
+
+def test_the_emergency_save_after_sigterm_gets_the_same_message(tmp_path, monkeypatch, caplog):
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    mgr = _manager(str(tmp_path), max_failures=3)
+    assert mgr.save(10)
+
+    def full(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    mgr.preempt_requested = True  # as the SIGTERM handler leaves it
+    with caplog.at_level(logging.ERROR, logger="slipstream.checkpoint"):
+        assert mgr.save(11, blocking=True) is False
+    assert "emergency checkpoint (SIGTERM) of step 11 not written: no space left on device" in caplog.text
+    assert "step_00000010 is intact" in caplog.text
+    assert mgr.last_save_failed and mgr.last_saved_step == 10

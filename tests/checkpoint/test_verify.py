@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -142,6 +140,12 @@ def test_the_marker_records_every_file_with_size_and_checksum(tmp_path):
     for name, entry in info["files"].items():
         assert entry["bytes"] == (ckpt / name).stat().st_size
         assert entry["crc32"] == f"{verify.file_crc32(str(ckpt / name)):08x}"
+    # checkpoint_verify=size spares the save its checksums: sizes only, which full then checks.
+    mgr, model, opt, counter = _manager(tmp_path, verify="size")
+    mgr.save(40)
+    sized = json.loads((tmp_path / "step_00000040" / layout.MARKER).read_text())["files"]
+    assert sized and all(set(entry) == {"bytes"} for entry in sized.values())
+    assert not verify.check(layout.find_latest(str(tmp_path)), "full").failed
 
 
 def test_size_mode_does_not_read_contents_and_off_checks_only_the_marker(tmp_path):
@@ -253,3 +257,15 @@ def test_a_consistent_checkpoint_of_another_world_size_still_loads(tmp_path):
     mgr, _model_, _opt, counter = _manager(directory)
     assert mgr.restore_latest() == 20 and counter.value == 20
     assert verify.moved_aside(directory) == []
+
+
+def test_the_options_are_train_config_fields_with_environment_variables():
+    from slipstream.config import TrainConfig
+
+    cfg = TrainConfig.from_env({"SLIPSTREAM_CHECKPOINT_VERIFY": "size", "SLIPSTREAM_CHECKPOINT_MAX_FAILURES": "5"})
+    assert (cfg.checkpoint_verify, cfg.checkpoint_max_failures) == ("size", 5)
+    assert TrainConfig().checkpoint_verify == "full" and TrainConfig().checkpoint_max_failures == 3
+    with pytest.raises(ConfigError, match="checkpoint_verify must be one of full, size, off, got 'crc'"):
+        TrainConfig(checkpoint_verify="crc")
+    with pytest.raises(ConfigError, match="checkpoint_max_failures must be >= 1, got 0"):
+        TrainConfig(checkpoint_max_failures=0)
