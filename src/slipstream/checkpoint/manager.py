@@ -321,7 +321,9 @@ class CheckpointManager:
                 size, source = integrity.checkpoint_bytes(latest.info), f", from {os.path.basename(latest.path)}'s marker"
             except (OSError, ValueError):
                 pass
-        if size is None:
+        if size is None and self.world_size == 1:
+            # One rank only: on a sharded layout state_dict() may be collective, and only
+            # the failing rank describes the failure (a hang). Several ranks: "unknown".
             size = sum(storage.state_bytes(obj.state_dict()) for obj in self._shared.values())
             source = ", estimated from the state's tensors"
         return storage.describe_failure(error, partial, size, source or "")
