@@ -100,12 +100,14 @@ def test_cli_layout_flags_reach_the_workers_environment():
         f"train_{k}": None for k in ("sync", "sync_options", "precision", "accumulate_steps", "bucket_cap_mb",
                                      "grad_clip_norm", "run_dir", "log_every_steps", "checkpoint_dir",
                                      "checkpoint_every_steps", "checkpoint_every_s", "checkpoint_keep_last",
-                                     "dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches",
+                                     "checkpoint_verify", "checkpoint_max_failures", "dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "pp_microbatches",
                                      "zero_stage")
     })
     args.train_dp_shard, args.train_tp, args.train_pp_schedule, args.train_zero_stage = 2, 2, "gpipe", 2
+    args.train_checkpoint_verify, args.train_checkpoint_max_failures = "size", 5
     assert worker_env_from_args(args) == {
         "SLIPSTREAM_DP_SHARD": "2", "SLIPSTREAM_TP": "2", "SLIPSTREAM_PP_SCHEDULE": "gpipe", "SLIPSTREAM_ZERO_STAGE": "2",
+        "SLIPSTREAM_CHECKPOINT_VERIFY": "size", "SLIPSTREAM_CHECKPOINT_MAX_FAILURES": "5",
     }
 
 

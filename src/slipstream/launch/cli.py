@@ -22,6 +22,10 @@ _TRAIN_FLAGS = (
     ("--checkpoint-every-steps", "checkpoint_every_steps", int, "save every N optimizer steps"),
     ("--checkpoint-every-s", "checkpoint_every_s", float, "save when N seconds passed since the last save"),
     ("--checkpoint-keep-last", "checkpoint_keep_last", int, "complete checkpoints kept (default 3)"),
+    ("--checkpoint-verify", "checkpoint_verify", str,
+     "check a checkpoint before loading it: full (sizes and CRC-32, the default), size or off"),
+    ("--checkpoint-max-failures", "checkpoint_max_failures", int,
+     "failed saves in a row before the run gives up with exit 1 (default 3)"),
     # Parallel layout (docs/parallel.md): dp_replicate * dp_shard * tp * pp = world size.
     ("--dp-replicate", "dp_replicate", int, "replicated data-parallel degree (-1: the rest of the world, the default)"),
     ("--dp-shard", "dp_shard", int, "FSDP2 sharded data-parallel degree (-1: the rest of the world)"),
