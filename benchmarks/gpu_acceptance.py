@@ -305,16 +305,16 @@ class Acceptance:
             step.skip(SKIP_SELECTION, f"not selected by --only {self.args.only!r}")
         elif step.name.startswith("nccl/") and self.device != "cuda":
             step.skip(SKIP_DEVICE, "device: NCCL needs CUDA, and this run is on the CPU (gloo steps cover the CPU)")
-        elif self.device == "cuda" and _pipelined(step.name):
-            # Ranks share the GPU over gloo here, and gloo's send/recv cannot carry GPU
-            # memory (Slipstream refuses it): a GPU pipeline needs NCCL and a GPU per stage.
-            step.skip(SKIP_DEVICE, "device: pp over gloo cannot carry CUDA tensors (send/recv), and one GPU "
-                                   "cannot give NCCL a GPU per stage; the CPU run covers the pipeline layouts")
         elif not self.environment.get("device_usable") or step.name == "sync/*":
             step.skip(SKIP_BLOCKED, f"blocked: the environment step failed ({env_step.reason})")
         elif not placement_ok and (step.name.startswith(("sync/", "layout/"))):
             step.skip(SKIP_BLOCKED, f"blocked: a gloo group with {self.device} tensors did not start "
                                     f"in the environment step ({env_step.reason})")
+        elif self.device == "cuda" and _pipelined(step.name):
+            # Ranks share the GPU over gloo here, and gloo's send/recv cannot carry GPU
+            # memory (Slipstream refuses it): a GPU pipeline needs NCCL and a GPU per stage.
+            step.skip(SKIP_DEVICE, "device: pp over gloo cannot carry CUDA tensors (send/recv), and one GPU "
+                                   "cannot give NCCL a GPU per stage; the CPU run covers the pipeline layouts")
 
     # --- step kinds -----------------------------------------------------------------
     def example_step(self, step: Step, name: str, precision: str, sizes: Sizes) -> None:

@@ -39,7 +39,7 @@ class HostClock:
     def record(self, event: Any) -> None:
         pass
 
-    def synchronize(self, marks: Iterable[Mark | None]) -> None:
+    def synchronize(self, marks: Iterable[Mark | None], streams: str = "one") -> None:
         pass
 
 
@@ -60,12 +60,17 @@ class CudaClock:
     def record(self, event: Any) -> None:
         event.record()
 
-    def synchronize(self, marks: Iterable[Mark | None]) -> None:
-        # Each event is waited for: marks may come from several streams (the
-        # backward's and a communication stream), which complete in no common order.
-        for mark in marks:
-            if mark is not None and mark[1] is not None:
-                mark[1].synchronize()
+    def synchronize(self, marks: Iterable[Mark | None], streams: str = "one") -> None:
+        """Wait until the marks' events have completed, so durations can be read.
+
+        ``streams="one"``: the marks were recorded on one stream, which completes
+        them in order: waiting for the last one is enough (one wait per window).
+        ``"many"``: marks from several streams (the backward's, a communication
+        stream, callback streams) complete in no common order: each is waited for.
+        """
+        events = [m[1] for m in marks if m is not None and m[1] is not None]
+        for event in events if streams == "many" else events[-1:]:
+            event.synchronize()
 
 
 def clock_for(device: torch.device) -> HostClock | CudaClock:

@@ -3,6 +3,8 @@ checked with fake GPU counts: no GPU is needed to test the logic."""
 
 from __future__ import annotations
 
+import os
+
 import subprocess
 import sys
 
@@ -65,6 +67,10 @@ def test_backend_defaults():
         runtime.choose_backend("mpi", None, cuda_available=True)
 
 
+FLIGHT_RECORDER_VARS = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ENABLE_MONITORING",
+                        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "TORCH_FR_DUMP_TEMP_FILE")
+
+
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """init() on a pretend machine with N GPUs: records what it passes to torch instead of starting a group."""
@@ -76,6 +82,11 @@ def fake_gpus(monkeypatch):
             monkeypatch.delenv(key, raising=False)
         for key, value in env.items():
             monkeypatch.setenv(key, value)
+        # init() on NCCL sets the flight recorder's variables in os.environ: undone after
+        # the test (set then deleted, so monkeypatch restores "absent").
+        for key in FLIGHT_RECORDER_VARS:
+            monkeypatch.setenv(key, "")
+            monkeypatch.delenv(key)
         monkeypatch.setattr(runtime, "_RUNTIME", None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
@@ -98,6 +109,8 @@ def test_init_nccl_passes_device_id(fake_gpus):
     rt = runtime.init()
     assert (rt.backend, rt.device) == ("nccl", torch.device("cuda", 1))
     assert calls["device_id"] == torch.device("cuda", 1) and calls["set_device"] == torch.device("cuda", 1)
+    # NCCL hangs end in the watchdog's abort: the flight recorder must be on before the group starts.
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(os.environ["TORCH_FR_BUFFER_SIZE"]) > 0
 
 
 def test_init_refuses_two_nccl_ranks_on_one_gpu(fake_gpus):

@@ -355,7 +355,8 @@ def test_configure_reads_the_real_process_environment(monkeypatch, tmp_path):
     """os.environ refuses non-string look-ups (a dict does not): read it as init() does."""
     from slipstream.fault.flight_recorder import configure_flight_recorder
 
-    monkeypatch.delenv("TORCH_FR_BUFFER_SIZE", raising=False)
+    for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")
     wanted = configure_flight_recorder(str(tmp_path))
     assert "TORCH_FR_BUFFER_SIZE" not in wanted  # the user's older name wins

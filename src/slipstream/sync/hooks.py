@@ -156,7 +156,7 @@ class _Step:
             return self
         marks = [self.t_backward_start, self.t_last_ready, self.t_done, *self.ready.values()]
         marks += [m for span in self.comm_spans for m in span]
-        clock.synchronize(marks)
+        clock.synchronize(marks, streams="many")
         start = self.t_backward_start
         if start is not None:
             self.ready_s = {i: duration_s(start, m) for i, m in self.ready.items()}
