@@ -1,4 +1,4 @@
-"""Process-tree helpers (Linux /proc).
+"""Process helpers: the one way Slipstream stops processes it started, and tree walks (Linux /proc).
 
 The elastic agent starts each worker in a session of its own, so killing a
 launcher's process group does not reach its workers; these walk the tree.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import time
 
 
 def descendants(pid: int) -> list[int]:
@@ -37,4 +39,52 @@ def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
         try:
             os.kill(victim, sig)
         except ProcessLookupError:
+            pass
+
+
+def stop_processes(
+    procs: list[subprocess.Popen],
+    *,
+    sig: int = signal.SIGTERM,
+    grace_s: float = 10.0,
+    process_group: bool = False,
+) -> None:
+    """Send ``sig`` to every live process, wait up to ``grace_s`` in all, then SIGKILL the rest.
+
+    ``process_group=True`` signals each process's group (``os.killpg``): for
+    children started with ``start_new_session=True`` that have children of their
+    own (an elastic agent and its workers). Processes that are gone are skipped;
+    every process has been reaped when this returns.
+
+    Example::
+
+        stop_processes([agent_a, agent_b], grace_s=10.0, process_group=True)
+    """
+
+    def send(p: subprocess.Popen, signum: int) -> None:
+        try:
+            if process_group:
+                os.killpg(p.pid, signum)
+            else:
+                p.send_signal(signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        send(p, sig)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if process_group:
+            send(p, signal.SIGKILL)  # the group may outlive its leader
+        elif p.poll() is None:
+            send(p, signal.SIGKILL)
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
             pass
