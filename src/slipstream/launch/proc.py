@@ -62,13 +62,17 @@ def stop_processes(
     """
 
     def send(p: subprocess.Popen, signum: int) -> None:
-        try:
-            if process_group:
+        if process_group:
+            try:
                 os.killpg(p.pid, signum)
-            else:
+                return
+            except (ProcessLookupError, PermissionError):
+                pass  # not a group leader, or the group is gone: the process itself
+        if p.poll() is None:
+            try:
                 p.send_signal(signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+            except ProcessLookupError:
+                pass
 
     live = [p for p in procs if p.poll() is None]
     for p in live:
