@@ -1,5 +1,13 @@
 """Typed training configuration, validated when built.
 
+The configuration is a tree: :class:`TrainConfig` holds one frozen section per
+component (``sync``, ``numerics``, ``parallel``, ``checkpoint``, ``metrics``,
+``run``), each checked when built; rules that span sections are checked by
+``TrainConfig`` itself. Every leaf also has a flat name (``precision``,
+``checkpoint_dir``, ...): the keyword arguments of :func:`slipstream.accelerate`,
+the ``SLIPSTREAM_<FLAT_NAME>`` variables and the ``slipstream run`` flags use
+it, so a flat spelling and a nested one reach the same field.
+
 Values come from three layers, the later winning:
 
 1. built-in defaults (the dataclass fields below);
@@ -10,7 +18,9 @@ Values come from three layers, the later winning:
 
 Example::
 
-    cfg = TrainConfig(precision="bf16", accumulate_steps=4)
+    cfg = TrainConfig(precision="bf16", accumulate_steps=4)       # flat keywords
+    cfg.numerics.precision                                        # "bf16"
+    TrainConfig(numerics=NumericsConfig(precision="bf16"))        # the same, nested
     TrainConfig(accumulate_steps=0)   # ConfigError: accumulate_steps must be >= 1, got 0
 """
 
@@ -20,7 +30,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from .errors import ConfigError
 
@@ -39,19 +49,14 @@ def _require(cond: bool, message: str) -> None:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
-    """How :func:`slipstream.accelerate` wraps a model and optimizer.
+class SyncConfig:
+    """Gradient synchronisation of the data-parallel (DDP) layout."""
 
-    Fields carry their units in their names. Every field can be given in code
-    or through ``SLIPSTREAM_<FIELD>`` (upper case) in the environment.
-    """
-
-    # --- gradient synchronisation -------------------------------------------------
-    sync: str = "allreduce"
-    """Strategy name (see ``slipstream.sync.available()``)."""
-    sync_options: dict = field(default_factory=dict)
+    strategy: str = "allreduce"
+    """Strategy name (see ``slipstream.sync.available()``). Flat name: ``sync``."""
+    options: dict = field(default_factory=dict)
     """Options for the strategy (e.g. {"rank": 4} for powersgd, {"density": 0.01} for topk;
-    docs/sync.md lists them). From the environment: SLIPSTREAM_SYNC_OPTIONS as JSON."""
+    docs/sync.md lists them). Flat name ``sync_options``; from the environment as JSON."""
     bucket_cap_mb: float = 25.0
     """DDP bucket size in MiB: gradients are fused into buckets of this size and
     each bucket is reduced as soon as its gradients are ready (overlap with backward)."""
@@ -60,17 +65,58 @@ class TrainConfig:
     find_unused_parameters: bool = False
     static_graph: bool = False
 
-    # --- numerics -----------------------------------------------------------------
+    FLAT: ClassVar[dict[str, str]] = {
+        "strategy": "sync",
+        "options": "sync_options",
+        "bucket_cap_mb": "bucket_cap_mb",
+        "gradient_as_bucket_view": "gradient_as_bucket_view",
+        "find_unused_parameters": "find_unused_parameters",
+        "static_graph": "static_graph",
+    }
+
+    def __post_init__(self) -> None:
+        from . import sync as _sync  # late: importing the strategies needs torch.distributed
+
+        _require(isinstance(self.strategy, str) and self.strategy != "", f"sync must be a strategy name, got {self.strategy!r}")
+        known = _sync.available()
+        _require(self.strategy in known, f"sync must be one of {', '.join(known)}, got {self.strategy!r}")
+        _require(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        _require(isinstance(self.options, dict), f"sync_options must be a dict, got {self.options!r}")
+
+
+@dataclass(frozen=True)
+class NumericsConfig:
+    """Precision, gradient accumulation and clipping: how one optimizer step is computed."""
+
     precision: str = "fp32"
     """fp32, bf16 (autocast) or fp16 (autocast + dynamic gradient scaler)."""
     accumulate_steps: int = 1
     """Micro-steps per optimizer step; gradients synchronise on the last one only."""
     grad_clip_norm: float | None = None
     """Clip the global gradient 2-norm to this value (None: no clipping)."""
-    activation_checkpointing: tuple[str, ...] = ()
-    """Class names of modules whose activations are recomputed in backward."""
 
-    # --- parallel layout (see docs/parallel.md) -----------------------------------------
+    FLAT: ClassVar[dict[str, str]] = {
+        "precision": "precision",
+        "accumulate_steps": "accumulate_steps",
+        "grad_clip_norm": "grad_clip_norm",
+    }
+
+    def __post_init__(self) -> None:
+        _require(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        _require(
+            isinstance(self.accumulate_steps, int) and self.accumulate_steps >= 1,
+            f"accumulate_steps must be >= 1, got {self.accumulate_steps}",
+        )
+        _require(
+            self.grad_clip_norm is None or self.grad_clip_norm > 0,
+            f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}",
+        )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel layout (see docs/parallel.md) and activation checkpointing."""
+
     dp_replicate: int = -1
     """Replicated data parallel degree (DDP, or HSDP's replica dimension with dp_shard).
     -1: the rest of the world once the other degrees are divided out, so a run
@@ -91,118 +137,21 @@ class TrainConfig:
     gathers them again in backward); 2 keeps them gathered until backward ends
     (``reshard_after_forward=False``: one all-gather per step instead of two).
     FSDP2 cannot do ZeRO-1 (replicated gradients, sharded optimizer state only)."""
+    activation_checkpointing: tuple[str, ...] = ()
+    """Class names of modules whose activations are recomputed in backward."""
 
-    # --- checkpoints and failures ----------------------------------------------------
-    checkpoint_dir: str | None = None
-    """Where checkpoints go; when set, the run resumes from the newest complete one."""
-    checkpoint_every_steps: int | None = None
-    """Save every this many optimizer steps (None: only on preemption and at the end)."""
-    checkpoint_every_s: float | None = None
-    """Save when this many seconds passed since the last save (checked every step)."""
-    checkpoint_keep_last: int = 3
-    """Complete checkpoints kept; older ones are deleted."""
-    checkpoint_async: bool = False
-    """Stage to CPU memory and write in a background thread (the loop blocks only for staging)."""
-    checkpoint_verify: str = "full"
-    """Check before loading: full (sizes and CRC-32 of every file), size (sizes only), off.
-    A checkpoint that fails is moved aside and the previous one is loaded."""
-    checkpoint_max_failures: int = 3
-    """Saves that may fail in a row (full disk, ...) before the run exits 1; each failure
-    before that is reported and training continues."""
-    preemption_deadline_s: float = 25.0
-    """After SIGTERM: an emergency checkpoint at the next step, then exit 143; past this
-    deadline the process exits 143 regardless (keep it under the pod's grace period)."""
-
-    # --- bookkeeping --------------------------------------------------------------
-    run_dir: str | None = None
-    """Where per-rank metrics (JSONL) and run artefacts go; None: runs/<timestamp>."""
-    log_every_steps: int = 10
-    """Loss is read back to the host (one sync) only every this many steps."""
-    progress: bool = True
-    """Show a progress bar on rank 0 when the console is a terminal."""
-    total_steps: int | None = None
-    """Known length of the run, for the progress bar and ETA."""
-
-    # --- metrics (see docs/metrics.md) -------------------------------------------
-    profile: bool = True
-    """Time each step's phases (data wait, forward, backward, exposed communication,
-    optimizer, checkpoint) and compare ranks at log steps to name stragglers."""
-    timeline: bool = False
-    """Write compute/communication spans per rank as a Chrome trace (RUN_DIR/timeline/)."""
-    tensorboard: bool = False
-    """Write every metric to TensorBoard event files (RUN_DIR/tensorboard/rank<R>)."""
-    prometheus_port: int | None = None
-    """Serve Prometheus metrics; rank R listens on this port + local rank (0: any free port)."""
-    prometheus_addr: str = "127.0.0.1"
-    """Address the Prometheus endpoint binds to (0.0.0.0 to let a cluster scrape it)."""
-    flops_per_sample: float | None = None
-    """Training FLOPs (forward + backward) of one sample, for MFU; None: 6 * params * tokens
-    when the model takes token ids, else no MFU."""
-    peak_flops: float | None = None
-    """Peak FLOP/s of one device, for MFU; None: a table of known GPUs (none on CPU)."""
-    straggler_threshold: float = 0.1
-    """Name a straggler only when its compute per step exceeds the median rank's by more
-    than this fraction, in most of the last 5 log steps."""
+    FLAT: ClassVar[dict[str, str]] = {
+        "dp_replicate": "dp_replicate",
+        "dp_shard": "dp_shard",
+        "tp": "tp",
+        "pp": "pp",
+        "pp_schedule": "pp_schedule",
+        "pp_microbatches": "pp_microbatches",
+        "zero_stage": "zero_stage",
+        "activation_checkpointing": "activation_checkpointing",
+    }
 
     def __post_init__(self) -> None:
-        from . import sync as _sync  # late: sync imports config
-
-        _require(isinstance(self.sync, str) and self.sync != "", f"sync must be a strategy name, got {self.sync!r}")
-        known = _sync.available()
-        _require(self.sync in known, f"sync must be one of {', '.join(known)}, got {self.sync!r}")
-        _require(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
-        _require(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        _require(
-            isinstance(self.accumulate_steps, int) and self.accumulate_steps >= 1,
-            f"accumulate_steps must be >= 1, got {self.accumulate_steps}",
-        )
-        _require(
-            self.grad_clip_norm is None or self.grad_clip_norm > 0,
-            f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}",
-        )
-        _require(
-            self.checkpoint_every_steps is None or self.checkpoint_every_steps >= 1,
-            f"checkpoint_every_steps must be >= 1 or None, got {self.checkpoint_every_steps}",
-        )
-        _require(
-            self.checkpoint_every_s is None or self.checkpoint_every_s > 0,
-            f"checkpoint_every_s must be > 0 or None, got {self.checkpoint_every_s}",
-        )
-        _require(self.preemption_deadline_s > 0, f"preemption_deadline_s must be > 0, got {self.preemption_deadline_s}")
-        _require(
-            self.checkpoint_verify in CHECKPOINT_VERIFY_MODES,
-            f"checkpoint_verify must be one of {', '.join(CHECKPOINT_VERIFY_MODES)}, got {self.checkpoint_verify!r}",
-        )
-        _require(
-            isinstance(self.checkpoint_max_failures, int) and self.checkpoint_max_failures >= 1,
-            f"checkpoint_max_failures must be >= 1, got {self.checkpoint_max_failures}",
-        )
-        _require(self.checkpoint_keep_last >= 1, f"checkpoint_keep_last must be >= 1, got {self.checkpoint_keep_last}")
-        _require(self.checkpoint_dir is None or self.checkpoint_dir != "", "checkpoint_dir must be a path or None, got ''")
-        _require(self.log_every_steps >= 1, f"log_every_steps must be >= 1, got {self.log_every_steps}")
-        _require(
-            self.total_steps is None or self.total_steps >= 0,
-            f"total_steps must be >= 0 or None, got {self.total_steps}",
-        )
-        _require(
-            self.prometheus_port is None or 0 <= self.prometheus_port <= 65535,
-            f"prometheus_port must be in 0..65535 or None, got {self.prometheus_port}",
-        )
-        _require(self.prometheus_addr != "", "prometheus_addr must be an address, got ''")
-        _require(
-            self.flops_per_sample is None or self.flops_per_sample > 0,
-            f"flops_per_sample must be > 0 or None, got {self.flops_per_sample}",
-        )
-        _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
-        _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
-        _require(isinstance(self.sync_options, dict), f"sync_options must be a dict, got {self.sync_options!r}")
-        self._check_layout()
-        if isinstance(self.activation_checkpointing, str):
-            object.__setattr__(self, "activation_checkpointing", _split_names(self.activation_checkpointing))
-        else:
-            object.__setattr__(self, "activation_checkpointing", tuple(self.activation_checkpointing))
-
-    def _check_layout(self) -> None:
         for name in DEGREES:
             value = getattr(self, name)
             _require(
@@ -226,14 +175,240 @@ class TrainConfig:
                 "gradients and optimizer state together; use zero_stage 2 or 3"
             )
         _require(self.zero_stage in ZERO_STAGES, f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
+        names = self.activation_checkpointing
+        object.__setattr__(self, "activation_checkpointing", _split_names(names) if isinstance(names, str) else tuple(names))
+
+    @property
+    def is_mesh(self) -> bool:
+        """True when some degree asks for a device mesh (sharding, TP or PP) rather than plain DDP."""
+        return self.dp_shard != 1 or self.tp > 1 or self.pp > 1
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints and preemption (see docs/fault-tolerance.md)."""
+
+    dir: str | None = None
+    """Where checkpoints go; when set, the run resumes from the newest complete one."""
+    every_steps: int | None = None
+    """Save every this many optimizer steps (None: only on preemption and at the end)."""
+    every_s: float | None = None
+    """Save when this many seconds passed since the last save (checked every step)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted."""
+    async_save: bool = False
+    """Stage to CPU memory and write in a background thread (the loop blocks only for staging)."""
+    verify: str = "full"
+    """Check before loading: full (sizes and CRC-32 of every file), size (sizes only), off.
+    A checkpoint that fails is moved aside and the previous one is loaded."""
+    max_failures: int = 3
+    """Saves that may fail in a row (full disk, ...) before the run exits 1; each failure
+    before that is reported and training continues."""
+    preemption_deadline_s: float = 25.0
+    """After SIGTERM: an emergency checkpoint at the next step, then exit 143; past this
+    deadline the process exits 143 regardless (keep it under the pod's grace period)."""
+
+    FLAT: ClassVar[dict[str, str]] = {
+        "dir": "checkpoint_dir",
+        "every_steps": "checkpoint_every_steps",
+        "every_s": "checkpoint_every_s",
+        "keep_last": "checkpoint_keep_last",
+        "async_save": "checkpoint_async",
+        "verify": "checkpoint_verify",
+        "max_failures": "checkpoint_max_failures",
+        "preemption_deadline_s": "preemption_deadline_s",
+    }
+
+    def __post_init__(self) -> None:
+        _require(self.dir is None or self.dir != "", "checkpoint_dir must be a path or None, got ''")
+        _require(
+            self.every_steps is None or self.every_steps >= 1,
+            f"checkpoint_every_steps must be >= 1 or None, got {self.every_steps}",
+        )
+        _require(self.every_s is None or self.every_s > 0, f"checkpoint_every_s must be > 0 or None, got {self.every_s}")
+        _require(self.keep_last >= 1, f"checkpoint_keep_last must be >= 1, got {self.keep_last}")
+        _require(
+            self.verify in CHECKPOINT_VERIFY_MODES,
+            f"checkpoint_verify must be one of {', '.join(CHECKPOINT_VERIFY_MODES)}, got {self.verify!r}",
+        )
+        _require(
+            isinstance(self.max_failures, int) and self.max_failures >= 1,
+            f"checkpoint_max_failures must be >= 1, got {self.max_failures}",
+        )
+        _require(self.preemption_deadline_s > 0, f"preemption_deadline_s must be > 0, got {self.preemption_deadline_s}")
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """What is measured and where it goes (see docs/metrics.md)."""
+
+    profile: bool = True
+    """Time each step's phases (data wait, forward, backward, exposed communication,
+    optimizer, checkpoint) and compare ranks at log steps to name stragglers."""
+    timeline: bool = False
+    """Write compute/communication spans per rank as a Chrome trace (RUN_DIR/timeline/)."""
+    tensorboard: bool = False
+    """Write every metric to TensorBoard event files (RUN_DIR/tensorboard/rank<R>)."""
+    prometheus_port: int | None = None
+    """Serve Prometheus metrics; rank R listens on this port + local rank (0: any free port)."""
+    prometheus_addr: str = "127.0.0.1"
+    """Address the Prometheus endpoint binds to (0.0.0.0 to let a cluster scrape it)."""
+    flops_per_sample: float | None = None
+    """Training FLOPs (forward + backward) of one sample, for MFU; None: 6 * params * tokens
+    when the model takes token ids, else no MFU."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device, for MFU; None: a table of known GPUs (none on CPU)."""
+    straggler_threshold: float = 0.1
+    """Name a straggler only when its compute per step exceeds the median rank's by more
+    than this fraction, in most of the last 5 log steps."""
+
+    FLAT: ClassVar[dict[str, str]] = {
+        "profile": "profile",
+        "timeline": "timeline",
+        "tensorboard": "tensorboard",
+        "prometheus_port": "prometheus_port",
+        "prometheus_addr": "prometheus_addr",
+        "flops_per_sample": "flops_per_sample",
+        "peak_flops": "peak_flops",
+        "straggler_threshold": "straggler_threshold",
+    }
+
+    def __post_init__(self) -> None:
+        _require(
+            self.prometheus_port is None or 0 <= self.prometheus_port <= 65535,
+            f"prometheus_port must be in 0..65535 or None, got {self.prometheus_port}",
+        )
+        _require(self.prometheus_addr != "", "prometheus_addr must be an address, got ''")
+        _require(
+            self.flops_per_sample is None or self.flops_per_sample > 0,
+            f"flops_per_sample must be > 0 or None, got {self.flops_per_sample}",
+        )
+        _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
+        _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Bookkeeping of the run: where artefacts go, how often the host reads figures back."""
+
+    dir: str | None = None
+    """Where per-rank metrics (JSONL) and run artefacts go; None: runs/<timestamp>. Flat name: ``run_dir``."""
+    log_every_steps: int = 10
+    """Loss is read back to the host (one sync) only every this many steps."""
+    progress: bool = True
+    """Show a progress bar on rank 0 when the console is a terminal."""
+    total_steps: int | None = None
+    """Known length of the run, for the progress bar and ETA."""
+
+    FLAT: ClassVar[dict[str, str]] = {
+        "dir": "run_dir",
+        "log_every_steps": "log_every_steps",
+        "progress": "progress",
+        "total_steps": "total_steps",
+    }
+
+    def __post_init__(self) -> None:
+        _require(self.log_every_steps >= 1, f"log_every_steps must be >= 1, got {self.log_every_steps}")
+        _require(
+            self.total_steps is None or self.total_steps >= 0,
+            f"total_steps must be >= 0 or None, got {self.total_steps}",
+        )
+
+
+SECTIONS: dict[str, type] = {
+    "sync": SyncConfig,
+    "numerics": NumericsConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "metrics": MetricsConfig,
+    "run": RunConfig,
+}
+"""TrainConfig's sections, by attribute name."""
+
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    flat: (section, leaf) for section, cls in SECTIONS.items() for leaf, flat in cls.FLAT.items()
+}
+"""Flat name (keyword, ``SLIPSTREAM_*`` variable, flag) -> (section, field)."""
+
+
+def _flat_fields() -> dict[str, dataclasses.Field]:
+    """The dataclass field behind each flat name (type, default, docstring source)."""
+    by_section = {name: {f.name: f for f in fields(cls)} for name, cls in SECTIONS.items()}
+    return {flat: by_section[section][leaf] for flat, (section, leaf) in FLAT_NAMES.items()}
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+@dataclass(frozen=True, init=False)
+class TrainConfig:
+    """How :func:`slipstream.accelerate` wraps a model and optimizer: one section per component.
+
+    Build it nested (``TrainConfig(numerics=NumericsConfig(precision="bf16"))``)
+    or with flat keywords (``TrainConfig(precision="bf16")``); the two may be
+    mixed, a flat keyword overriding the section's field. Every flat name can
+    also come from ``SLIPSTREAM_<FLAT_NAME>`` (see :meth:`from_env`).
+    """
+
+    sync: SyncConfig
+    numerics: NumericsConfig
+    parallel: ParallelConfig
+    checkpoint: CheckpointConfig
+    metrics: MetricsConfig
+    run: RunConfig
+
+    def __init__(
+        self,
+        *,
+        sync: SyncConfig | str | None = None,
+        numerics: NumericsConfig | None = None,
+        parallel: ParallelConfig | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        metrics: MetricsConfig | None = None,
+        run: RunConfig | None = None,
+        **flat: Any,
+    ) -> None:
+        if isinstance(sync, str):  # the flat keyword ``sync`` names the strategy
+            flat["sync"] = sync
+            sync = None
+        given = {"sync": sync, "numerics": numerics, "parallel": parallel, "checkpoint": checkpoint, "metrics": metrics, "run": run}
+        unknown = sorted(set(flat) - set(FLAT_NAMES))
+        if unknown:
+            raise ConfigError(_unknown_message(unknown))
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for name, value in flat.items():
+            section, leaf = FLAT_NAMES[name]
+            per_section[section][leaf] = value
+        for name, cls in SECTIONS.items():
+            base = given[name]
+            if base is not None and not isinstance(base, cls):
+                raise ConfigError(f"{name} must be a {cls.__name__}, got {type(base).__name__}")
+            if base is None:
+                value = cls(**per_section[name])
+            elif per_section[name]:
+                value = dataclasses.replace(base, **per_section[name])
+            else:
+                value = base
+            object.__setattr__(self, name, value)
+        self._check_across_sections()
+
+    def __getattr__(self, name: str) -> Any:
+        # TRANSITION (issue #18): flat reads while callers move to the sections; removed before landing.
+        if name in FLAT_NAMES and name != "sync":
+            section, leaf = FLAT_NAMES[name]
+            return getattr(object.__getattribute__(self, section), leaf)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def _check_across_sections(self) -> None:
         # Checked here, not only in accelerate(), so `slipstream run` refuses it before any worker starts.
-        if self.dp_shard != 1 or self.tp > 1 or self.pp > 1:
+        if self.parallel.is_mesh:
             _require(
-                self.sync == "allreduce" and not self.sync_options,
-                f"sync {self.sync!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "
+                self.sync.strategy == "allreduce" and not self.sync.options,
+                f"sync {self.sync.strategy!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "
                 "gradients (leave sync at allreduce)",
             )
-            _require(self.precision != "fp16", "precision fp16 is not supported with dp_shard, tp or pp; use bf16")
+            _require(self.numerics.precision != "fp16", "precision fp16 is not supported with dp_shard, tp or pp; use bf16")
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """The four degrees with -1 resolved against ``world_size``, checked to multiply to it.
@@ -244,7 +419,7 @@ class TrainConfig:
             TrainConfig(dp_replicate=2, tp=3).degrees(4)
             # ConfigError: dp_replicate(2) * dp_shard(1) * tp(3) * pp(1) != world_size(4)
         """
-        values = {name: getattr(self, name) for name in DEGREES}
+        values = {name: getattr(self.parallel, name) for name in DEGREES}
         if values["dp_shard"] == -1 and values["dp_replicate"] == -1:
             values["dp_replicate"] = 1  # dp_shard=-1 alone: every data-parallel rank shards
         rest = [name for name, value in values.items() if value == -1]
@@ -270,52 +445,81 @@ class TrainConfig:
         d = self.degrees(world_size)
         return d["dp_shard"] == 1 and d["tp"] == 1 and d["pp"] == 1
 
+    def flat(self) -> dict[str, Any]:
+        """Every leaf by its flat name.
+
+        Example::
+
+            TrainConfig(precision="bf16").flat()["precision"]   # "bf16"
+        """
+        return {flat: getattr(getattr(self, section), leaf) for flat, (section, leaf) in FLAT_NAMES.items()}
+
     def replace(self, **changes: Any) -> "TrainConfig":
-        """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some fields changed, by flat name or whole section (validated again).
+
+        Example::
+
+            TrainConfig().replace(precision="bf16", checkpoint_dir="/ckpt")
+        """
+        sections = {name: changes.pop(name) for name in list(changes) if name in SECTIONS and not isinstance(changes[name], str)}
+        current = {name: getattr(self, name) for name in SECTIONS}
+        current.update(sections)
+        return TrainConfig(**current, **changes)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "TrainConfig":
-        """Built-in defaults, then ``SLIPSTREAM_*`` variables, then ``overrides``.
+        """Built-in defaults, then ``SLIPSTREAM_*`` variables, then flat ``overrides``.
 
         Example::
 
             os.environ["SLIPSTREAM_PRECISION"] = "bf16"
-            TrainConfig.from_env(accumulate_steps=2).precision  # "bf16"
+            TrainConfig.from_env(accumulate_steps=2).numerics.precision  # "bf16"
         """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
-        for f in fields(cls):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
+        for name, f in _flat_fields().items():
+            raw = environ.get(ENV_PREFIX + name.upper())
             if raw is not None and raw != "":
-                values[f.name] = _parse_env(f, raw)
-        unknown = sorted(set(overrides) - {f.name for f in fields(cls)})
+                values[name] = _parse_env(name, f, raw)
+        unknown = sorted(set(overrides) - set(FLAT_NAMES))
         if unknown:
-            raise ConfigError(f"unknown training option(s): {', '.join(unknown)}; known: {', '.join(f.name for f in fields(cls))}")
+            raise ConfigError(_unknown_message(unknown))
         values.update(overrides)
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
         """The ``SLIPSTREAM_*`` variables that reproduce the non-default fields."""
         out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            if value != default and not (f.name == "activation_checkpointing" and value == ()):
+        defaults = _flat_fields()
+        for name, value in self.flat().items():
+            default = _default(defaults[name])
+            if isinstance(default, tuple):
+                default = tuple(default)
+            if value != default:
                 if isinstance(value, tuple):
                     value = ",".join(value)
                 elif isinstance(value, dict):
                     value = json.dumps(value)
-                out[ENV_PREFIX + f.name.upper()] = str(value)
+                out[ENV_PREFIX + name.upper()] = str(value)
         return out
+
+
+def _unknown_message(unknown: list[str]) -> str:
+    import difflib
+
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, list(FLAT_NAMES), n=1)
+        hints.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return f"unknown training option(s): {', '.join(hints)}; known: {', '.join(FLAT_NAMES)}"
 
 
 def _split_names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def _parse_env(f: dataclasses.Field, raw: str) -> Any:
-    name = ENV_PREFIX + f.name.upper()
+def _parse_env(flat_name: str, f: dataclasses.Field, raw: str) -> Any:
+    name = ENV_PREFIX + flat_name.upper()
     kind = str(f.type)
     if raw.strip().lower() == "none" and "None" in kind:
         return None
@@ -343,4 +547,18 @@ def _parse_env(f: dataclasses.Field, raw: str) -> Any:
     return raw
 
 
-__all__ = ["CHECKPOINT_VERIFY_MODES", "DEGREES", "PP_SCHEDULES", "PRECISIONS", "TrainConfig"]
+__all__ = [
+    "CHECKPOINT_VERIFY_MODES",
+    "DEGREES",
+    "FLAT_NAMES",
+    "PP_SCHEDULES",
+    "PRECISIONS",
+    "SECTIONS",
+    "CheckpointConfig",
+    "MetricsConfig",
+    "NumericsConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "SyncConfig",
+    "TrainConfig",
+]
