@@ -19,7 +19,7 @@ from slipstream.data import (
     pack_text,
     verify_dataset,
 )
-from slipstream.data.format import FOOTER_BYTES, HEADER_BYTES, shard_name
+from slipstream.data.format import FOOTER_BYTES, HEADER_BYTES, file_sha256, shard_name
 from slipstream.data.source import Source
 from slipstream.errors import ConfigError
 
@@ -261,3 +261,16 @@ def test_index_with_unsafe_names_is_refused(numbered, field, value):
         json.dump(d, f)
     with pytest.raises(DataIntegrityError, match="unsafe shard entry"):
         ShardedDataset(numbered)
+
+
+def test_file_sha256_is_the_digest_of_the_whole_file_whatever_the_chunk_size(tmp_path):
+    import hashlib
+
+    blob = os.urandom(100_003)
+    path = tmp_path / "blob"
+    path.write_bytes(blob)
+    want = hashlib.sha256(blob).hexdigest()
+    assert file_sha256(path) == want
+    assert file_sha256(str(path), chunk_bytes=4096) == want  # many reads, a short last one
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_sha256(tmp_path / "empty") == hashlib.sha256(b"").hexdigest()

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 from filelock import FileLock
 
 from ..errors import ConfigError
-from .format import INDEX_NAME, DataIntegrityError, Index, ShardInfo, ShardReader
+from .format import INDEX_NAME, DataIntegrityError, Index, ShardInfo, ShardReader, file_sha256
 from .source import Source, SourceUnavailable
 
 _counter = itertools.count()
@@ -146,7 +146,7 @@ class ShardCache:
             try:
                 source.get_file(info.file, tmp)
                 size = os.path.getsize(tmp)
-                digest = _sha256_file(tmp) if size == info.size_bytes else None
+                digest = file_sha256(tmp) if size == info.size_bytes else None
             except BaseException:
                 _remove(tmp)
                 raise
@@ -428,16 +428,6 @@ def prewarm(
 
 
 # ----------------------------------------------------------------- helpers
-
-
-def _sha256_file(path: str, chunk_bytes: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk_bytes)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
 
 
 def _remove(path: str) -> None:

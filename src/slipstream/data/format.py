@@ -385,6 +385,12 @@ def _check_cast(a: np.ndarray, target: np.dtype, name: str) -> None:
 
 
 def file_sha256(path: str | os.PathLike, chunk_bytes: int = 8 << 20) -> str:
+    """Hex SHA-256 of a file's bytes, read in ``chunk_bytes`` pieces (the shard digest of an index).
+
+    Example::
+
+        file_sha256("shard-00000.slp") == index.shards[0].sha256
+    """
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while True:
