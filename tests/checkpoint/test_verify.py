@@ -263,8 +263,8 @@ def test_the_options_are_train_config_fields_with_environment_variables():
     from slipstream.config import TrainConfig
 
     cfg = TrainConfig.from_env({"SLIPSTREAM_CHECKPOINT_VERIFY": "size", "SLIPSTREAM_CHECKPOINT_MAX_FAILURES": "5"})
-    assert (cfg.checkpoint_verify, cfg.checkpoint_max_failures) == ("size", 5)
-    assert TrainConfig().checkpoint_verify == "full" and TrainConfig().checkpoint_max_failures == 3
+    assert (cfg.checkpoint.verify, cfg.checkpoint.max_failures) == ("size", 5)
+    assert (TrainConfig().checkpoint.verify, TrainConfig().checkpoint.max_failures) == ("full", 3)
     with pytest.raises(ConfigError, match="checkpoint_verify must be one of full, size, off, got 'crc'"):
         TrainConfig(checkpoint_verify="crc")
     with pytest.raises(ConfigError, match="checkpoint_max_failures must be >= 1, got 0"):

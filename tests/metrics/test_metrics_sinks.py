@@ -75,7 +75,7 @@ def test_config_validates_metrics_fields():
         TrainConfig(prometheus_port=70000)
     with pytest.raises(ConfigError, match="peak_flops must be > 0"):
         TrainConfig(peak_flops=0)
-    assert TrainConfig.from_env({"SLIPSTREAM_TIMELINE": "true", "SLIPSTREAM_PROMETHEUS_PORT": "9400"}).prometheus_port == 9400
+    assert TrainConfig.from_env({"SLIPSTREAM_TIMELINE": "true", "SLIPSTREAM_PROMETHEUS_PORT": "9400"}).metrics.prometheus_port == 9400
 
 
 class TinyLM(nn.Module):

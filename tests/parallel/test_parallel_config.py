@@ -55,7 +55,7 @@ def test_bad_layout_values_are_refused_on_construction(options, message):
 
 def test_layout_comes_from_the_environment():
     cfg = TrainConfig.from_env({"SLIPSTREAM_TP": "2", "SLIPSTREAM_PP_SCHEDULE": "gpipe", "SLIPSTREAM_PP_MICROBATCHES": "4"})
-    assert (cfg.tp, cfg.pp_schedule, cfg.pp_microbatches) == (2, "gpipe", 4)
+    assert (cfg.parallel.tp, cfg.parallel.pp_schedule, cfg.parallel.pp_microbatches) == (2, "gpipe", 4)
     assert TrainConfig(dp_shard=2, zero_stage=2).to_env() == {"SLIPSTREAM_DP_SHARD": "2", "SLIPSTREAM_ZERO_STAGE": "2"}
 
 

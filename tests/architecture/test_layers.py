@@ -1,0 +1,81 @@
+"""The layer rule of docs/architecture.md, checked on the source tree (no process is started)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SRC = REPO / "src" / "slipstream"
+LARGEST_MODULE_LINES = 764  # job/spec.py before the architecture issue (#18): every module stays below it
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in SRC.rglob("*.py") if "egg-info" not in str(p))
+
+
+def test_import_contracts_hold():
+    """.importlinter: tooling over core, the core in its layers, no cycle between siblings."""
+    exe = shutil.which("lint-imports")
+    assert exe, "lint-imports is missing: install the test extra (pip install -e .[test])"
+    proc = subprocess.run([exe, "--config", str(REPO / ".importlinter")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "BROKEN" not in proc.stdout and "3 kept, 0 broken" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_argparse_lives_only_in_cli_modules():
+    offenders = []
+    for path in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            if "argparse" in names and path.name != "cli.py":
+                offenders.append(str(path.relative_to(REPO)))
+    assert offenders == [], f"argparse outside */cli.py: {offenders}"
+
+
+def test_no_module_grows_past_the_old_largest():
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines()) for p in _modules()}
+    too_big = {name: n for name, n in sizes.items() if n >= LARGEST_MODULE_LINES}
+    assert too_big == {}, f"split these modules (limit {LARGEST_MODULE_LINES} lines): {too_big}"
+
+
+def test_no_private_name_is_imported_across_modules():
+    """`from x import _helper` between modules: a private helper used elsewhere should be public."""
+    offenders = []
+    for path in _modules():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and (node.level > 0 or node.module.startswith("slipstream")):
+                for alias in node.names:
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        offenders.append(f"{path.relative_to(REPO)}: {node.module}.{alias.name}")
+    assert offenders == [], "\n".join(offenders)
+
+
+@pytest.mark.parametrize("rule", ["upward", "cycle"])
+def test_the_contract_catches_a_violation(tmp_path, rule):
+    """The check can fail: a copy of the tree with one bad import breaks it."""
+    exe = shutil.which("lint-imports")
+    assert exe, "lint-imports is missing: install the test extra"
+    copy = tmp_path / "src"
+    shutil.copytree(SRC, copy / "slipstream", ignore=shutil.ignore_patterns("__pycache__"))
+    if rule == "upward":
+        (copy / "slipstream" / "sync" / "zz_bad.py").write_text("from ..launch import cli  # noqa: F401\n")
+    else:
+        (copy / "slipstream" / "sync" / "zz_a.py").write_text("from . import zz_b  # noqa: F401\n")
+        (copy / "slipstream" / "sync" / "zz_b.py").write_text("from . import zz_a  # noqa: F401\n")
+    env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [exe, "--config", str(REPO / ".importlinter"), "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode != 0
+    assert ("zz_bad" if rule == "upward" else "zz_") in proc.stdout
