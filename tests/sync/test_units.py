@@ -20,7 +20,7 @@ from slipstream.sync.compress import (
 from slipstream.sync.compress.sign import pack_signs, unpack_signs
 from slipstream.sync.guard import ConvergenceGuard
 from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide, predict, verify_plan
-from slipstream.sync.probe import LinkFigures
+from slipstream.sync.link import Link
 from slipstream.sync.topology import Topology, detect
 
 SOLO = Wire(None, size=1)
@@ -129,7 +129,7 @@ CANDIDATES = {"allreduce": Codec(), "bf16": Cast(torch.bfloat16), "powersgd": Po
 
 def test_policy_keeps_allreduce_when_communication_is_hidden():
     buckets = _buckets([4, 4, 4], backward_s=0.3)
-    fast = LinkFigures(2, 1e-4, 10e9)  # 80 Gbit/s
+    fast = Link.measured(2, 1e-4, 10e9)  # 80 Gbit/s
     costs = {(b.index, "powersgd"): 0.005 for b in buckets}
     d = decide(buckets, fast, 2, costs, CANDIDATES)
     assert set(d.choices.values()) == {"allreduce"}
@@ -138,7 +138,7 @@ def test_policy_keeps_allreduce_when_communication_is_hidden():
 
 def test_policy_compresses_on_a_slow_link():
     buckets = _buckets([4, 12, 12], backward_s=0.08)
-    slow = LinkFigures(2, 2e-4, 25e6)  # 200 Mbit/s
+    slow = Link.measured(2, 2e-4, 25e6)  # 200 Mbit/s
     costs = {(b.index, n): (0.002 if n == "powersgd" else 0.0005) for b in buckets for n in CANDIDATES}
     d = decide(buckets, slow, 2, costs, CANDIDATES)
     assert set(d.choices.values()) == {"powersgd"}
@@ -148,7 +148,7 @@ def test_policy_compresses_on_a_slow_link():
 
 def test_policy_mixes_when_compression_compute_costs_more_than_a_small_bucket_saves():
     buckets = _buckets([0.25, 12, 12], backward_s=0.08)
-    link = LinkFigures(2, 1e-4, 125e6)  # 1 Gbit/s
+    link = Link.measured(2, 1e-4, 125e6)  # 1 Gbit/s
     costs = {(b.index, n): 0.0 for b in buckets for n in CANDIDATES}
     costs[(0, "powersgd")] = 0.02  # expensive on the small last bucket
     costs[(1, "powersgd")] = costs[(2, "powersgd")] = 0.003
@@ -159,8 +159,8 @@ def test_policy_mixes_when_compression_compute_costs_more_than_a_small_bucket_sa
 
 
 def test_hierarchical_cost_charges_the_node_link_in_full_and_the_codec_on_a_shard():
-    intra = LinkFigures(2, 1e-5, 10e9)
-    inter = LinkFigures(2, 2e-4, 25e6)  # 200 Mbit/s between nodes
+    intra = Link.measured(2, 1e-5, 10e9)
+    inter = Link.measured(2, 2e-4, 25e6)  # 200 Mbit/s between nodes
     cost = HierarchicalCost(intra, inter, local_world_size=2, num_nodes=2)
     b = _buckets([8], backward_s=0.05)[0]
     s_bytes = b.numel * 4

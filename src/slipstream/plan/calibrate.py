@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .network import Link
+from ..sync.link import Link, allreduce_bytes, allreduce_steps
 
 
 @dataclass(frozen=True)
@@ -124,15 +124,19 @@ def codec_compute_s(name: str, numel: int, layout: Any = None, threads: int | No
     return min(times[1:]) if len(times) > 1 else times[0]
 
 
-def link_from_probe(figures: Any, fabric: str = "probed") -> Link:
-    """A :class:`Link` from a :class:`~slipstream.sync.probe.LinkFigures` (measured all-reduce).
+def link_from_probe(figures: Link, fabric: str = "probed") -> Link:
+    """The planner's link (any group size) from a measured one (:func:`slipstream.sync.probe.probe_link`).
 
     probe_link fits ``t = alpha + 2(n-1)/n * S / bytes_per_s``: the fitted bandwidth is already
     the achieved one, so the link's efficiency is 1; the latency is spread over the ring's
-    2(n-1) steps so that :meth:`Link.allreduce_s` gives back alpha for an empty payload.
+    2(n-1) steps (:meth:`Link.measured`) so that :meth:`Link.allreduce_s` gives back alpha for
+    an empty payload. Dropped: the group size and samples, which tie it to the probed group.
+
+    Example::
+
+        link_from_probe(Link.measured(2, 2e-4, 117e6)).allreduce_s(0, 2)   # 2e-4
     """
-    n = max(2, int(figures.ranks))
-    return Link(bytes_per_s=float(figures.bytes_per_s), hop_latency_s=float(figures.alpha_s) / (2 * (n - 1)),
+    return Link(bytes_per_s=float(figures.effective_bytes_per_s), hop_latency_s=float(figures.hop_latency_s),
                 efficiency=1.0, fabric=fabric)
 
 
@@ -146,7 +150,7 @@ def fit_alpha_beta(samples: list[tuple[float, float]], ranks: int, fabric: str =
     100
     """
     n = max(2, int(ranks))
-    xs = [2 * (n - 1) / n * s for s, _ in samples]
+    xs = [allreduce_bytes(s, n) for s, _ in samples]
     ys = [t for _, t in samples]
     k = len(xs)
     if k < 2:
@@ -155,7 +159,7 @@ def fit_alpha_beta(samples: list[tuple[float, float]], ranks: int, fabric: str =
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     alpha = max(0.0, my - slope * mx)
-    return Link(bytes_per_s=1.0 / slope, hop_latency_s=alpha / (2 * (n - 1)), efficiency=1.0, fabric=fabric)
+    return Link(bytes_per_s=1.0 / slope, hop_latency_s=alpha / allreduce_steps(n), efficiency=1.0, fabric=fabric)
 
 
 def load_link(path: str, rate: str | None = None) -> Link:
@@ -166,7 +170,6 @@ def load_link(path: str, rate: str | None = None) -> Link:
     import json
 
     from ..errors import ConfigError
-    from ..sync.probe import LinkFigures
 
     try:
         with open(path) as f:
@@ -181,6 +184,6 @@ def load_link(path: str, rate: str | None = None) -> Link:
     try:
         if doc.get("sweep"):
             return fit_alpha_beta([tuple(x) for x in doc["sweep"]], int(doc.get("ranks", 2)))
-        return link_from_probe(LinkFigures(int(doc["ranks"]), float(doc["alpha_s"]), float(doc["bytes_per_s"])))
+        return link_from_probe(Link.measured(int(doc["ranks"]), float(doc["alpha_s"]), float(doc["bytes_per_s"])))
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         raise ConfigError(f"--link-calibration: {path} has no probe figures (ranks, alpha_s, bytes_per_s)") from None

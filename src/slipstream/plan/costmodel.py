@@ -8,7 +8,7 @@ Equations (docs/plan.md has them with their assumptions and validation):
   ready when backward has passed its last layer; each bucket goes through its codec
   (``codec.wire_bytes``) on one channel; the step is
   ``t_fwd + max(t_bwd + codec compute, end of the channel) + t_opt`` (:func:`simulate_dp_step`);
-* collectives: ring alpha-beta, ``2(n-1) hop + 2(n-1)/n S / bw`` for all-reduce; a group
+* collectives: ring alpha-beta (:mod:`slipstream.sync.link`), ``2(n-1) hop + 2(n-1)/n S / bw`` for all-reduce; a group
   spanning nodes gets the node's NIC bandwidth shared by the groups running at once
   (:func:`group_link`); hierarchical = intra reduce-scatter + inter all-reduce of S/g + intra all-gather;
 * FSDP (``dp_shard``): per layer all-gather of parameters before forward (and backward for
@@ -37,7 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from .network import Link, Network
+from ..sync.link import Link, allreduce_steps
+from .network import Network
 from .specs import GIB, GpuSpec, ModelSpec, layer_matrix
 
 MIB = 1024**2
@@ -409,12 +410,12 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
                 shard = numel // local_g
                 sub = [Piece(0, shard, max(1, rows // local_g), cols)]
                 wb = codec.wire_bytes(shard, nodes, sub)
-                inter_s = inter.wire_s(wb, 2 * (nodes - 1) * codec.collectives_per_call) if nodes > 1 else 0.0
+                inter_s = inter.wire_s(wb, allreduce_steps(nodes) * codec.collectives_per_call) if nodes > 1 else 0.0
                 comm = intra.reduce_scatter_s(numel * 4, local_g) + inter_s + intra.all_gather_s(numel * 4, local_g)
                 work = shard
             else:
                 wb = codec.wire_bytes(numel, n, layout)
-                comm = link.wire_s(wb, 2 * (n - 1) * codec.collectives_per_call)
+                comm = link.wire_s(wb, allreduce_steps(n) * codec.collectives_per_call)
                 work = numel
             ccost = 0.0
             if codec.name != "allreduce":

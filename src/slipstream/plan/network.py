@@ -1,4 +1,7 @@
-"""Links and networks: parse a network SPEC, and the alpha-beta times of collectives.
+"""Networks: parse a network SPEC into a :class:`~slipstream.sync.link.Link` per node.
+
+The link model itself (alpha-beta times of ring collectives) is the core's,
+:mod:`slipstream.sync.link`; ``Link`` is re-exported here for the planner.
 
 A network SPEC names the link between nodes::
 
@@ -27,6 +30,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..sync.link import Link
 
 FABRICS = {
     # name: (one-hop latency s, achieved fraction of line rate)
@@ -42,50 +46,6 @@ _SPEC_RE = re.compile(
     r"(?:-(?P<fabric>[a-z]+))?(?:@(?P<lat>\d+(?:\.\d+)?)(?P<lat_unit>ns|us|ms|s))?$"
 )
 _LAT = {"ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-@dataclass(frozen=True)
-class Link:
-    """One kind of link: line rate (bytes/s), one-hop latency, achieved fraction.
-
-    Ring all-reduce of S bytes over n ranks (Patarasuk & Yuan 2009; the "alpha-beta" model)::
-
-        t = 2(n-1) * hop_latency + 2(n-1)/n * S / (efficiency * bytes_per_s)
-    """
-
-    bytes_per_s: float
-    hop_latency_s: float = 0.0
-    efficiency: float = 1.0
-    fabric: str = "tcp"
-
-    @property
-    def effective_bytes_per_s(self) -> float:
-        return self.bytes_per_s * self.efficiency
-
-    def transfer_s(self, nbytes: float, hops: int = 1) -> float:
-        """Point-to-point: ``hops`` latencies plus ``nbytes`` at the achieved rate."""
-        return hops * self.hop_latency_s + nbytes / self.effective_bytes_per_s
-
-    def allreduce_s(self, nbytes: float, n: int) -> float:
-        if n <= 1:
-            return 0.0
-        return 2 * (n - 1) * self.hop_latency_s + 2 * (n - 1) / n * nbytes / self.effective_bytes_per_s
-
-    def reduce_scatter_s(self, nbytes: float, n: int) -> float:
-        """Ring reduce-scatter of an S-byte buffer (each rank ends with S/n); all-gather is the same."""
-        if n <= 1:
-            return 0.0
-        return (n - 1) * self.hop_latency_s + (n - 1) / n * nbytes / self.effective_bytes_per_s
-
-    all_gather_s = reduce_scatter_s
-
-    def wire_s(self, wire_bytes: float, steps: int) -> float:
-        """Time for a collective that sends ``wire_bytes`` per rank in ``steps`` ring steps."""
-        return steps * self.hop_latency_s + wire_bytes / self.effective_bytes_per_s
-
-    def describe(self) -> str:
-        return (f"{self.bytes_per_s * 8 / 1e9:g} Gbit/s {self.fabric} (x{self.efficiency:.2f} achieved), "
-                f"{self.hop_latency_s * 1e6:g} us/hop")
 
 
 @dataclass(frozen=True)
@@ -121,3 +81,6 @@ def parse_network(spec: str) -> Network:
     if m.group("lat"):
         latency = float(m.group("lat")) * _LAT[m.group("lat_unit")]
     return Network(spec=spec, link=Link(nics * rate_bit / 8, latency, eff, fabric), nics=nics)
+
+
+__all__ = ["FABRICS", "Link", "Network", "parse_network"]

@@ -23,6 +23,7 @@ from collections.abc import Hashable
 import torch
 
 from .compress.base import Codec, Layout, Wire, sub_layout
+from .link import allreduce_bytes
 from .topology import Groups
 
 
@@ -40,8 +41,7 @@ class FlatReducer:
         return codec.reduce(flat, self.wire, key, layout)
 
     def uncompressed_bytes(self, numel: int, itemsize: int = 4) -> float:
-        n = self.wire.size
-        return 2 * (n - 1) / n * numel * itemsize
+        return allreduce_bytes(numel * itemsize, self.wire.size)
 
 
 class Hierarchical:
@@ -81,5 +81,4 @@ class Hierarchical:
 
     def uncompressed_bytes(self, numel: int, itemsize: int = 4) -> float:
         """Bytes per rank for a plain (flat, fp32) all-reduce of ``numel`` values."""
-        n = self.topology.world_size
-        return 2 * (n - 1) / n * numel * itemsize
+        return allreduce_bytes(numel * itemsize, self.topology.world_size)

@@ -55,6 +55,7 @@ from .compress.base import Codec, Layout, Wire, layout_from_shapes
 from .compress.cast import Cast
 from .control import ControlWire
 from .guard import ConvergenceGuard
+from .link import allreduce_bytes
 from .policy import BucketInfo, Decision, as_cost, decide, verify_plan
 from .probe import probe_link
 
@@ -206,7 +207,7 @@ class HookSync:
         self.control = ControlWire(control_group)
         self.guard = guard
         self.policy = policy  # None, or options of policy.decide plus observe_steps
-        self.link = link  # LinkFigures, or a cost object of .policy (hierarchical+auto)
+        self.link = link  # a measured Link, or a cost object of .policy (hierarchical+auto)
         # Measures the link(s) again; collective on every rank, from the comm thread after start.
         self._prober = prober if prober is not None else self._probe_flat
         self.world_size = self.control.size
@@ -412,7 +413,7 @@ class HookSync:
         n = wire.size
         payload = codec.encode(buf, n) if isinstance(codec, Cast) else buf
         t0 = self.clock.mark()
-        nbytes = 2 * (n - 1) / n * payload.numel() * payload.element_size()
+        nbytes = allreduce_bytes(payload.numel() * payload.element_size(), n)
         with self._lock:
             wire.bytes_sent += nbytes
             step.bytes_sent += nbytes

@@ -5,7 +5,7 @@ Inputs, all measured and agreed across ranks before the decision:
 * for each bucket, in the order DDP hands them over: its size, its layout and
   the time after the start of backward at which it became ready (observed
   over a few uncompressed steps);
-* the link's latency and bandwidth (:mod:`.probe`);
+* the link's latency and bandwidth (a measured :class:`~.link.Link`, from :mod:`.probe`);
 * each candidate codec's compute time on each bucket (timed locally, no
   communication).
 
@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .compress.base import Codec, Layout, sub_layout
-from .probe import LinkFigures
+from .link import Link, allreduce_bytes
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class BucketInfo:
 class FlatCost:
     """Time of a codec's collectives on a bucket, all ranks in one group."""
 
-    def __init__(self, link: LinkFigures, world_size: int):
+    def __init__(self, link: Link, world_size: int):
         self.link = link
         self.world_size = world_size
 
@@ -79,7 +79,7 @@ class HierarchicalCost:
     codec runs on the 1/k shard over ``num_nodes`` ranks on the inter link.
     """
 
-    def __init__(self, intra: LinkFigures, inter: LinkFigures, local_world_size: int, num_nodes: int):
+    def __init__(self, intra: Link, inter: Link, local_world_size: int, num_nodes: int):
         self.intra, self.inter = intra, inter
         self.local_world_size, self.num_nodes = local_world_size, num_nodes
 
@@ -95,7 +95,8 @@ class HierarchicalCost:
         k = self.local_world_size
         t = 0.0
         if k > 1:
-            t += self.intra.seconds(2 * (k - 1) / k * bucket.numel * 4, 2)
+            # reduce-scatter + all-gather: together the bytes of one all-reduce, in two collectives
+            t += self.intra.seconds(allreduce_bytes(bucket.numel * 4, k), 2)
         if self.num_nodes > 1:
             shard, layout = self.codec_input(bucket.numel, bucket.layout)
             t += self.inter.seconds(codec.wire_bytes(shard, self.num_nodes, layout), codec.collectives_per_call)
@@ -105,9 +106,9 @@ class HierarchicalCost:
         return f"intra-node {self.intra.summary()}; inter-node {self.inter.summary()}"
 
 
-def as_cost(link: LinkFigures | FlatCost | HierarchicalCost, world_size: int) -> FlatCost | HierarchicalCost:
-    """A cost object for ``link``: plain link figures mean one flat group of ``world_size`` ranks."""
-    return FlatCost(link, world_size) if isinstance(link, LinkFigures) else link
+def as_cost(link: Link | FlatCost | HierarchicalCost, world_size: int) -> FlatCost | HierarchicalCost:
+    """A cost object for ``link``: a plain link means one flat group of ``world_size`` ranks."""
+    return FlatCost(link, world_size) if isinstance(link, Link) else link
 
 
 @dataclass
@@ -116,7 +117,7 @@ class Decision:
     predicted_s: float  # backward + exposed communication, chosen plan
     predicted_allreduce_s: float
     backward_s: float
-    link: LinkFigures | FlatCost | HierarchicalCost
+    link: Link | FlatCost | HierarchicalCost
     reason: str
     alternatives: dict[str, float] = field(default_factory=dict)  # every bucket with one codec
 
@@ -136,14 +137,14 @@ class Decision:
 def predict(
     buckets: list[BucketInfo],
     choices: Mapping[int, str],
-    link: LinkFigures | FlatCost | HierarchicalCost,
+    link: Link | FlatCost | HierarchicalCost,
     world_size: int,
     compute_s: Mapping[tuple[int, str], float],
     codecs: Mapping[str, Codec],
 ) -> float:
     """Predicted end of backward + exposed communication, in seconds after backward starts.
 
-    ``link``: a :class:`LinkFigures` (one flat group of ``world_size`` ranks) or a cost object.
+    ``link``: a measured :class:`~.link.Link` (one flat group of ``world_size`` ranks) or a cost object.
     """
     cost_model = as_cost(link, world_size)
     backward = max((b.ready_s for b in buckets), default=0.0)
@@ -161,7 +162,7 @@ def predict(
 
 def decide(
     buckets: list[BucketInfo],
-    link: LinkFigures | FlatCost | HierarchicalCost,
+    link: Link | FlatCost | HierarchicalCost,
     world_size: int,
     compute_s: Mapping[tuple[int, str], float],
     candidates: Mapping[str, Codec],

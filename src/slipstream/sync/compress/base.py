@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..link import all_gather_bytes, allreduce_bytes, reduce_scatter_bytes
+
 
 @dataclass(frozen=True)
 class Piece:
@@ -98,9 +100,9 @@ def sub_layout(layout: Layout | None, start: int, length: int) -> list[Piece] | 
 class Wire:
     """Collectives on one process group that count the bytes this rank sends.
 
-    Byte counts are the payload a bandwidth-optimal algorithm sends per rank:
-    all-reduce 2(n-1)/n * S, all-gather (n-1) * S_local, reduce-scatter
-    (n-1)/n * S. Protocol headers (TCP/IP) come on top; the accounting test
+    Byte counts are the payload a bandwidth-optimal algorithm sends per rank
+    (the ring formulas of :mod:`slipstream.sync.link`): all-reduce 2(n-1)/n * S,
+    all-gather (n-1) * S_local, reduce-scatter (n-1)/n * S. Protocol headers (TCP/IP) come on top; the accounting test
     compares these figures with the interface counters.
     """
 
@@ -118,7 +120,7 @@ class Wire:
         """In-place sum (or ``op``) over the group; returns ``t``."""
         if self.size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
-            self._count(2 * (self.size - 1) / self.size * t.numel() * t.element_size())
+            self._count(allreduce_bytes(t.numel() * t.element_size(), self.size))
         return t
 
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
@@ -128,7 +130,7 @@ class Wire:
             return t.reshape(1, *t.shape).clone()
         out = torch.empty((self.size, *t.shape), dtype=t.dtype, device=t.device)
         _all_gather_single(out.view(-1), t.view(-1), self.group)
-        self._count((self.size - 1) * t.numel() * t.element_size())
+        self._count(all_gather_bytes(t.numel() * t.element_size(), self.size))
         return out
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +139,7 @@ class Wire:
             return t
         out = torch.empty(t.numel() // self.size, dtype=t.dtype, device=t.device)
         _reduce_scatter_single(out, t.view(-1), self.group)
-        self._count((self.size - 1) / self.size * t.numel() * t.element_size())
+        self._count(reduce_scatter_bytes(t.numel() * t.element_size(), self.size))
         return out
 
 
@@ -176,7 +178,7 @@ class Codec:
 
     def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
         """Bytes one rank sends to reduce ``numel`` fp32 values over ``n`` ranks."""
-        return 2 * (n - 1) / n * numel * 4
+        return allreduce_bytes(numel * 4, n)
 
     def reset_signal(self) -> None:
         self.residual_sq = 0.0

@@ -16,6 +16,7 @@ from collections.abc import Hashable
 
 import torch
 
+from ..link import allreduce_bytes
 from .base import Codec, Layout, Wire
 
 
@@ -42,4 +43,4 @@ class Cast(Codec):
         return self.decode(payload, flat, wire.size)
 
     def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
-        return 2 * (n - 1) / n * numel * 2
+        return allreduce_bytes(numel * 2, n)

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..link import allreduce_bytes
 from .base import ErrorFeedback, Layout, Piece, Wire, all_finite, host_reads_flags, param_units
 
 
@@ -81,7 +82,7 @@ class PowerSGD(ErrorFeedback):
     def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
         mats, rest = self.split(numel, layout)
         values = sum(p.numel for p in rest) + sum(min(self.rank, p.rows, p.cols) * (p.rows + p.cols) for p in mats)
-        return 2 * (n - 1) / n * values * 4
+        return allreduce_bytes(values * 4, n)
 
     def _initial_q(self, qkey: Hashable, p: Piece, like: torch.Tensor) -> torch.Tensor:
         # Same on every rank without a broadcast: seeded by (seed, parameter or bucket+matrix).

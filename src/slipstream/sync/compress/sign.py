@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..link import all_gather_bytes
 from .base import ErrorFeedback, Layout, Wire, all_finite
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)
@@ -145,7 +146,7 @@ class ScaledSign(ErrorFeedback):
 
     def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
         chunks = sum(self._chunks(m) for _, m in self._segments(numel, layout))
-        return (n - 1) * (chunks * self.chunk_numel / 8 + 4 * chunks)
+        return all_gather_bytes(chunks * self.chunk_numel / 8 + 4 * chunks, n)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "chunk_numel": self.chunk_numel}

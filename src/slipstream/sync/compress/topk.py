@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..link import all_gather_bytes
 from .base import ErrorFeedback, Layout, Wire, all_finite
 
 
@@ -86,7 +87,7 @@ class TopK(ErrorFeedback):
         return c.div_(wire.size)
 
     def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
-        return (n - 1) * self.k_of(numel) * 8
+        return all_gather_bytes(self.k_of(numel) * 8, n)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "density": self.density}
