@@ -12,7 +12,6 @@ import importlib.util
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -24,8 +23,7 @@ from slipstream.checkpoint import layout, storage, verify
 from slipstream.checkpoint.manager import CheckpointManager
 from slipstream.checkpoint.states import ModelOptimizerState
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from harness import run_ranks  # noqa: E402  the one rank-spawning harness
+from tests.harness import run_ranks  # the one rank-spawning harness
 
 
 def require_root() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +20,7 @@ from slipstream.checkpoint.manager import CheckpointManager, NoUsableCheckpoint
 from slipstream.checkpoint.states import ModelOptimizerState
 from slipstream.errors import ConfigError
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from harness import run_ranks  # noqa: E402  the one rank-spawning harness
+from tests.harness import run_ranks  # the one rank-spawning harness
 
 
 class Counter:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import sys
 
 import pytest
 import torch.distributed as dist
@@ -13,7 +12,6 @@ import torch.distributed as dist
 from slipstream.fault import progress
 from slipstream.fault.progress import is_collective_failure
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "distributed"))
 
 
 # --- which errors are a hang --------------------------------------------------------------
@@ -292,7 +290,7 @@ def _stall_and_dump(rank: int, world_size: int) -> str:
 
 @pytest.mark.distributed
 def test_a_real_torch_dump_names_the_rank_that_skipped_the_collective(tmp_path):
-    from harness import run_ranks
+    from tests.harness import run_ranks
 
     from slipstream.fault.flight_recorder import configure_flight_recorder, diagnose_flight_recorder
 

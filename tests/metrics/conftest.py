@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "distributed"))  # harness.run_ranks
-sys.path.insert(0, HERE)  # metrics_workers, importable in spawned ranks too
-
-from metrics_workers import LOG_EVERY, SLEEP_S, STEPS
+from tests.metrics.metrics_workers import LOG_EVERY, SLEEP_S, STEPS
 
 
 @pytest.fixture(scope="session")
 def two_rank_run(tmp_path_factory):
     """A control run (no delay) and a straggler run (rank 1 sleeps in forward), 2 gloo ranks."""
-    from harness import run_ranks
-    from metrics_workers import train_twice
+    from tests.harness import run_ranks
+    from tests.metrics.metrics_workers import train_twice
 
     base = tmp_path_factory.mktemp("two_rank")
     results = run_ranks(train_twice, 2, str(base), STEPS, LOG_EVERY, SLEEP_S, timeout_s=170)

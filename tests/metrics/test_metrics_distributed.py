@@ -6,7 +6,7 @@ import json
 import os
 
 import pytest
-from metrics_workers import LOG_EVERY, SLEEP_S, STEPS
+from tests.metrics.metrics_workers import LOG_EVERY, SLEEP_S, STEPS
 
 pytestmark = pytest.mark.distributed
 

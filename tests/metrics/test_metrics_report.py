@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from metrics_workers import IN_CI
+from tests.metrics.metrics_workers import IN_CI
 
 from slipstream.cli import main as cli_main
 

@@ -3,7 +3,7 @@ dimensions, the pipeline's tied weights), and no pipeline over gloo with CUDA te
 
 from __future__ import annotations
 
-from harness import run_ranks
+from tests.harness import run_ranks
 
 TIMEOUT_S = 77.0
 

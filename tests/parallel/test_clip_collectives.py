@@ -12,8 +12,8 @@ import os
 import pickle
 
 import pytest
-from harness import run_ranks
-from parallel_workers import CONTEXT, GLOBAL_BATCH, HEADS, example, global_batch, sgd_factory
+from tests.harness import run_ranks
+from tests.parallel.parallel_workers import CONTEXT, GLOBAL_BATCH, HEADS, example, global_batch, sgd_factory
 
 pytestmark = pytest.mark.distributed
 

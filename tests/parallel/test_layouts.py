@@ -11,8 +11,8 @@ losses must agree to 1e-4 and final weights to 1e-4 absolute; bf16 computes in
 from __future__ import annotations
 
 import pytest
-from harness import run_ranks
-from parallel_workers import checkpoint_worker, global_losses, layouts_worker, reference
+from tests.harness import run_ranks
+from tests.parallel.parallel_workers import checkpoint_worker, global_losses, layouts_worker, reference
 
 pytestmark = pytest.mark.distributed
 

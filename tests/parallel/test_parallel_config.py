@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from harness import run_ranks
-from parallel_workers import REPO, errors_worker
+from tests.harness import run_ranks
+from tests.parallel.parallel_workers import REPO, errors_worker
 
 from slipstream import ConfigError, TrainConfig
 

@@ -1,7 +1,17 @@
-"""Run a function in N gloo processes on this machine and collect what each returns.
+"""The one rank-spawning harness of the tests: run a function in N processes, collect what each returns.
 
 The function is called as ``fn(rank, world_size, *args)`` after the torchrun
-environment is set, so ``slipstream.init()`` inside it joins the group.
+environment is set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR/PORT), so ``slipstream.init()`` inside it joins the group. With
+``local_world_size`` smaller than the world, ranks are laid out as several
+"nodes" of that many ranks each (what the hierarchical sync tests need).
+Processes are started with ``spawn``, so ``fn`` must be importable at the top
+level of a module under ``tests/`` (``tests.<package>.<module>``).
+
+Example::
+
+    from tests.harness import run_ranks
+    sums = run_ranks(all_reduce_one, 2)          # [2.0, 2.0]
 """
 
 from __future__ import annotations
@@ -21,12 +31,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, extra_env, args, results) -> None:
+def _entry(fn, rank, world_size, local_world_size, port, extra_env, args, results) -> None:
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % local_world_size),
+        LOCAL_WORLD_SIZE=str(local_world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         OMP_NUM_THREADS="1",
@@ -52,14 +62,22 @@ def _entry(fn, rank, world_size, port, extra_env, args, results) -> None:
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, env: dict[str, str] | None = None, timeout_s: float = 180
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 180,
+    local_world_size: int | None = None,
 ) -> list[Any]:
-    """Return ``[fn's result on rank 0, rank 1, ...]``; raise if any rank failed."""
+    """Return ``[fn's result on rank 0, rank 1, ...]``; raise if any rank failed (its traceback in the message)."""
+    local_world_size = local_world_size or world_size
+    if world_size % local_world_size:
+        raise ValueError(f"world_size({world_size}) is not a multiple of local_world_size({local_world_size})")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, env or {}, args, results), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, local_world_size, port, env or {}, args, results), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
