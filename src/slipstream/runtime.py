@@ -77,6 +77,11 @@ def _first_slurm_host(nodelist: str) -> str:
 def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read rank, world size and rendezvous address from the environment.
 
+    The one parser of the launch environment: :func:`init` and
+    :func:`slipstream.sync.topology.detect` both read it. A missing local rank
+    is ``rank % local_world_size`` (ranks placed consecutively on nodes, as
+    torchrun, srun and mpirun do by default).
+
     Example::
 
         detect_launch_env({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
@@ -85,12 +90,14 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         world = _int(env, "WORLD_SIZE")
+        rank = _int(env, "RANK")
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
         return LaunchEnv(
             launcher="torchrun",
-            rank=_int(env, "RANK"),
+            rank=rank,
             world_size=world,
-            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
-            local_world_size=_int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world,
+            local_rank=_int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank % max(1, local_world),
+            local_world_size=local_world,
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
         )
@@ -102,11 +109,12 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
         # A port derived from the job id, so concurrent jobs on shared nodes differ.
         default_port = 20000 + int(hashlib.sha1(job_id.encode()).hexdigest(), 16) % 20000
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        rank = _int(env, "SLURM_PROCID")
         return LaunchEnv(
             launcher="slurm",
-            rank=_int(env, "SLURM_PROCID"),
+            rank=rank,
             world_size=world,
-            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else rank % max(1, local_world),
             local_world_size=local_world,
             master_addr=addr,
             master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else default_port,
@@ -123,11 +131,12 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
                     f"started by mpirun across nodes ({world} ranks, {local_world} per node): "
                     "set MASTER_ADDR (and MASTER_PORT) to the address of rank 0's node"
                 )
+            rank = _int(env, rank_key)
             return LaunchEnv(
                 launcher="mpi",
-                rank=_int(env, rank_key),
+                rank=rank,
                 world_size=world,
-                local_rank=_int(env, lrank_key) if lrank_key in env else 0,
+                local_rank=_int(env, lrank_key) if lrank_key in env else rank % max(1, local_world),
                 local_world_size=local_world,
                 master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
                 master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
@@ -375,9 +384,8 @@ def group_timeout() -> datetime.timedelta:
 
         g = dist.new_group(backend="gloo", timeout=runtime.group_timeout())
     """
-    if _RUNTIME is not None and dist.is_initialized():
-        return datetime.timedelta(seconds=_RUNTIME.timeout_s)
-    return datetime.timedelta(seconds=_timeout_from_env())
+    rt = started()
+    return datetime.timedelta(seconds=rt.timeout_s if rt is not None else _timeout_from_env())
 
 
 def _timeout_from_env() -> float:
@@ -391,6 +399,8 @@ def _timeout_from_env() -> float:
 def started() -> Runtime | None:
     """The runtime :func:`init` started in this process, or None (never starts one).
 
+    The public way to read it from other modules (the module's ``_RUNTIME`` is private).
+
     Example::
 
         rt = runtime.started()
@@ -400,8 +410,14 @@ def started() -> Runtime | None:
 
 
 def current() -> Runtime:
-    """The runtime started by :func:`init` (starting a default one if needed)."""
-    return _RUNTIME if _RUNTIME is not None and dist.is_initialized() else init()
+    """The runtime started by :func:`init` (starting a default one if needed); :func:`started` never starts one.
+
+    Example::
+
+        rt = runtime.current()   # the running one, or init() with its defaults
+    """
+    rt = started()
+    return rt if rt is not None else init()
 
 
 def shutdown(exit_code: int | None = None) -> None:

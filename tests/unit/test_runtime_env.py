@@ -35,6 +35,18 @@ def test_mpirun_across_nodes_needs_master_addr():
         detect_launch_env({"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALNRANKS": "2"})
 
 
+def test_a_missing_local_rank_follows_consecutive_placement():
+    # Ranks sit local_world_size to a node, in order: rank 3 of nodes of 2 is local rank 1.
+    torchrun = detect_launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"})
+    assert (torchrun.local_rank, torchrun.node_rank) == (1, 1)
+    assert detect_launch_env({"RANK": "3", "WORLD_SIZE": "4"}).local_rank == 3  # one node
+    slurm = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)"})
+    assert (slurm.local_rank, slurm.node_rank) == (1, 1)
+    mpi = detect_launch_env({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "node0"})
+    assert (mpi.local_rank, mpi.node_rank) == (1, 1)
+
+
 def test_no_launcher_is_a_single_process():
     env = detect_launch_env({})
     assert (env.launcher, env.rank, env.world_size) == ("single", 0, 1)

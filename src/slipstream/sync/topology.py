@@ -24,7 +24,7 @@ Every group carries the run's collective timeout (:func:`slipstream.runtime.grou
 
 Example::
 
-    topo = detect()                    # from LOCAL_WORLD_SIZE, RANK, ... or slipstream.runtime
+    topo = detect()                    # from the launcher's environment (slipstream.runtime)
     g = groups(topo)
     g.intra, g.inter                   # this rank's node group and its cross-node peer group
     g.control                          # gloo, CPU tensors: small agreements
@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -78,29 +77,25 @@ class Topology:
 def detect(env: Mapping[str, str] | None = None) -> Topology:
     """Topology of this process, from the launcher's environment.
 
-    Reads RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE (torchrun, ``slipstream run``)
-    when present, else asks :func:`slipstream.runtime.current` (Slurm, MPI), else
-    the initialised process group (one node).
+    The environment is read by :func:`slipstream.runtime.detect_launch_env`
+    (torchrun / ``slipstream run``, Slurm, MPI). Without a launcher there, the
+    runtime :func:`slipstream.init` started, else the initialised process group
+    (one node), else a single process.
 
     Example::
 
         detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).node_rank  # 1
     """
-    env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        world = int(env["WORLD_SIZE"])
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
-        rank = int(env["RANK"])
-        return Topology(rank, world, int(env.get("LOCAL_RANK", rank % local_world)), local_world)
-    if dist.is_available() and dist.is_initialized():
-        from ..runtime import started
+    from ..runtime import detect_launch_env, started
 
+    launch = detect_launch_env(env)
+    if launch.launcher == "single" and dist.is_available() and dist.is_initialized():
         rt = started()  # only if slipstream.init() started this process group
-        if rt is not None and rt.world_size == dist.get_world_size():
-            return Topology(rt.rank, rt.world_size, rt.local_rank, rt.local_world_size)
-        world = dist.get_world_size()
-        return Topology(dist.get_rank(), world, dist.get_rank(), world)
-    return Topology(0, 1, 0, 1)
+        if rt is None or rt.world_size != dist.get_world_size():
+            world = dist.get_world_size()
+            return Topology(dist.get_rank(), world, dist.get_rank(), world)
+        launch = rt.launch
+    return Topology(launch.rank, launch.world_size, launch.local_rank, launch.local_world_size)
 
 
 @dataclass
