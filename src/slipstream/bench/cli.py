@@ -181,6 +181,8 @@ def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
     The trial is stopped with SIGTERM first (SIGINT on Ctrl-C), and SIGKILL only
     after ``grace_s``: an emulated run needs the chance to delete its namespaces.
     """
+    from ..launch.proc import stop_processes
+
     proc = subprocess.Popen(cmd, start_new_session=True)
     previous = signal.getsignal(signal.SIGTERM)
     in_main = threading.current_thread() is threading.main_thread()
@@ -191,10 +193,10 @@ def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
             return proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             print(f"[bench] run exceeded {timeout_s:.0f} s; stopping it", file=sys.stderr)
-            _stop(proc, signal.SIGTERM, grace_s)
+            stop_processes([proc], sig=signal.SIGTERM, grace_s=grace_s)
             return 124
         except KeyboardInterrupt:
-            _stop(proc, signal.SIGINT, grace_s)
+            stop_processes([proc], sig=signal.SIGINT, grace_s=grace_s)
             return EXIT_INTERRUPTED
     finally:
         if in_main:
@@ -203,16 +205,6 @@ def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
 
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
-
-
-def _stop(proc: subprocess.Popen, sig: int, grace_s: float) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def bench(args: argparse.Namespace, out=sys.stdout) -> list[BenchResult]:

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from .api import LaunchOptions
+from .proc import stop_processes
 
 NS_PREFIX = os.environ.get("SLIPSTREAM_EMULATE_NS_PREFIX", "ss-")
 """Every namespace this module creates starts with this (tests set their own, to tell their
@@ -430,7 +431,9 @@ class EmulatedCluster:
                 )
             return self._wait(procs, timeout_s, failure_grace_s)
         finally:
-            _stop(procs)
+            # Each agent leads a session of its own (start_new_session): stopping its
+            # group reaches its workers too.
+            stop_processes(procs, grace_s=10.0, process_group=True)
             self._jobs += 1
             if log is not None:
                 log.close()
@@ -460,31 +463,6 @@ class EmulatedCluster:
                 print(f"slipstream run: emulated job ran past {timeout_s:.0f} s; stopping it", file=sys.stderr)
                 return EXIT_TRAINING_FAILED
             time.sleep(0.1)
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
-    """SIGTERM each agent's process group, then SIGKILL what is left."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    for p in live:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 class _Terminated(Exception):
