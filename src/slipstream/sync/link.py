@@ -63,7 +63,11 @@ def all_gather_bytes(shard_bytes: float, n: int) -> float:
 
 
 def allreduce_steps(n: int) -> int:
-    """Ring steps (latencies paid one after the other) of an all-reduce over ``n`` ranks: ``2(n-1)``."""
+    """Ring steps (latencies paid one after the other) of an all-reduce over ``n`` ranks: ``2(n-1)``.
+
+    >>> allreduce_steps(4)
+    6
+    """
     return 2 * (n - 1)
 
 
