@@ -344,10 +344,10 @@ class ErrorFeedback(Codec):
             self.residual_sq = self.residual_sq + kept(r)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"residuals": {_key_str(k): v.clone() for k, v in self.residuals.items()}}
+        return {"residuals": {key_str(k): v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.residuals = {_key_parse(k): v.clone() for k, v in state.get("residuals", {}).items()}
+        self.residuals = {key_parse(k): v.clone() for k, v in state.get("residuals", {}).items()}
         self._whole, self._whole_key = {}, {}
 
 
@@ -365,11 +365,18 @@ def param_units(key: Hashable, layout: Layout | None) -> list[tuple[str, int]] |
     return [("param", k) for k in key]
 
 
-def _key_str(key: Hashable) -> str:
+def key_str(key: Hashable) -> str:
+    """A codec state key (a bucket's parameter indices, ...) as a checkpoint-safe string; :func:`key_parse` undoes it.
+
+    Example::
+
+        key_parse(key_str((3, 4, "h"))) == (3, 4, "h")
+    """
     return repr(key)
 
 
-def _key_parse(s: str) -> Hashable:
+def key_parse(s: str) -> Hashable:
+    """The key :func:`key_str` wrote (literals only: nothing is evaluated)."""
     import ast
 
     return ast.literal_eval(s)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..link import allreduce_bytes
-from .base import ErrorFeedback, Layout, Piece, Wire, all_finite, host_reads_flags, param_units
+from .base import ErrorFeedback, Layout, Piece, Wire, all_finite, host_reads_flags, key_parse, key_str, param_units
 
 
 def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
@@ -202,21 +202,17 @@ class PowerSGD(ErrorFeedback):
         return flat
 
     def state_dict(self) -> dict[str, Any]:
-        from .base import _key_str
-
         return {
             **super().state_dict(),
             "rank": self.rank,
-            "q": {_key_str(k): v.clone() for k, v in self.q.items()},
+            "q": {key_str(k): v.clone() for k, v in self.q.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from .base import _key_parse
-
         super().load_state_dict(state)
         self.rank = int(state.get("rank", self.rank))
         self._q0 = {}
-        self.q = {_key_parse(k): v.clone() for k, v in state.get("q", {}).items()}
+        self.q = {key_parse(k): v.clone() for k, v in state.get("q", {}).items()}
 
 
 def _runs(pieces: list[Piece]) -> list[Piece]:
