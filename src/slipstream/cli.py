@@ -1,7 +1,8 @@
 """The ``slipstream`` command: one sub-command per module.
 
 Each module in ``_COMMAND_MODULES`` provides ``register(subparsers)``, which
-adds its parser and sets ``func`` to a ``main(args) -> int``.
+adds its parser and sets ``func`` to a ``main(args) -> int`` that turns the
+arguments into a typed request (``LaunchOptions``, ``JobRun``, ...) and calls down.
 """
 
 from __future__ import annotations
@@ -43,13 +44,27 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return int(args.func(args) or 0)
+        return int(_command(args)(args) or 0)
     except SlipstreamError as exc:
         print(f"slipstream {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"slipstream {args.command}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+def _command(args: argparse.Namespace):  # noqa: ANN202 - a `main(args) -> int` of a sub-command
+    """The sub-command's ``main``. ``slipstream run JOB.yaml`` is the job runner's and
+    ``slipstream run SCRIPT`` the launcher's: the choice is made here, above both tools, so
+    the launcher never imports the job package (job -> launch is the one direction)."""
+    if args.command == "run":
+        from .job.spec import is_job_file
+
+        if is_job_file(args.script):
+            from .job.cli import run_main
+
+            return run_main
+    return args.func
 
 
 def entrypoint() -> None:

@@ -78,10 +78,10 @@ def test_the_spec_env_and_the_flags_choose_the_backend(monkeypatch):
 
 def test_backend_and_device_flags_reach_the_workers(capsys):
     from slipstream.cli import build_parser
-    from slipstream.job.runner import _flag_env
+    from slipstream.launch.cli import worker_env_from_args
 
     args = build_parser().parse_args(["run", "--backend", "gloo", "--device", "cuda", "j.yaml"])
-    env = _flag_env(args)
+    env = worker_env_from_args(args)
     assert env["SLIPSTREAM_BACKEND"] == "gloo" and env["SLIPSTREAM_DEVICE"] == "cuda"
     for argv, message in ((["--backend", "mpi"], "--backend must be one of nccl, gloo, got 'mpi'"),
                           (["--device", "tpu"], "--device must be one of cuda, cpu, got 'tpu'"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -11,7 +10,9 @@ import time
 import pytest
 
 from slipstream.errors import UsageError
-from slipstream.job.runner import parse_emulate, run_job_file
+from slipstream.cli import build_parser
+from slipstream.job.cli import job_run_from_args
+from slipstream.job.runner import JobRun, parse_emulate, run_job
 from slipstream.job.spec import parse_spec
 
 from .conftest import EXAMPLES, REPO
@@ -37,6 +38,7 @@ def test_two_replica_spec_runs_to_completion(tmp_path):
 def test_a_failing_replica_stops_the_others_and_sets_the_exit_code(monkeypatch):
     """The supervision loop, with plain processes standing in for agents (no torch start-up cost)."""
     from slipstream.job import runner
+    from slipstream.launch.proc import stop_processes
 
     monkeypatch.setattr(runner, "STOP_GRACE_S", 0.5)
     started = time.monotonic()
@@ -45,7 +47,7 @@ def test_a_failing_replica_stops_the_others_and_sets_the_exit_code(monkeypatch):
     try:
         code = runner._wait_all(procs)
     finally:
-        runner._stop(procs)
+        stop_processes(procs, grace_s=runner.KILL_GRACE_S)
     assert code == 1
     assert procs[0].returncode is not None and time.monotonic() - started < 30
     ok = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in range(2)]
@@ -54,25 +56,23 @@ def test_a_failing_replica_stops_the_others_and_sets_the_exit_code(monkeypatch):
     assert runner._wait_all(preempted) == 143
 
 
-def _args(**kw):
-    base = dict(nnodes="1", nproc_per_node=1, node_rank=None, rdzv_endpoint=None, module=False, script_args=[],
-                max_restarts=0)
-    base.update(kw)
-    return argparse.Namespace(**base)
+def _run_request(*argv: str) -> JobRun:
+    """``slipstream run ARGV`` as the job runner gets it."""
+    return job_run_from_args(build_parser().parse_args(["run", *argv]))
 
 
 def test_topology_flags_conflict_with_a_spec(tmp_path):
     path = tmp_path / "j.yaml"
     path.write_text("name: a\nimage: i\ncommand: [python, t.py]\n")
     with pytest.raises(UsageError, match="--nnodes cannot be combined with a job spec"):
-        run_job_file(str(path), _args(nnodes="2"))
+        _run_request("--nnodes", "2", str(path))
 
 
 def test_missing_script_is_a_usage_error(tmp_path):
     path = tmp_path / "j.yaml"
     path.write_text("name: a\nimage: i\ncommand: [python, does_not_exist.py]\n")
     with pytest.raises(UsageError, match="training script not found: does_not_exist.py"):
-        run_job_file(str(path), _args())
+        run_job(_run_request(str(path)))
 
 
 def test_emulate_shape_must_match_the_spec():
@@ -125,20 +125,20 @@ def test_launcher_flags_after_the_spec_are_refused(tmp_path):
     path = tmp_path / "j.yaml"
     path.write_text("name: a\nimage: i\ncommand: [python, t.py]\n")
     with pytest.raises(UsageError, match="--emulate must come before the job spec"):
-        run_job_file(str(path), _args(script_args=["--emulate", "2x1"]))
+        _run_request(str(path), "--emulate", "2x1")
 
 
 def test_run_flags_override_the_spec_env(tmp_path):
     """`slipstream run --precision fp16 --collective-timeout-s 30 JOB.yaml`: flags win over the spec."""
-    from slipstream.cli import build_parser
-    from slipstream.job.runner import _flag_env
-
-    args = build_parser().parse_args(["run", "--precision", "fp16", "--collective-timeout-s", "30", "j.yaml"])
-    env = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"],
-                      "sync": {"precision": "bf16", "accumulate_steps": 2}}).worker_env()
-    env.update(_flag_env(args))
+    path = tmp_path / "j.yaml"
+    path.write_text("name: a\nimage: i\ncommand: [python, t.py]\nsync: {precision: bf16, accumulate_steps: 2}\n")
+    request = _run_request("--precision", "fp16", "--collective-timeout-s", "30", "--rdzv-conf", "a=1", str(path),
+                           "--", "--steps", "3")
+    env = request.spec.worker_env()
+    env.update(request.worker_env)
     assert env["SLIPSTREAM_PRECISION"] == "fp16" and env["SLIPSTREAM_ACCUMULATE_STEPS"] == "2"
     assert env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] == "30.0"
+    assert (request.script_args, request.rdzv_conf, request.max_restarts) == (("--steps", "3"), {"a": "1"}, None)
 
 
 def test_prewarm_fills_the_cache_before_replicas_start(tmp_path):
@@ -180,6 +180,7 @@ def test_a_configuration_error_in_a_replica_exits_2_with_its_message(tmp_path):
 def test_a_replica_usage_error_decides_the_exit_code(monkeypatch):
     """A peer replica that noticed the departure first (exit 1) does not hide the cause (exit 2)."""
     from slipstream.job import runner
+    from slipstream.launch.proc import stop_processes
 
     monkeypatch.setattr(runner, "STOP_GRACE_S", 0.5)
     procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"]),
@@ -187,4 +188,4 @@ def test_a_replica_usage_error_decides_the_exit_code(monkeypatch):
     try:
         assert runner._wait_all(procs) == 2
     finally:
-        runner._stop(procs)
+        stop_processes(procs, grace_s=runner.KILL_GRACE_S)

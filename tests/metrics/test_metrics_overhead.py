@@ -8,7 +8,7 @@ import time
 import torch
 from torch import nn
 
-from slipstream.metrics.overhead import hot_path_cost_s, mlp
+from slipstream.bench.overhead import hot_path_cost_s, mlp
 
 
 def test_profiler_costs_under_two_percent_of_a_small_step():

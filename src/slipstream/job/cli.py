@@ -1,4 +1,9 @@
-"""``slipstream validate | render | submit JOB.yaml`` (``slipstream run JOB.yaml`` lives in launch/cli.py)."""
+"""``slipstream validate | render | submit JOB.yaml`` and ``slipstream run JOB.yaml``.
+
+The ``run`` parser (its flags) is the launcher's (launch/cli.py); for a job spec the
+top-level command calls :func:`run_main` here, which turns those flags into a
+:class:`~slipstream.job.runner.JobRun`.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import subprocess
 import sys
 
 from ..errors import SlipstreamError, UsageError
+from ..launch.cli import parse_rdzv_conf, worker_env_from_args
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
+from .runner import JobRun, run_job
 from .spec import JobSpec, load_spec
 
 
@@ -155,4 +162,53 @@ def submit_main(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["register", "validate_main", "render_main", "submit_main", "SubmitFailed"]
+# Flags of `slipstream run` that the spec decides; giving them with a spec is an error.
+_TOPOLOGY_FLAGS = (
+    ("nnodes", "1", "--nnodes", "replicas / elastic"),
+    ("nproc_per_node", 1, "--nproc-per-node", "gpu_count / processes_per_replica"),
+    ("node_rank", None, "--node-rank", "replicas (every replica is started here)"),
+    ("rdzv_endpoint", None, "--rdzv-endpoint", "nothing: a free local port is used"),
+    ("module", False, "-m", "command: [python, -m, MODULE]"),
+    ("local_addr", None, "--local-addr", "nothing: local replicas publish 127.0.0.1"),
+)
+
+# Options only the launcher has: after JOB.yaml they would reach the script
+# (argparse passes everything after the positional through), so they are refused there.
+_LAUNCHER_ONLY = ("--emulate", "--link", "--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint",
+                  "--rdzv-id", "--max-restarts", "--local-addr")
+
+
+def job_run_from_args(args: argparse.Namespace) -> JobRun:
+    """The ``slipstream run`` flags given with a job spec, checked, as a :class:`JobRun`."""
+    path = args.script
+    spec = load_spec(path)
+    for dest, default, flag, where in _TOPOLOGY_FLAGS:
+        if getattr(args, dest) != default:
+            raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")
+    extra = list(args.script_args or [])
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    _refuse_misplaced_flags(extra, path)
+    return JobRun(
+        spec=spec, script_args=tuple(extra), worker_env=worker_env_from_args(args),
+        max_restarts=args.max_restarts or None, rdzv_id=args.rdzv_id,
+        rdzv_conf=parse_rdzv_conf(args.rdzv_conf or ""), emulate=args.emulate, link=args.link,
+    )
+
+
+def _refuse_misplaced_flags(extra: list[str], path: str) -> None:
+    for token in extra:
+        if token == "--":
+            return
+        if token.split("=", 1)[0] in _LAUNCHER_ONLY:
+            raise UsageError(
+                f"{token.split('=', 1)[0]} must come before the job spec: slipstream run [FLAGS] {path} [-- SCRIPT ARGS]"
+            )
+
+
+def run_main(args: argparse.Namespace) -> int:
+    """``slipstream run [FLAGS] JOB.yaml [-- ARGS]``."""
+    return run_job(job_run_from_args(args))
+
+
+__all__ = ["register", "run_main", "job_run_from_args", "validate_main", "render_main", "submit_main", "SubmitFailed"]

@@ -30,7 +30,6 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import signal
@@ -39,75 +38,60 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Mapping
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, ConfigError, UsageError
+from ..launch.proc import stop_processes
 from .render import entry_argv, launcher_flags, prewarm_command
-from .spec import JobSpec, load_spec
+from .spec import JobSpec
 
 STOP_GRACE_S = 10.0
 """How long the other replicas get to exit after one failed, before SIGTERM."""
 KILL_GRACE_S = 5.0
-
-# Flags of `slipstream run` that the spec decides; giving them with a spec is an error.
-_TOPOLOGY_FLAGS = (
-    ("nnodes", "1", "--nnodes", "replicas / elastic"),
-    ("nproc_per_node", 1, "--nproc-per-node", "gpu_count / processes_per_replica"),
-    ("node_rank", None, "--node-rank", "replicas (every replica is started here)"),
-    ("rdzv_endpoint", None, "--rdzv-endpoint", "nothing: a free local port is used"),
-    ("module", False, "-m", "command: [python, -m, MODULE]"),
-    ("local_addr", None, "--local-addr", "nothing: local replicas publish 127.0.0.1"),
-)
+"""How long stopped replicas get between SIGTERM and SIGKILL."""
 
 
-def run_job_file(path: str, args: argparse.Namespace | None = None) -> int:
-    """Run the job spec at ``path`` locally (or emulated); returns the exit code."""
-    args = args if args is not None else argparse.Namespace()
-    spec = load_spec(path)
-    for dest, default, flag, where in _TOPOLOGY_FLAGS:
-        if getattr(args, dest, default) != default:
-            raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")
-    extra = list(getattr(args, "script_args", []) or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
-    _refuse_misplaced_flags(extra, path)
+@dataclass(frozen=True)
+class JobRun:
+    """``slipstream run [FLAGS] JOB.yaml [-- ARGS]`` as a typed request (built by job/cli.py).
+
+    Example::
+
+        run_job(JobRun(load_spec("examples/jobs/local-2x1.yaml"), script_args=("--out", "/tmp/sum.txt")))
+    """
+
+    spec: JobSpec
+    script_args: tuple[str, ...] = ()
+    """Appended to the spec's command (what followed ``--``)."""
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+    """SLIPSTREAM_* variables from the run's flags; they win over the spec's."""
+    max_restarts: int | None = None
+    """None: the spec's ``restarts.max_restarts``."""
+    rdzv_id: str | None = None
+    """None: the job name plus a random suffix."""
+    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    """Extra c10d rendezvous settings (``--rdzv-conf``)."""
+    emulate: str | None = None
+    """None: run locally; ``"spec"`` or ``"NxP"`` (which must match the spec): an emulated cluster."""
+    link: str = "unshaped"
+    """With ``emulate``: each emulated node's link rate."""
+
+
+def run_job(request: JobRun) -> int:
+    """Run a job spec locally (or on an emulated cluster); returns the exit code."""
+    spec = request.spec
     env = spec.worker_env()
-    env.update(_flag_env(args))
+    env.update(request.worker_env)
+    extra = list(request.script_args)
     if spec.kind == "inference":
         return _run_inference(spec, env, extra)
-    _check_entrypoint(spec, path)
-    max_restarts = getattr(args, "max_restarts", 0) or spec.restarts.max_restarts
-    emulate = getattr(args, "emulate", None)
-    rdzv_conf = getattr(args, "rdzv_conf", "") or ""
-    if emulate:
-        return _run_emulated(spec, args, env, extra, max_restarts, rdzv_conf)
+    _check_entrypoint(spec, spec.source_path or spec.name)
+    max_restarts = request.max_restarts or spec.restarts.max_restarts
+    if request.emulate:
+        return _run_emulated(spec, request, env, extra, max_restarts)
     return run_local(spec, env=env, extra_args=extra, max_restarts=max_restarts,
-                     rdzv_id=getattr(args, "rdzv_id", None), rdzv_conf=rdzv_conf)
-
-
-# Options only the launcher has: after JOB.yaml they would reach the script
-# (argparse passes everything after the positional through), so they are refused there.
-_LAUNCHER_ONLY = ("--emulate", "--link", "--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint",
-                  "--rdzv-id", "--max-restarts", "--local-addr")
-
-
-def _refuse_misplaced_flags(extra: list[str], path: str) -> None:
-    for token in extra:
-        if token == "--":
-            return
-        if token.split("=", 1)[0] in _LAUNCHER_ONLY:
-            raise UsageError(
-                f"{token.split('=', 1)[0]} must come before the job spec: slipstream run [FLAGS] {path} [-- SCRIPT ARGS]"
-            )
-
-
-def _flag_env(args: argparse.Namespace) -> dict[str, str]:
-    """SLIPSTREAM_* variables from `slipstream run` flags (training options, collective timeout)."""
-    if not any(k.startswith("train_") for k in vars(args)):
-        return {}  # not called from the `run` parser
-    from ..launch.cli import worker_env_from_args
-
-    return worker_env_from_args(args)
+                     rdzv_id=request.rdzv_id, rdzv_conf=request.rdzv_conf)
 
 
 def _check_entrypoint(spec: JobSpec, path: str) -> None:
@@ -209,7 +193,8 @@ def _gpu_plan(spec: JobSpec, env: dict[str, str]) -> tuple[list[str | None], str
 
 
 def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-              max_restarts: int | None = None, rdzv_id: str | None = None, rdzv_conf: str = "") -> int:
+              max_restarts: int | None = None, rdzv_id: str | None = None,
+              rdzv_conf: Mapping[str, str] | None = None) -> int:
     """Start every replica as an elastic agent on this machine and wait for all of them.
 
     Example::
@@ -235,7 +220,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
         for i in range(spec.replicas):
             argv = [sys.executable, "-m", "slipstream", "run",
                     *launcher_flags(spec, spec.nnodes, endpoint, str(i), rdzv_id, local_addr="127.0.0.1"),
-                    *(["--rdzv-conf", rdzv_conf] if rdzv_conf else []),
+                    *(["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())] if rdzv_conf else []),
                     *entry_argv(spec, extra_args)]
             child_env = dict(base_env)
             if devices[i] is not None:
@@ -243,11 +228,11 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
             procs.append(subprocess.Popen(argv, env=child_env))
         return _wait_all(procs)
     except KeyboardInterrupt:
-        _stop(procs)
+        stop_processes(procs, grace_s=KILL_GRACE_S)
         print("slipstream run: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
-        _stop(procs)
+        stop_processes(procs, grace_s=KILL_GRACE_S)
 
 
 def prewarm_local(spec: JobSpec, env: dict[str, str]) -> int:
@@ -276,7 +261,7 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
                 first_failure, failed_at = (i, c), time.monotonic()
                 print(f"slipstream run: replica {i} exited with code {c}; stopping the others", file=sys.stderr)
         if first_failure is not None and time.monotonic() - failed_at > STOP_GRACE_S:
-            _stop(procs)
+            stop_processes(procs, grace_s=KILL_GRACE_S)
         time.sleep(0.1)
     if first_failure is None:
         bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode != 0]
@@ -291,19 +276,6 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
     if code < 0:  # killed by a signal
         return 128 - code if -code == signal.SIGTERM else EXIT_TRAINING_FAILED
     return code
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    alive = [p for p in procs if p.poll() is None]
-    for p in alive:
-        p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + KILL_GRACE_S
-    for p in alive:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def _run_inference(spec: JobSpec, env: dict[str, str], extra: list[str]) -> int:
@@ -324,7 +296,7 @@ def _run_inference(spec: JobSpec, env: dict[str, str], extra: list[str]) -> int:
         return EXIT_INTERRUPTED
 
 
-def parse_emulate(value: Any, spec: JobSpec) -> None:
+def parse_emulate(value: str | bool | None, spec: JobSpec) -> None:
     """``--emulate`` with a spec: True/"spec" use the spec's shape; NxP must match it."""
     if value is True or value in ("", "spec", "auto"):
         return
@@ -340,9 +312,8 @@ def parse_emulate(value: Any, spec: JobSpec) -> None:
         )
 
 
-def _run_emulated(spec: JobSpec, args: argparse.Namespace, env: dict[str, str], extra: list[str],
-                  max_restarts: int, rdzv_conf: str = "") -> int:
-    parse_emulate(getattr(args, "emulate"), spec)
+def _run_emulated(spec: JobSpec, request: JobRun, env: dict[str, str], extra: list[str], max_restarts: int) -> int:
+    parse_emulate(request.emulate, spec)
     try:
         from ..launch.emulate import run_emulated
     except ImportError as exc:
@@ -356,14 +327,10 @@ def _run_emulated(spec: JobSpec, args: argparse.Namespace, env: dict[str, str], 
     base = LaunchOptions(
         entrypoint=entry, args=rest, nproc_per_node=spec.procs_per_replica,
         min_nodes=spec.min_replicas, max_nodes=spec.max_replicas,
-        rdzv_id=getattr(args, "rdzv_id", None) or f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
-        module=module, worker_env=env,
+        rdzv_id=request.rdzv_id or f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
+        module=module, worker_env=env, rdzv_conf=dict(request.rdzv_conf),
     )
-    if rdzv_conf:
-        from ..launch.cli import parse_rdzv_conf
-
-        base = dataclasses.replace(base, rdzv_conf=parse_rdzv_conf(rdzv_conf))
-    return run_emulated(spec.replicas, spec.procs_per_replica, getattr(args, "link", None) or "unshaped", base)
+    return run_emulated(spec.replicas, spec.procs_per_replica, request.link or "unshaped", base)
 
 
-__all__ = ["run_job_file", "run_local", "free_port", "parse_emulate"]
+__all__ = ["JobRun", "run_job", "run_local", "free_port", "parse_emulate", "plan_gpus"]

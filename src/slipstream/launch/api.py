@@ -44,9 +44,10 @@ from typing import Iterator
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchOptions:
-    """What to start and how; validated by :meth:`validate`."""
+    """What to start and how: the typed request ``slipstream run SCRIPT`` builds from its
+    flags (launch/cli.py) and the job runner builds from a spec; validated by :meth:`validate`."""
 
     entrypoint: str
     """Path of the training script, or a module name when ``module`` is true."""
@@ -237,7 +238,7 @@ def _no_restart_on_usage_error() -> Iterator[None]:
     """Have torch's launcher build an agent that spends no restart on a usage error.
 
     A worker exits 2 only for a usage or configuration error (a SlipstreamError
-    such as ConfigError, argparse in the script, a script Python cannot open):
+    such as ConfigError, the script's own argument parser, a script Python cannot open):
     deterministic, so every restart would fail the same way, each after a new
     rendezvous and start-up. The elastic agent restarts on any failure and has
     no hook for this; ``launch_agent`` constructs ``LocalElasticAgent`` by name,

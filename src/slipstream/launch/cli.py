@@ -1,4 +1,4 @@
-"""``slipstream run``: argument parsing for the launcher."""
+"""``slipstream run``: argument parsing for the launcher (the flags become a :class:`LaunchOptions`)."""
 
 from __future__ import annotations
 
@@ -166,10 +166,11 @@ def _placement_env(backend: str | None, device: str | None) -> dict[str, str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.script.lower().endswith((".yaml", ".yml")):
-        from ..job.runner import run_job_file
+    """``slipstream run SCRIPT``: the flags as a :class:`LaunchOptions`, then :func:`launch`.
 
-        return run_job_file(args.script, args)
+    ``slipstream run JOB.yaml`` never reaches here: the top-level command sends it to
+    ``slipstream.job.cli.run_main`` (the job package uses the launcher, not the reverse).
+    """
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     script_args = list(args.script_args)
     if script_args[:1] == ["--"]:

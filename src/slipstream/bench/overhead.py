@@ -6,28 +6,43 @@
    backward), ``end_step``, and the per-step share of ``resolve()`` at log
    time), timed in a loop with nothing else running. Deterministic enough to
    assert on.
-2. **Side by side** (:func:`main`): the same training run with ``profile=True``
+2. **Side by side** (:func:`compare`): the same training run with ``profile=True``
    and ``profile=False`` in one process, steps alternating ABBA, medians of
    this thread's CPU time (robust on a shared machine) and of wall time.
 
 Run (the GUIDE's MLP workload: 8 x Linear(1024, 1024) + ReLU, batch 64)::
 
-    python -m slipstream.metrics.overhead                  # one process
-    slipstream run -n 2 -m slipstream.metrics.overhead     # two gloo ranks (includes the straggler gather)
+    python -m slipstream.bench.overhead                  # one process
+    slipstream run -n 2 -m slipstream.bench.overhead     # two gloo ranks (includes the straggler gather)
+
+A benchmark tool, not part of the engine: it lives with ``slipstream bench`` and
+its flags are parsed in bench/cli.py (:func:`slipstream.bench.cli.overhead_main`).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .profiler import StepProfiler
+from ..metrics.profiler import StepProfiler
+
+
+@dataclass(frozen=True)
+class OverheadRun:
+    """What :func:`compare` measures: the MLP's shape, the batch, and how many steps."""
+
+    width: int = 1024
+    depth: int = 8
+    batch: int = 64
+    steps: int = 60
+    """Steps of each configuration (profile on, profile off)."""
+    log_every_steps: int = 10
 
 
 def mlp(width: int = 1024, depth: int = 8, classes: int = 10) -> nn.Module:
@@ -75,31 +90,30 @@ def _step(run, x, y) -> tuple[float, float]:
     return time.perf_counter() - w0, time.thread_time() - c0
 
 
-def main(argv: list[str] | None = None) -> int:
+def compare(req: OverheadRun) -> int:
+    """Run the MLP with the profiler on and off, alternating, and print both medians; returns 0.
+
+    Example::
+
+        compare(OverheadRun(width=256, depth=48, steps=100))
+    """
     import slipstream
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--depth", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=60, help="steps of each configuration")
-    ap.add_argument("--log-every-steps", type=int, default=10)
-    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rt = slipstream.init()
     scratch = tempfile.TemporaryDirectory(prefix="slipstream-overhead-")  # JSONL goes here, not ./runs
     runs = {}
     for profile in (True, False):
         torch.manual_seed(0)
-        model = mlp(args.width, args.depth)
+        model = mlp(req.width, req.depth)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         runs[profile] = slipstream.accelerate(
-            model, opt, profile=profile, progress=False, log_every_steps=args.log_every_steps,
+            model, opt, profile=profile, progress=False, log_every_steps=req.log_every_steps,
             run_dir=os.path.join(scratch.name, f"profile-{profile}"),
         )
     g = torch.Generator().manual_seed(rt.rank)
-    x = torch.randn(args.batch, args.width, generator=g).to(rt.device)
-    y = torch.randint(0, 10, (args.batch,), generator=g).to(rt.device)
+    x = torch.randn(req.batch, req.width, generator=g).to(rt.device)
+    y = torch.randint(0, 10, (req.batch,), generator=g).to(rt.device)
     for run in runs.values():
         for _ in range(3):
             _step(run, x, y)  # warm-up
@@ -108,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     # CPU autograd runs in this thread); wall time is reported beside it.
     wall: dict[bool, list[float]] = {True: [], False: []}
     cpu: dict[bool, list[float]] = {True: [], False: []}
-    for i in range(args.steps):
+    for i in range(req.steps):
         for profile in ((True, False) if i % 2 == 0 else (False, True)):
             w, c = _step(runs[profile], x, y)
             wall[profile].append(w)
@@ -118,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(1 for p in runs[True].module.parameters() if p.requires_grad)
     prof = runs[True].recorder.profiler
     n_hooks = prof.hook_count if prof is not None else 0
-    iso = hot_path_cost_s(n_hooks, log_every_steps=args.log_every_steps)
+    iso = hot_path_cost_s(n_hooks, log_every_steps=req.log_every_steps)
     for run in runs.values():
         run.finish()
     scratch.cleanup()
     if rt.is_main:
         print(
             f"world_size {rt.world_size}, {n_params} parameter tensors ({n_hooks} hooked), "
-            f"{args.steps} steps per configuration, alternating\n"
+            f"{req.steps} steps per configuration, alternating\n"
             f"median thread CPU per step: profile on {con * 1e3:.2f} ms, off {coff * 1e3:.2f} ms, "
             f"ratio {con / coff:.4f} ({(con / coff - 1) * 100:+.2f} %)\n"
             f"median wall per step:       profile on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, "
@@ -136,4 +150,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from .cli import overhead_main
+
+    raise SystemExit(overhead_main())
