@@ -8,13 +8,15 @@ Public API::
     for x, y in loader:
         loss = loss_fn(run.model(x), y)
         run.backward(loss)
-        run.step()
+        if run.step().stop_requested:   # SIGTERM: the emergency checkpoint is written
+            break
+    run.finish()
 """
 
 from .config import TrainConfig
-from .errors import ConfigError, SlipstreamError
+from .errors import EXIT_PREEMPTED, ConfigError, SlipstreamError
 from .runtime import Runtime, init, shutdown
-from .train import LAMB, Accelerated, accelerate, scaled_lr, warmup_schedule
+from .train import LAMB, Accelerated, StepResult, accelerate, scaled_lr, warmup_schedule
 
 __version__ = "0.1.0"
 
@@ -22,8 +24,10 @@ __all__ = [
     "LAMB",
     "Accelerated",
     "ConfigError",
+    "EXIT_PREEMPTED",
     "Runtime",
     "SlipstreamError",
+    "StepResult",
     "TrainConfig",
     "__version__",
     "accelerate",

@@ -9,7 +9,7 @@ steps, so a step adds no host synchronisation.
 
 Phase timing (see :mod:`.profiler`) goes through ``begin(phase)`` /
 ``end(phase, token)`` or ``with recorder.timed(phase):``; ``attach(model,
-config)`` hooks the model's parameters (for the backward/communication split)
+config)`` (a TrainConfig) hooks the model's parameters (for the backward/communication split)
 and opens the sinks the config asks for (TensorBoard, Prometheus, timeline).
 At each log step the ranks exchange their busy times (one small all_gather)
 to name a straggler.
@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..config import TrainConfig
 from ..errors import ConfigError, UsageError
 from .profiler import (
     CudaClock,
@@ -106,7 +107,6 @@ class StepRecorder:
         self._peak_flops_given: float | None = None
         self._precision = "fp32"
         self.flops_formula: str | None = None
-        self._hooks: list[Any] = []
         self._phase_totals: dict[str, float] = {}
         self._phase_steps = 0
 
@@ -148,18 +148,23 @@ class StepRecorder:
             self.end(phase, token)
 
     # --- wiring ------------------------------------------------------------------------
-    def attach(self, model: torch.nn.Module, config: Any = None, device: torch.device | None = None,
-               local_rank: int | None = None, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Instrument ``model`` and open the sinks ``config`` (a TrainConfig) asks for.
+    def attach(self, model: torch.nn.Module, config: TrainConfig | None = None, device: torch.device | None = None,
+               local_rank: int | None = None) -> None:
+        """Instrument ``model`` and open the sinks ``config`` asks for (its ``metrics``
+        section, and ``numerics.precision`` for the peak FLOP/s). Without a config,
+        TrainConfig's defaults: the defaults are written there only.
 
         Collective when ``world_size > 1`` only in that every rank must call it
-        (the straggler gather then runs at every log step on every rank).
-        With ``optimizer`` and no clipping configured, the gradient norm is
-        computed on log steps only, just before ``optimizer.step()`` (where the
-        gradients are reduced and, with fp16, unscaled); with clipping the
-        accelerator reports the norm it clipped.
+        (the straggler gather then runs at every log step on every rank). The
+        gradient norm is not measured here: the training facade reports it
+        (``set("grad_norm", ...)``) on log steps and when it clips.
+
+        Example::
+
+            rec.attach(model, TrainConfig(timeline=True), device=torch.device("cuda", 0))
         """
-        if config is not None and not getattr(config, "profile", True):
+        cfg = config if config is not None else TrainConfig()
+        if not cfg.metrics.profile:
             self.profiler = None
         self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         if self.profiler is not None and self.device.type == "cuda" and isinstance(self.profiler.clock, HostClock):
@@ -168,33 +173,30 @@ class StepRecorder:
         self.n_params = sum(p.numel() for p in params)
         if self.profiler is not None:
             self.profiler.install(params)
-        get = (lambda name, default=None: getattr(config, name, default)) if config is not None else (lambda n, d=None: d)
-        if optimizer is not None and get("grad_clip_norm") is None:
-            self._hooks.append(optimizer.register_step_pre_hook(self._grad_norm_on_log_steps))
-        self.flops_per_sample = get("flops_per_sample")
-        self._peak_flops_given = get("peak_flops")
-        self._precision = get("precision", "fp32")
+        self.flops_per_sample = cfg.metrics.flops_per_sample
+        self._peak_flops_given = cfg.metrics.peak_flops
+        self._precision = cfg.numerics.precision
         self.peak_flops = self._peak_flops_given or default_peak_flops(self.device, self._precision)
         import torch.distributed as dist
 
         if self.world_size > 1 and self.profiler is not None and dist.is_available() and dist.is_initialized():
-            self.straggler = StragglerDetector(self.world_size, threshold=get("straggler_threshold", 0.1))
+            self.straggler = StragglerDetector(self.world_size, threshold=cfg.metrics.straggler_threshold)
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank)) if local_rank is None else local_rank
-        if self.run_dir is not None and get("timeline", False) and self.profiler is not None:
+        if self.run_dir is not None and cfg.metrics.timeline and self.profiler is not None:
             self.timeline = TimelineWriter(os.path.join(self.run_dir, "timeline", f"rank{self.rank}.json"), self.rank)
-        if self.run_dir is not None and get("tensorboard", False):
+        if self.run_dir is not None and cfg.metrics.tensorboard:
             _require_module("tensorboard", "tensorboard=True")
             from .tensorboard import TensorBoardSink
 
             self.sinks.append(TensorBoardSink(os.path.join(self.run_dir, "tensorboard", f"rank{self.rank}")))
-        port = get("prometheus_port")
+        port = cfg.metrics.prometheus_port
         if port is not None:
             _require_module("prometheus_client", "prometheus_port")
             from .prometheus import PrometheusSink
 
             bind = port + local_rank if port else 0
             try:
-                sink = PrometheusSink(self.rank, bind, addr=get("prometheus_addr", "127.0.0.1"))
+                sink = PrometheusSink(self.rank, bind, addr=cfg.metrics.prometheus_addr)
             except OSError as exc:
                 raise UsageError(f"cannot serve Prometheus metrics of rank {self.rank} on port {bind}: {exc}") from exc
             self.sinks.append(sink)
@@ -208,15 +210,12 @@ class StepRecorder:
         if self.run_dir is not None and self.rank == 0:
             self._write_run_info(config)
 
-    def _grad_norm_on_log_steps(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        if (self.step + 1) % self.log_every_steps != 0:
-            return
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            # A tensor: read back with the loss at flush, no sync here.
-            self._last["grad_norm"] = torch.nn.utils.get_total_norm(grads)
+    @property
+    def next_step_logs(self) -> bool:
+        """Whether the step being closed next (``end_step``) is a log step (same on every rank)."""
+        return (self.step + 1) % self.log_every_steps == 0
 
-    def _write_run_info(self, config: Any) -> None:
+    def _write_run_info(self, config: TrainConfig | None) -> None:
         info: dict[str, Any] = {
             "world_size": self.world_size,
             "device": str(self.device),
@@ -226,13 +225,8 @@ class StepRecorder:
             "log_every_steps": self.log_every_steps,
             "started_unix_s": time.time(),
         }
-        if config is not None:
-            try:
-                import dataclasses
-
-                info["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(config).items()}
-            except TypeError:
-                pass
+        if config is not None:  # by flat name, as the CLI flags and SLIPSTREAM_* variables spell it
+            info["config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.flat().items()}
         os.makedirs(os.path.join(self.run_dir, "metrics"), exist_ok=True)  # type: ignore[arg-type]
         with open(os.path.join(self.run_dir, "metrics", "run.json"), "w", encoding="utf-8") as f:  # type: ignore[arg-type]
             json.dump(info, f, indent=1, default=str)
@@ -368,9 +362,6 @@ class StepRecorder:
         self.flush()
         if self.profiler is not None:
             self.profiler.remove()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
         if self.timeline is not None:
             self.timeline.close()
             self.timeline = None

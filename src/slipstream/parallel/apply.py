@@ -35,7 +35,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..errors import ConfigError
-from ..train.activation_checkpointing import apply_activation_checkpointing
+from .activation_checkpointing import apply_activation_checkpointing
 from .fully_shard import apply_fully_shard
 from .mesh import ParallelDims
 from .pipeline import (
@@ -82,9 +82,10 @@ def check_model(model: nn.Module, config: TrainConfig, dims: ParallelDims, tp_pl
         if not tp_plan:
             raise ConfigError(f"tp({dims.tp}) > 1 needs a tensor-parallel plan: pass tp_plan to accelerate()")
         check_divisible(model, resolve_plan(model, tp_plan), dims.tp)
-    if config.activation_checkpointing:
+    wanted = config.parallel.activation_checkpointing
+    if wanted:
         present = {type(m).__name__ for m in model.modules()}
-        missing = [name for name in config.activation_checkpointing if name not in present]
+        missing = [name for name in wanted if name not in present]
         if missing:
             raise ConfigError(
                 f"activation_checkpointing: no module of type {', '.join(missing)} in the model; "
@@ -121,12 +122,13 @@ def parallelize(
     if dims.tp > 1:
         apply_tensor_parallel(out.module, dims.tp_mesh, tp_plan or {})
     present = {type(m).__name__ for m in out.module.modules()}
-    here = tuple(t for t in config.activation_checkpointing if t in present)  # a stage may hold none
+    here = tuple(t for t in config.parallel.activation_checkpointing if t in present)  # a stage may hold none
     if here:
         apply_activation_checkpointing(out.module, here)
     if dims.dp_size > 1:
         apply_fully_shard(
-            out.module, dims.dp_mesh, precision=config.precision, zero_stage=config.zero_stage, in_pipeline=dims.pp > 1
+            out.module, dims.dp_mesh, precision=config.numerics.precision, zero_stage=config.parallel.zero_stage,
+            in_pipeline=dims.pp > 1,
         )
         out.fully_sharded = True
     return out

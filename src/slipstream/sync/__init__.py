@@ -31,14 +31,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .compress import CODECS, make_codec
 
-_Strategy = Callable[..., object]
+_Strategy = Callable[..., "SyncHandle"]  # fn(ddp_model, **options) -> state
 _REGISTRY: dict[str, _Strategy] = {}
 
 # Options each strategy understands, besides the guard's (guard, max_error_ratio, check_every_steps,
@@ -72,11 +72,47 @@ def is_valid(name: str) -> bool:
     return name in available()
 
 
-def apply(name: str, ddp_model: DistributedDataParallel, **options: Any) -> object:
-    """Install strategy ``name`` on ``ddp_model``; returns its state object (or None).
+class SyncHandle(Protocol):
+    """What :func:`apply` returns: the installed strategy's state, as the training loop uses it.
+
+    :class:`AllreduceState` (DDP's reducer, untouched) and
+    :class:`~slipstream.sync.hooks.HookSync` (every hook strategy) implement it;
+    the concrete object is returned, so a caller that knows the strategy may
+    read more of it (``HookSync.decisions``, ``request_probe()``).
+    """
+
+    name: str
+
+    def stats(self) -> dict[str, Any]:
+        """Figures merged into every metrics record (``sync_bytes_sent``, ...)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank checkpoint state (error-feedback buffers, low-rank factors, counters)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def observe_loss(self, loss: float | torch.Tensor) -> None:
+        """The loss of each synchronising micro-step, for the convergence guard
+        (a device tensor; read only at the guard's checks). A no-op without a guard."""
+        ...
+
+    def close(self) -> None:
+        """Stop background work (the hook engine's completion thread); idempotent."""
+        ...
+
+
+def apply(name: str, ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
+    """Install strategy ``name`` on ``ddp_model``; returns its state (a :class:`SyncHandle`).
 
     Collective: every rank calls it, right after wrapping the model in DDP and
     before the first forward.
+
+    Example::
+
+        handle = sync.apply("bf16", ddp_model)
+        handle.stats()["sync_compression_ratio"]   # 2.0
     """
     if name in _REGISTRY:
         return _REGISTRY[name](ddp_model, **options)
@@ -127,6 +163,12 @@ class AllreduceState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state.get("steps", 0))
+
+    def observe_loss(self, loss: float | torch.Tensor) -> None:
+        """No convergence guard here (nothing is compressed): nothing to observe."""
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
 
 def _split_options(codec: str, options: dict[str, Any]) -> tuple[dict, dict, dict]:

@@ -1,7 +1,18 @@
-"""Training API: accelerate() and the optimizers/schedules for large batches."""
+"""Training API: accelerate() (one facade over a layout strategy) and the optimizers/schedules for large batches."""
 
-from .accelerator import Accelerated, accelerate
-from .activation_checkpointing import apply_activation_checkpointing
+from ..parallel.activation_checkpointing import apply_activation_checkpointing
+from .facade import Accelerated, accelerate
 from .lamb import LAMB, scaled_lr, warmup_schedule
+from .layout import Layout
+from .step_result import StepResult
 
-__all__ = ["LAMB", "Accelerated", "accelerate", "apply_activation_checkpointing", "scaled_lr", "warmup_schedule"]
+__all__ = [
+    "LAMB",
+    "Accelerated",
+    "Layout",
+    "StepResult",
+    "accelerate",
+    "apply_activation_checkpointing",
+    "scaled_lr",
+    "warmup_schedule",
+]

@@ -1,0 +1,75 @@
+"""What a run keeps besides its layout: the metrics recorder and the checkpoint registry.
+
+Example::
+
+    recorder = new_recorder(config, runtime)      # a collective: rank 0 picks the run directory
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch.distributed as dist
+
+from ..checkpoint import CheckpointManager
+from ..checkpoint.states import CallbackState, ModelOptimizerState, RNGState
+from ..config import TrainConfig
+from ..metrics import StepRecorder
+from ..runtime import Runtime
+from ..sync import SyncHandle
+
+
+def agree_run_dir(config: TrainConfig, runtime: Runtime) -> str:
+    """Every rank writes under the same run directory; rank 0 chooses it (a collective)."""
+    chosen = [config.run.dir or os.environ.get("SLIPSTREAM_RUN_DIR")]
+    if chosen[0] is None and runtime.is_main:
+        chosen[0] = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    if runtime.world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return chosen[0]  # type: ignore[return-value]
+
+
+def new_recorder(config: TrainConfig, runtime: Runtime) -> StepRecorder:
+    """The run's metrics recorder, writing under the run directory every rank agreed on."""
+    return StepRecorder(
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        run_dir=agree_run_dir(config, runtime),
+        log_every_steps=config.run.log_every_steps,
+        total_steps=config.run.total_steps,
+        progress=config.run.progress,
+    )
+
+
+def open_checkpoints(
+    config: TrainConfig,
+    model_optimizer: ModelOptimizerState,
+    counters: CallbackState,
+    extra_state: Mapping[str, Any],
+    sync: SyncHandle | None,
+) -> CheckpointManager:
+    """The run's checkpoint registry: model and optimizer, the step counters (with the
+    scaler and scheduler), ``extra_state``, and per rank the RNG streams and the sync
+    strategy's state. Call ``restore_latest()`` on it to resume."""
+    ckpt = config.checkpoint
+    mgr = CheckpointManager(
+        ckpt.dir,  # type: ignore[arg-type]
+        every_steps=ckpt.every_steps,
+        every_s=ckpt.every_s,
+        keep_last=ckpt.keep_last,
+        async_save=ckpt.async_save,
+        preemption_deadline_s=ckpt.preemption_deadline_s,
+        verify=ckpt.verify,
+        max_failures=ckpt.max_failures,
+    )
+    mgr.register("model_optimizer", model_optimizer)
+    mgr.register("train", counters)
+    for name, obj in extra_state.items():
+        mgr.register(f"extra.{name}", obj)
+    mgr.register("rng", RNGState(), per_rank=True)
+    if sync is not None:
+        mgr.register("sync", sync, per_rank=True)
+    return mgr

@@ -1,0 +1,439 @@
+"""``accelerate()``: a plain model and optimizer in, a distributed one out.
+
+One facade, one layout strategy. :func:`accelerate` checks its inputs once,
+builds the layout the config asks for (:class:`~.layout_dp.DataParallelLayout`:
+DDP with a gradient-sync strategy, the default; :class:`~.layout_mesh.MeshLayout`:
+FSDP2 / TP / PP), the optimizer over the layout's parameters, the metrics
+recorder and the checkpoints; :class:`Accelerated` runs the step around them:
+precision (autocast, fp16 scaler) -> accumulation (sync on the last micro-step
+only) -> clipping -> optimizer -> checkpoint -> metrics.
+
+Example::
+
+    rt = slipstream.init()
+    run = slipstream.accelerate(model, optimizer, precision="bf16", accumulate_steps=4)
+    for x, y in loader:
+        loss = F.cross_entropy(run.model(x), y)
+        run.backward(loss)          # scaled, divided by accumulate_steps, syncs on the last micro-step only
+        if run.step().stop_requested:   # clip + step + zero_grad on the boundary; SIGTERM: checkpoint written
+            break
+    run.finish()
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..checkpoint import CheckpointManager
+from ..checkpoint.states import CallbackState
+from ..config import TrainConfig
+from ..errors import EXIT_PREEMPTED, ConfigError
+from ..fault import progress
+from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
+from ..metrics import StepRecorder
+from ..runtime import Runtime, current
+from ..sync import SyncHandle
+from .bookkeeping import new_recorder, open_checkpoints
+from .layout import Layout, LossFn
+from .layout_dp import DataParallelLayout
+from .layout_mesh import MeshLayout
+from .microsteps import ForwardContext, MicroSteps
+from .optimizer_build import OptimizerArg, build_scheduler, foreign_parameters
+from .precision import grad_scaler
+from .step_result import StepResult
+
+
+class Accelerated:
+    """The wrapped model and optimizer, and the step logic around them (every layout).
+
+    Built by :func:`accelerate`. ``run.model`` is the layout's front module,
+    ``run.module`` the plain model (or this rank's pipeline stage).
+    """
+
+    def __init__(
+        self,
+        layout: Layout,
+        optimizer: torch.optim.Optimizer,
+        config: TrainConfig,
+        runtime: Runtime,
+        recorder: StepRecorder,
+        micro: MicroSteps,
+        progress_reporter: ProgressReporter | None = None,
+        scheduler: Any = None,
+    ) -> None:
+        self.layout = layout
+        self.optimizer = optimizer
+        self.config = config
+        self.runtime = runtime
+        self.recorder = recorder
+        self.scheduler = scheduler
+        self.progress = progress_reporter
+        self.scaler = grad_scaler(config.numerics.precision, runtime.device)
+        self._micro = micro
+        self.step_count = 0
+        self.resumed_from_step: int | None = None
+        self.last_grad_norm: torch.Tensor | None = None
+        self.checkpoints: CheckpointManager | None = None
+        self._stop_reported = False
+
+    # --- what the layout decides -----------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """The front module: call it for the forward of a micro-step."""
+        return self.layout.model
+
+    @property
+    def module(self) -> nn.Module:
+        """The plain model, or this rank's pipeline stage (original parameter names)."""
+        return self.layout.module
+
+    @property
+    def sync_state(self) -> SyncHandle | None:
+        """The gradient-sync strategy's state (DDP layout), for its ``stats()``."""
+        return self.layout.sync
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the data-parallel ranks: pick the data slice by it."""
+        return self.layout.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel ranks there are (global batch = per-rank batch * dp_size)."""
+        return self.layout.dp_size
+
+    def describe_layout(self) -> str:
+        """The parallel layout in words, e.g. ``pp(1) x dp_replicate(2) x dp_shard(1) x tp(1)``."""
+        return self.layout.describe()
+
+    def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict, original names (no ``module.`` prefix, no wrapper
+        names). On sharded layouts a collective: call it on every rank."""
+        return self.layout.unwrapped_state_dict()
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        # Kept for tests/parallel/test_clip_collectives.py, which times exactly this call.
+        return self.layout.clip_gradients(max_norm)
+
+    # --- counters ------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def micro_step_count(self) -> int:
+        """Micro-steps done since training began (restored on resume): index data by it."""
+        return self._micro.total
+
+    @property
+    def is_sync_step(self) -> bool:
+        """True when the coming backward synchronises gradients (last micro-step)."""
+        return self._micro.syncs
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once a step reported ``stop_requested`` (SIGTERM, checkpoint written):
+        the next training call raises ``SystemExit(EXIT_PREEMPTED)``."""
+        return self._stop_reported
+
+    # --- the loop ------------------------------------------------------------------------
+    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
+        """One micro-step: forward, ``loss_fn(output, target)``, backward, :meth:`step`.
+
+        The same loop then works for every layout, pipeline parallelism included
+        (where forward and backward run interleaved in a schedule). Returns the
+        loss (detached; on every rank); read ``run.stop_requested`` after it.
+
+        Example::
+
+            loss = run.train_step(x, y, lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+        """
+        self._refuse_after_stop()
+        pipeline = self.layout.pipeline
+        if pipeline is None:
+            loss = loss_fn(self.model(inputs), target)
+            self.backward(loss)
+            self.step()
+            return loss.detach()
+        try:
+            loss = pipeline.run(inputs, target, loss_fn)
+        except Exception as exc:  # noqa: BLE001 - re-raised, with a diagnosis when a peer hung or died
+            self._raise_diagnosed(exc)
+        self.recorder.add_loss(loss)
+        self.step()
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-step's loss (averaged over the accumulation window)."""
+        self._refuse_after_stop()
+        if self.layout.pipeline is not None:
+            self.model()  # raises the explanation: the schedule runs backward itself
+        self.recorder.add_loss(loss)
+        if self._micro.accumulate_steps > 1:
+            loss = loss / self._micro.accumulate_steps
+        self._mark(progress.BACKWARD if self._micro.syncs else progress.BACKWARD_LOCAL)
+        sync = self.layout.sync
+        if self._micro.syncs and sync is not None:
+            sync.observe_loss(loss.detach())  # the convergence guard's loss trend (read only at its checks)
+        timing = self.recorder.begin("backward")
+        try:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+        except Exception as exc:  # noqa: BLE001 - re-raised, with a diagnosis when a peer hung or died
+            self._raise_diagnosed(exc)
+        self.recorder.end("backward", timing)
+
+    def step(self) -> StepResult:
+        """End a micro-step; on the last one of the window clip, step, zero the gradients,
+        save a checkpoint when due, and record the metrics.
+
+        Returns a :class:`StepResult` (``bool(result)``: the optimizer stepped). It never
+        ends the process itself: after SIGTERM it writes the emergency checkpoint and
+        returns ``stop_requested=True``; stop the loop then (``run.finish()``, exit with
+        ``EXIT_PREEMPTED``). A loop that does not read it is still safe: the next
+        ``backward()``, ``step()`` or ``train_step()`` raises ``SystemExit(EXIT_PREEMPTED)``
+        (143; the checkpoint is complete, nothing is lost). Past ``preemption_deadline_s``
+        after the signal the process exits 143 regardless.
+
+        Example::
+
+            if run.step().stop_requested:
+                break
+        """
+        self._refuse_after_stop()
+        self._micro.total += 1
+        if not self._micro.syncs:
+            self._micro.index += 1
+            return StepResult(stepped=False, step=self.step_count)
+        self._micro.index = 0
+        self._mark(progress.OPTIMIZER)
+        timing = self.recorder.begin("optimizer")
+        self._clip_and_measure()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.recorder.end("optimizer", timing)
+        self.step_count += 1
+        saved = stop = False
+        if self.checkpoints is not None:
+            self._mark(progress.CHECKPOINT)
+            try:
+                with self.recorder.timed("checkpoint"):
+                    saved, stop = self._maybe_save(self.checkpoints)
+            except Exception as exc:  # noqa: BLE001
+                self._raise_diagnosed(exc)
+        if self.last_grad_norm is not None:
+            self.recorder.set("grad_norm", self.last_grad_norm)  # a tensor: read back at log time only
+        self._mark(progress.METRICS)
+        try:
+            # On log steps this exchanges per-rank timings (straggler detection).
+            record = self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
+        except Exception as exc:  # noqa: BLE001
+            self._raise_diagnosed(exc)
+        if stop:
+            self._report_stop()
+        self._mark(progress.USER, self.step_count)
+        return StepResult(stepped=True, step=self.step_count, saved=saved, logged=record is not None,
+                          stop_requested=stop)
+
+    def finish(self) -> dict[str, Any]:
+        """Flush metrics and return a summary (steps, elapsed_s, final_loss, throughput).
+
+        Writes a last checkpoint when the newest one is older than the current step."""
+        if self.checkpoints is not None:
+            if self.checkpoints.last_saved_step != self.step_count and self.step_count > 0:
+                self.checkpoints.save(self.step_count, blocking=True)  # the final state, for a clean resume
+            self.checkpoints.close()
+        if self.progress is not None:
+            self.progress.close()
+        if self.layout.sync is not None:
+            self.layout.sync.close()
+        self.recorder.flush()
+        summary = self.recorder.summary()
+        self.recorder.close()
+        return summary
+
+    # --- inside a step -------------------------------------------------------------------
+    def _clip_and_measure(self) -> None:
+        """Clip when configured (the norm is the clipped one), else measure the norm on log
+        steps only (same step on every rank: on sharded layouts a collective)."""
+        clip = self.config.numerics.grad_clip_norm
+        if clip is None and not self.recorder.next_step_logs:
+            return
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # norms of the true gradients; step() does not unscale twice
+        self.last_grad_norm = self.layout.clip_gradients(clip) if clip is not None else self.layout.global_grad_norm()
+
+    def _maybe_save(self, mgr: CheckpointManager) -> tuple[bool, bool]:
+        """(saved, preempted): save when due, or now and blocking after SIGTERM (ranks agree)."""
+        due, preempted = mgr.should_save(self.step_count)
+        saved = mgr.save(self.step_count, blocking=preempted) if due else False
+        return saved, preempted
+
+    def _report_stop(self) -> None:
+        self._stop_reported = True
+        if self.runtime.is_main:
+            mgr = self.checkpoints
+            written = (f"checkpoint of step {self.step_count} written" if mgr is None or not mgr.last_save_failed
+                       else f"the emergency checkpoint of step {self.step_count} failed (above); the newest one "
+                            f"is step {mgr.last_saved_step}")
+            print(f"[slipstream] preempted (SIGTERM): {written}; step() reports stop_requested, "
+                  f"exit with code {EXIT_PREEMPTED}", flush=True)
+
+    def _refuse_after_stop(self) -> None:
+        if not self._stop_reported:
+            return
+        if self.runtime.is_main:
+            print(f"[slipstream] the loop went on after step {self.step_count} reported stop_requested "
+                  f"(SIGTERM); exiting with code {EXIT_PREEMPTED}", flush=True)
+        self.recorder.close()
+        raise SystemExit(EXIT_PREEMPTED)
+
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        if self.progress is not None:
+            self.progress.mark(phase, step)
+
+    def _raise_diagnosed(self, exc: BaseException) -> NoReturn:
+        if self.progress is not None and is_collective_failure(exc):
+            raise diagnose_hang(self.progress, exc, self.runtime.timeout_s, self.recorder.run_dir) from exc
+        raise exc
+
+    # --- checkpoint state ----------------------------------------------------------------
+    def counters_state(self) -> dict[str, Any]:
+        """Step counters, the fp16 scaler and the scheduler: the ``train`` checkpoint entry."""
+        return {
+            "step": self.step_count,
+            "micro_step": self._micro.total,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else {},
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+        }
+
+    def load_counters_state(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step"])
+        self._micro.total = int(state["micro_step"])
+        self._micro.index = 0
+        self.recorder.step = self.step_count
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        if self.scheduler is not None and state.get("scheduler"):
+            self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, config: TrainConfig,
+                  plain: bool) -> None:
+    """Every check that does not depend on the layout, once, before anything is built."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, DistributedDataParallel):
+        raise ConfigError("model is already wrapped in DistributedDataParallel; pass the plain module")
+    if not isinstance(optimizer, torch.optim.Optimizer) and not callable(optimizer):
+        raise ConfigError(
+            f"optimizer must be a torch.optim.Optimizer or a factory params -> Optimizer, got {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer):
+        foreign = foreign_parameters(optimizer, model)
+        if foreign:
+            raise ConfigError(f"the optimizer holds {foreign} parameter(s) that are not in the model")
+        if not plain and scheduler is not None and hasattr(scheduler, "step"):
+            raise ConfigError(
+                "with dp_shard, tp or pp the optimizer is rebuilt over the sharded parameters, so a scheduler "
+                "bound to the old one would not see it: pass scheduler=lambda optimizer: ... (a factory)"
+            )
+    if extra_state and config.checkpoint.dir is None:
+        raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
+
+
+def accelerate(
+    model: nn.Module,
+    optimizer: OptimizerArg,
+    config: TrainConfig | None = None,
+    *,
+    scheduler: Any = None,
+    extra_state: dict[str, Any] | None = None,
+    tp_plan: dict[str, Any] | None = None,
+    pp_split_points: list[str] | None = None,
+    **options: Any,
+) -> Accelerated:
+    """Wrap ``model`` and ``optimizer`` for distributed training.
+
+    ``config`` (a :class:`TrainConfig`) wins as a whole; otherwise the fields
+    come from ``SLIPSTREAM_*`` environment variables (set by ``slipstream run
+    --sync/--precision/...``) overridden by ``options``.
+    ``optimizer``: an optimizer, or a factory ``params -> optimizer``. Layouts
+    that shard or split the model (dp_shard, tp, pp; docs/parallel.md) replace
+    its parameters, so there the optimizer is built over the new ones: a factory
+    is called with them; an optimizer without state yet is rebuilt (same class,
+    same per-group hyperparameters, matched by parameter name).
+    ``scheduler`` (optional) is stepped after every optimizer step; give a
+    factory ``optimizer -> scheduler`` when the optimizer is a factory or rebuilt.
+    ``tp_plan`` (with tp > 1): module-name pattern -> "colwise"/"rowwise"
+    (see :mod:`slipstream.parallel.tensor_parallel`). ``pp_split_points``
+    (with pp > 1): names of the units where stages begin (default: layers split
+    evenly; see :mod:`slipstream.parallel.pipeline`). Both are ignored by the
+    data-parallel layout, so one script runs under every layout.
+    ``extra_state`` (optional): more objects with ``state_dict()``/``load_state_dict()``
+    (a data sampler, say) saved in every checkpoint. With ``checkpoint_dir``
+    set, the run resumes from the newest complete checkpoint there; read
+    ``run.step_count`` and ``run.micro_step_count`` to continue the loop.
+
+    Example::
+
+        run = slipstream.accelerate(model, opt, precision="bf16", grad_clip_norm=1.0)
+    """
+    # An option given as None counts as not given: the environment's default stays.
+    options = {key: value for key, value in options.items() if value is not None}
+    if config is None:
+        config = TrainConfig.from_env(**options)
+    elif options:
+        raise ConfigError(f"give either config or keyword options, not both (got {', '.join(options)})")
+    runtime = current()
+    plain = config.is_plain_data_parallel(runtime.world_size)
+    _check_inputs(model, optimizer, scheduler, extra_state, config, plain)
+
+    recorder = new_recorder(config, runtime)
+    # Heartbeats also go to RUN_DIR/progress: on NCCL the launcher's hang report
+    # (from flight-recorder dumps) adds where each rank's host code was.
+    progress_dir = os.path.join(recorder.run_dir, "progress") if recorder.run_dir else None
+    reporter = (ProgressReporter(runtime.rank, runtime.world_size, progress_dir=progress_dir)
+                if runtime.world_size > 1 else None)
+    micro = MicroSteps(config.numerics.accumulate_steps)
+    context = ForwardContext(micro=micro, recorder=recorder, progress=reporter, device=runtime.device)
+    try:
+        layout: Layout = (
+            DataParallelLayout(model, config, runtime, context) if plain
+            else MeshLayout(model, config, runtime, context, tp_plan=tp_plan, pp_split_points=pp_split_points)
+        )
+        built = layout.optimizer_for(optimizer)
+        built_scheduler = build_scheduler(scheduler, built)
+    except Exception:  # noqa: BLE001 - re-raised; a failed build leaves no open sinks or heartbeat thread
+        recorder.close()
+        if reporter is not None:
+            reporter.close()
+        raise
+    recorder.attach(layout.module, config, runtime.device, runtime.local_rank)  # phase hooks, sinks
+    if layout.sync is not None:
+        recorder.sources.append(layout.sync.stats)
+    run = Accelerated(layout, built, config, runtime, recorder, micro, reporter, scheduler=built_scheduler)
+    if config.checkpoint.dir is not None:
+        run.checkpoints = open_checkpoints(
+            config, layout.checkpoint_state(built), CallbackState(run.counters_state, run.load_counters_state),
+            extra_state or {}, layout.sync,
+        )
+        step = run.checkpoints.restore_latest()
+        if step:
+            run.resumed_from_step = step
+            if runtime.is_main:
+                print(f"[slipstream] resumed from {config.checkpoint.dir} at step {step}", flush=True)
+    return run

@@ -1,0 +1,113 @@
+"""The data-parallel layout: DDP over every rank, with Slipstream's gradient-sync strategy.
+
+What it does to the model, in this order: activation checkpointing of the
+chosen module types -> move to the device -> DDP (fused buckets overlapping
+backward, gradients as bucket views) -> the gradient-sync strategy
+(:func:`slipstream.sync.apply`). Every rank holds the whole model and, after
+the synchronising backward, the whole (averaged) gradient: norms and clipping
+are local, with no collective.
+
+Example::
+
+    layout = DataParallelLayout(model, config, runtime, context)
+    run_model = layout.model          # SlipstreamDDP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import sync
+from ..checkpoint.states import ModelOptimizerState
+from ..config import TrainConfig
+from ..errors import ConfigError
+from ..fault import progress
+from ..parallel.activation_checkpointing import apply_activation_checkpointing
+from ..runtime import Runtime
+from .layout import Pipeline
+from .microsteps import ForwardContext, count_inputs
+from .optimizer_build import OptimizerArg, build_optimizer
+from .precision import autocast, outputs_to_fp32
+
+
+class SlipstreamDDP(DistributedDataParallel):
+    """DDP whose forward runs under autocast, counts samples, and arms or
+    disarms gradient synchronisation for the coming backward.
+
+    ``ddp_options`` go to :class:`~torch.nn.parallel.DistributedDataParallel`.
+    """
+
+    def __init__(self, module: nn.Module, *, context: ForwardContext, precision: str, **ddp_options: Any) -> None:
+        super().__init__(module, **ddp_options)
+        self._sl_context = context
+        self._sl_precision = precision
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = self._sl_context
+        if ctx.progress is not None:
+            ctx.progress.mark(progress.FORWARD)
+        # DDP reads this flag in forward to decide whether the next backward
+        # reduces gradients (the same mechanism as its no_sync() context).
+        self.require_backward_grad_sync = ctx.micro.syncs
+        count_inputs(ctx.recorder, args, kwargs)
+        timing = ctx.recorder.begin("forward")
+        with autocast(self._sl_precision, ctx.device):
+            out = super().forward(*args, **kwargs)
+        ctx.recorder.end("forward", timing)
+        return outputs_to_fp32(out)
+
+
+class DataParallelLayout:
+    """:class:`~slipstream.train.layout.Layout` of plain data parallelism (see the module docstring).
+
+    Collective: every rank builds it (DDP broadcasts the parameters of rank 0;
+    some sync strategies probe the link).
+    """
+
+    pipeline: Pipeline | None = None
+
+    def __init__(self, model: nn.Module, config: TrainConfig, runtime: Runtime, context: ForwardContext) -> None:
+        self.module = model
+        self._world_size = runtime.world_size
+        self.dp_rank = runtime.rank
+        self.dp_size = runtime.world_size
+        apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
+        model.to(runtime.device)
+        self.model = SlipstreamDDP(
+            model,
+            context=context,
+            precision=config.numerics.precision,
+            device_ids=[runtime.device.index] if runtime.device.type == "cuda" else None,
+            bucket_cap_mb=config.sync.bucket_cap_mb,
+            gradient_as_bucket_view=config.sync.gradient_as_bucket_view,
+            find_unused_parameters=config.sync.find_unused_parameters,
+            static_graph=config.sync.static_graph,
+        )
+        strategy = config.sync.strategy
+        try:
+            self.sync: sync.SyncHandle | None = sync.apply(strategy, self.model, **config.sync.options)
+        except (TypeError, ValueError) as exc:  # an option the strategy does not take, or a bad value
+            raise ConfigError(f"sync_options for {strategy!r}: {exc}") from None
+
+    def describe(self) -> str:
+        return f"pp(1) x dp_replicate({self._world_size}) x dp_shard(1) x tp(1)"
+
+    def optimizer_for(self, optimizer: OptimizerArg) -> torch.optim.Optimizer:
+        # DDP keeps the model's parameters: a given optimizer already holds them.
+        return build_optimizer(optimizer, self.module.parameters())
+
+    def global_grad_norm(self) -> torch.Tensor:
+        return torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None])
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> ModelOptimizerState:
+        return ModelOptimizerState(self.model, optimizer)  # DDP: the state-dict API strips ``module.``
+
+    def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()

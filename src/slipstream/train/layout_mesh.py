@@ -1,0 +1,250 @@
+"""The mesh layout: FSDP2, tensor and pipeline parallelism on a device mesh.
+
+The model goes through :func:`slipstream.parallel.parallelize` (pipeline split
+-> device -> TP -> activation checkpointing -> FSDP2), the optimizer is built
+over the resulting parameters, and the step runs as on every layout:
+
+* without pipeline parallelism, ``run.model(x)`` / ``run.backward(loss)`` /
+  ``run.step()`` work as on the DDP layout (accumulation: FSDP2's gradient
+  reduction runs on the last micro-step only);
+* with pipeline parallelism forward and backward are one schedule
+  (:class:`PipelineRunner`), so the loop is ``loss = run.train_step(x, y, loss_fn)``
+  (which works for every layout). ``x`` is needed on the first stage and ``y``
+  on the last; every rank passes both (ranks of one pipeline feed the same
+  batch: index the data by ``run.dp_rank``). The loss (mean over micro-batches)
+  is computed on the last stage and broadcast to the pipeline's other stages,
+  so every rank returns it.
+
+Precision: bf16 runs through FSDP2's MixedPrecisionPolicy when the model is
+fully sharded, else through autocast; fp16 (which needs a gradient scaler
+aware of sharded gradients) and DDP sync strategies are refused by
+:class:`~slipstream.config.TrainConfig` on these layouts.
+
+Example::
+
+    layout = MeshLayout(model, config, runtime, context, tp_plan=GPT_TP_PLAN)
+    layout.describe()     # "pp(1) x dp_replicate(1) x dp_shard(2) x tp(2)"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..checkpoint.states import ModelOptimizerState
+from ..config import TrainConfig
+from ..errors import ConfigError, SlipstreamError
+from ..fault import progress
+from ..parallel import ParallelDims, Parallelized, build_schedule, parallelize
+from ..runtime import Runtime
+from ..sync import SyncHandle
+from .layout import LossFn
+from .mesh_norm import GRAD_DIMS, local_square_sums, sharded_dims
+from .microsteps import ForwardContext, count_inputs
+from .optimizer_build import OptimizerArg, build_optimizer, parameter_names, rebuild_optimizer
+from .precision import autocast, outputs_to_fp32
+
+
+class ParallelModel(nn.Module):
+    """``run.model`` on mesh layouts: autocast when FSDP2 does not cast, sample
+    counting, and FSDP2's gradient sync armed on the last micro-step only.
+
+    Its state_dict would carry a ``module.`` prefix; checkpoints and
+    ``run.unwrapped_state_dict()`` use the inner module, whose names are the original model's.
+    """
+
+    def __init__(self, module: nn.Module, *, context: ForwardContext, autocast_precision: str, pipeline: bool) -> None:
+        super().__init__()
+        self.module = module
+        self._sl_context = context
+        self._sl_autocast = autocast_precision
+        self._sl_pipeline = pipeline
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sl_pipeline:
+            raise SlipstreamError(
+                "with pp > 1 forward and backward run together in the pipeline schedule: "
+                "use loss = run.train_step(x, y, loss_fn) instead of run.model / run.backward / run.step"
+            )
+        ctx = self._sl_context
+        if ctx.progress is not None:
+            ctx.progress.mark(progress.FORWARD)
+        if hasattr(self.module, "set_requires_gradient_sync"):  # FSDP2's method: absent without dp
+            self.module.set_requires_gradient_sync(ctx.micro.syncs)
+        count_inputs(ctx.recorder, args, kwargs)
+        timing = ctx.recorder.begin("forward")
+        with autocast(self._sl_autocast, ctx.device):
+            out = self.module(*args, **kwargs)
+        ctx.recorder.end("forward", timing)
+        return outputs_to_fp32(out)
+
+
+class PipelineRunner:
+    """One micro-step of pipeline parallelism: the schedule's forwards and backwards
+    (timed as one "backward" phase), the loss broadcast, tied gradients summed."""
+
+    def __init__(self, parts: Parallelized, config: TrainConfig, context: ForwardContext, autocast_precision: str):
+        dims = parts.dims
+        self._parts = parts
+        self._context = context
+        self._autocast = autocast_precision
+        self._microbatches = config.parallel.pp_microbatches or dims.pp
+        self._group = dims.mesh.get_group("pp")
+        coords = tuple(dims.mesh.get_local_rank(d) for d in ("dp_replicate", "dp_shard", "tp"))
+        self._last_stage_rank = int(dims.mesh.mesh[(-1, *coords)])
+        self._loss_fn: LossFn | None = None
+        _, self._schedule = build_schedule(
+            parts.module, parts.stage_index, dims.pp, context.device, self._group,
+            config.parallel.pp_schedule, self._microbatches, self._stage_loss,
+        )
+
+    @property
+    def group(self) -> Any:
+        """The process group of this rank's pipeline."""
+        return self._group
+
+    def _stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._loss_fn is not None
+        return self._loss_fn(outputs_to_fp32(output), target)
+
+    def run(self, inputs: torch.Tensor, target: Any, loss_fn: LossFn) -> torch.Tensor:
+        batch = inputs.shape[0]
+        if batch % self._microbatches:
+            raise ConfigError(f"pp_microbatches({self._microbatches}) does not divide the batch({batch}) of this rank")
+        ctx, parts = self._context, self._parts
+        self._loss_fn = loss_fn
+        if ctx.progress is not None:
+            ctx.progress.mark(progress.BACKWARD)
+        count_inputs(ctx.recorder, (inputs,), {})
+        losses: list[torch.Tensor] = []
+        timing = ctx.recorder.begin("backward")
+        with autocast(self._autocast, ctx.device):
+            if parts.is_first_stage:
+                self._schedule.step(inputs)
+            elif parts.is_last_stage:
+                self._schedule.step(target=target, losses=losses)
+            else:
+                self._schedule.step()
+        ctx.recorder.end("backward", timing)
+        if parts.is_last_stage:
+            loss = torch.stack([l.detach().float() for l in losses]).mean()
+        else:
+            loss = torch.zeros((), device=ctx.device)
+        dist.broadcast(loss, src=self._last_stage_rank, group=self._group)
+        if parts.tied is not None:
+            parts.tied.sum_()
+        return loss
+
+
+class MeshLayout:
+    """:class:`~slipstream.train.layout.Layout` on a device mesh (see the module docstring).
+
+    Collective: every rank builds it (the mesh, FSDP2, the pipeline stages).
+    """
+
+    sync: SyncHandle | None = None  # FSDP2 reduces the gradients; no DDP hook strategy
+
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TrainConfig,
+        runtime: Runtime,
+        context: ForwardContext,
+        *,
+        tp_plan: Mapping[str, Any] | None = None,
+        pp_split_points: list[str] | None = None,
+    ) -> None:
+        dims = ParallelDims.build(config, runtime.world_size, runtime.device.type)
+        accumulate_steps = config.numerics.accumulate_steps
+        if dims.pp > 1 and accumulate_steps > 1:
+            raise ConfigError(
+                f"accumulate_steps({accumulate_steps}) with pp({dims.pp}): use pp_microbatches instead "
+                "(the pipeline already accumulates over its micro-batches)"
+            )
+        self._names = parameter_names(model)  # before parallelize replaces the parameters
+        parts = parallelize(model, config, dims, device=runtime.device, tp_plan=tp_plan, pp_split_points=pp_split_points)
+        self._parts = parts
+        self.dims = dims
+        self.module = parts.module
+        self.dp_rank = dims.dp_rank
+        self.dp_size = dims.dp_size
+        self._device = runtime.device
+        autocast_precision = "fp32" if parts.fully_sharded else config.numerics.precision
+        self.model = ParallelModel(parts.module, context=context, autocast_precision=autocast_precision,
+                                   pipeline=dims.pp > 1)
+        self.pipeline = PipelineRunner(parts, config, context, autocast_precision) if dims.pp > 1 else None
+        self._selectors: dict[str, torch.Tensor] | None = None  # see global_grad_norm
+
+    def describe(self) -> str:
+        return self.dims.describe()
+
+    def optimizer_for(self, optimizer: OptimizerArg) -> torch.optim.Optimizer:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            return rebuild_optimizer(optimizer, self._names, self.module)
+        return build_optimizer(optimizer, self.module.parameters())
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """The 2-norm of the whole model's gradient, over every shard, TP slice and pipeline
+        stage (a weight tied across stages counted once). A collective on the mesh: one
+        all-reduce of a few floats per mesh dimension the gradients are sharded over, plus
+        one over the pipeline, whatever the number of parameters. No host sync."""
+        parts = self._parts
+        skip = set()
+        if parts.tied is not None and not parts.is_first_stage:
+            skip = {id(p) for p, _ in parts.tied.params}
+        counted = [p.grad for p in self.module.parameters() if p.grad is not None and id(p) not in skip]
+        if self._selectors is None:
+            # Which mesh dims to sum over, and (as 0/1 device vectors, made once: no
+            # host-to-device copy per step) which entries of the sums each one covers.
+            # Structural (from the parameters' placements, fixed once parallelized), so
+            # every rank of a dimension's group makes the same calls.
+            sharded = sharded_dims(self.module.parameters(), GRAD_DIMS)
+            self._selectors = {
+                name: torch.tensor([float(bool(m & (1 << i))) for m in range(1 << len(GRAD_DIMS))],
+                                   device=self._device)
+                for i, name in enumerate(GRAD_DIMS)
+                if name in sharded and getattr(self.dims, name) > 1
+            }
+        square = local_square_sums(counted, GRAD_DIMS, self._device)
+        for name, sel in self._selectors.items():
+            part = square * sel  # the patterns sharded over this dim; the others must not be summed over it
+            dist.all_reduce(part, group=self.dims.mesh.get_group(name))
+            square = square * (1 - sel) + part
+        total = square.sum()
+        if self.pipeline is not None:
+            dist.all_reduce(total, group=self.pipeline.group)
+        return total.sqrt()
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global 2-norm (:meth:`global_grad_norm`); returns the norm before clipping."""
+        total = self.global_grad_norm()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for g in (p.grad for p in self.module.parameters() if p.grad is not None):
+            local = g.to_local() if hasattr(g, "to_local") else g  # a DTensor's shard, or the tensor
+            groups.setdefault((local.device, local.dtype), []).append(local)
+        for (device, _), local in groups.items():
+            torch._foreach_mul_(local, coef.to(device))
+        return total
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> ModelOptimizerState:
+        tied = self._parts.tied
+        # The model or stage itself (not the front wrapper): original parameter names.
+        return ModelOptimizerState(self.module, optimizer, tied.optimizer_names if tied is not None else None)
+
+    def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state_dict, full tensors, original names. A collective:
+        call it on every rank (each gets the whole dict)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        if self.pipeline is not None:
+            parts: list[Any] = [None] * self.dims.pp
+            dist.all_gather_object(parts, state, group=self.pipeline.group)
+            state = {k: v for part in parts for k, v in part.items()}
+        return state

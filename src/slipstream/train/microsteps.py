@@ -1,0 +1,66 @@
+"""What the model's front module needs at forward time, shared by every layout.
+
+:class:`MicroSteps` counts micro-steps and says whether the coming backward
+synchronises; :class:`ForwardContext` bundles it with the recorder and the
+heartbeat reporter, so a wrapper gets everything in its constructor;
+:func:`count_inputs` is the one place that counts samples and tokens.
+
+Example::
+
+    micro = MicroSteps(accumulate_steps=4)
+    micro.syncs          # False: the first of four micro-steps accumulates locally
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..fault.progress import ProgressReporter
+from ..metrics import StepRecorder
+
+
+class MicroSteps:
+    """Which micro-step we are in; decides whether this backward synchronises."""
+
+    def __init__(self, accumulate_steps: int) -> None:
+        self.accumulate_steps = accumulate_steps
+        self.index = 0  # micro-steps done since the last optimizer step
+        self.total = 0  # micro-steps done since the start of training (resumed from checkpoints)
+
+    @property
+    def syncs(self) -> bool:
+        """True on the last micro-step of an accumulation window.
+
+        Only that one all-reduces: the earlier ones just add into the local
+        gradient, which is exact because the all-reduce is linear.
+        """
+        return self.index == self.accumulate_steps - 1
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Everything a layout's front module (``run.model``) reads at forward time."""
+
+    micro: MicroSteps
+    recorder: StepRecorder
+    progress: ProgressReporter | None
+    """Heartbeats for hang diagnosis (None on one rank)."""
+    device: torch.device
+
+
+def count_inputs(recorder: StepRecorder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Count the batch of one forward: samples from the first tensor's first
+    dimension, and tokens when it holds token ids (integer, ``(batch, seq)``).
+
+    Example::
+
+        count_inputs(recorder, (torch.zeros(8, 128, dtype=torch.long),), {})   # 8 samples, 1024 tokens
+    """
+    first = args[0] if args else next(iter(kwargs.values()), None)
+    if isinstance(first, torch.Tensor) and first.dim() >= 1:
+        recorder.add_samples(first.shape[0])
+        if first.dim() >= 2 and not first.is_floating_point():
+            recorder.add_tokens(first.numel())
