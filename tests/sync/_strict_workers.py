@@ -17,7 +17,7 @@ TIMEOUT_S = 123.0
 
 
 def _train(strategy: str, steps: int, probe_at: int | None = None, **options) -> None:
-    from _workers import batch, mlp
+    from tests.sync._workers import batch, mlp
 
     from slipstream import sync
 
@@ -42,7 +42,7 @@ def _train(strategy: str, steps: int, probe_at: int | None = None, **options) ->
 
 
 def rule(rank: int, world: int, port: int, out_path: str, local_world: int) -> None:
-    from strict_collectives import StrictCollectives, group_timeout_of
+    from tests.sync.strict_collectives import StrictCollectives, group_timeout_of
 
     import slipstream
     from slipstream import gloo_exit

@@ -1,33 +1,21 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.harness import free_port, run_ranks
 
 
 def spawn(fn_name: str, world: int, local_world: int, tmp_path, env: dict | None = None) -> dict:
-    import _workers
-    import torch.multiprocessing as mp
+    """Run ``_workers.<fn_name>`` on ``world`` ranks, ``local_world`` per emulated node; its JSON results."""
+    from tests.sync import _workers
 
     out = str(tmp_path / f"{fn_name}.json")
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        mp.spawn(getattr(_workers, fn_name), args=(world, free_port(), out, local_world), nprocs=world, join=True)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    run_ranks(
+        getattr(_workers, fn_name), world, free_port(), out, local_world,
+        env=env, local_world_size=local_world, timeout_s=900,
+    )
     with open(out) as f:
         return json.load(f)
 

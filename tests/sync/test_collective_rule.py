@@ -12,17 +12,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.multiprocessing as mp
-from conftest import free_port
+
+from tests.harness import free_port, run_ranks
 
 
 @pytest.fixture(scope="module")
 def rule_results(tmp_path_factory):
-    import _strict_workers
+    from tests.sync import _strict_workers
 
     out = str(tmp_path_factory.mktemp("rule") / "rule.json")
     # One rank per node: the hierarchical strategies use the inter-node group.
-    mp.spawn(_strict_workers.rule, args=(2, free_port(), out, 1), nprocs=2, join=True)
+    run_ranks(_strict_workers.rule, 2, free_port(), out, 1, local_world_size=1, timeout_s=900)
     with open(out) as f:
         return json.load(f)
 
@@ -39,7 +39,7 @@ def test_no_collective_breaks_the_group_and_device_rule(rule_results):
 
 
 def test_every_group_carries_the_configured_timeout(rule_results):
-    from _strict_workers import TIMEOUT_S
+    from tests.sync._strict_workers import TIMEOUT_S
 
     assert rule_results["groups"] >= 6
     assert rule_results["group_timeouts_s"] == [TIMEOUT_S]
