@@ -215,11 +215,11 @@ def run_probe(nodes, timeout_s: float = 300) -> dict:
 def link_of(probe: dict, source: str = "sweep"):
     """The link the model uses: the five-size least-squares fit, or probe_link's two-point fit."""
     from slipstream.plan.calibrate import fit_alpha_beta, link_from_probe
-    from slipstream.sync.probe import LinkFigures
+    from slipstream.sync.link import Link
 
     if source == "sweep" and probe.get("sweep"):
         return fit_alpha_beta([tuple(x) for x in probe["sweep"]], probe["ranks"])
-    return link_from_probe(LinkFigures(probe["ranks"], probe["alpha_s"], probe["bytes_per_s"]))
+    return link_from_probe(Link.measured(probe["ranks"], probe["alpha_s"], probe["bytes_per_s"]))
 
 
 def phases_of(cal: dict, floor_s: float | None = None) -> dict:
