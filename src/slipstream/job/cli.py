@@ -1,4 +1,4 @@
-"""``slipstream validate | render | submit JOB.yaml`` and ``slipstream run JOB.yaml``.
+"""``slipstream validate | render | submit JOB.yaml``, ``slipstream run JOB.yaml`` and ``slipstream job schema``.
 
 The ``run`` parser (its flags) is the launcher's (launch/cli.py); for a job spec the
 top-level command calls :func:`run_main` here, which turns those flags into a
@@ -13,7 +13,7 @@ import shutil
 import subprocess
 import sys
 
-from ..errors import SlipstreamError, UsageError
+from ..errors import EXIT_USAGE, SlipstreamError, UsageError
 from ..launch.cli import parse_rdzv_conf, worker_env_from_args
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
@@ -57,6 +57,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="print the manifests and the kubectl command instead of running it (needs no kubectl or cluster)")
     p.add_argument("--kubectl", default="kubectl", metavar="PATH", help="kubectl to use (default: kubectl on PATH)")
     p.set_defaults(func=submit_main)
+
+    job = subparsers.add_parser(
+        "job", help="job spec tools: the JSON Schema editors use",
+        description="Tools around the job spec file (validate, render, submit and run are top-level commands).",
+    )
+    job.set_defaults(func=lambda _args: _usage(job))
+    tools = job.add_subparsers(dest="job_command", metavar="TOOL")
+    p = tools.add_parser(
+        "schema", help="print the job spec's JSON Schema (draft 2020-12)",
+        description="Print the JSON Schema of JOB.yaml files, generated from the spec's own rules, for editors "
+        "(VS Code: yaml.schemas). The package ships a copy: slipstream/job/schema/jobspec.schema.json.",
+    )
+    p.add_argument("--out", metavar="PATH", default=None, help="write it to PATH instead of stdout")
+    p.set_defaults(func=schema_main)
 
 
 def _describe(spec: JobSpec) -> str:
@@ -162,6 +176,28 @@ def submit_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return EXIT_USAGE
+
+
+def schema_main(args: argparse.Namespace) -> int:
+    """``slipstream job schema [--out PATH]``."""
+    from .json_schema import schema_text
+
+    text = schema_text()
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        with open(args.out, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write {args.out}: {exc.strerror}") from None
+    print(f"wrote {args.out}")
+    return 0
+
+
 # Flags of `slipstream run` that the spec decides; giving them with a spec is an error.
 _TOPOLOGY_FLAGS = (
     ("nnodes", "1", "--nnodes", "replicas / elastic"),
@@ -211,4 +247,4 @@ def run_main(args: argparse.Namespace) -> int:
     return run_job(job_run_from_args(args))
 
 
-__all__ = ["register", "run_main", "job_run_from_args", "validate_main", "render_main", "submit_main", "SubmitFailed"]
+__all__ = ["register", "run_main", "job_run_from_args", "schema_main", "validate_main", "render_main", "submit_main", "SubmitFailed"]

@@ -155,7 +155,8 @@ class Network:
         pattern=_RESOURCE_PATTERN, rule="an extended resource name such as rdma/hca", max_len=253,
         doc="Extended resource of an RDMA device (rdma/hca), requested rdma_count times per replica.")
     rdma_count: int = integer(1, minimum=1, maximum=64, doc="How many rdma_resource devices per replica.")
-    host_network: bool = boolean(False, doc="Run the pods in the host's network namespace.")
+    host_network: bool = boolean(False, doc="Pods use the node's network (hostNetwork: true); port 29400 must then "
+                                                          "be free on the nodes.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,7 +165,7 @@ class Serve:
                         doc=f"Container port of the service (not {RDZV_PORT}, the training rendezvous).")
     health_path: str | None = string(
         pattern=_HTTP_PATH_PATTERN, rule="an absolute HTTP path such as /healthz",
-        doc="HTTP path of the readiness and liveness probes (none: no probes).")
+        doc="HTTP path of the readiness probe (httpGet); none: no probe.")
 
 
 @dataclass(frozen=True)
