@@ -65,6 +65,18 @@ def test_worker_env_carries_training_options():
     assert (flat["checkpoint_dir"], flat["checkpoint_every_steps"]) == ("/ck", 100)
 
 
+def test_parallel_and_checkpoint_options_reach_the_engine():
+    """Keys the spec leaves unset take the engine's defaults; given ones become its SLIPSTREAM_* variables."""
+    s = spec_of(replicas=2, gpu_count=2, parallel={"dp_shard": -1, "tp": 2, "zero_stage": 2},
+                checkpoint={"dir": "/ck", "verify": "size", "max_failures": 5})
+    env = s.worker_env()
+    assert (env["SLIPSTREAM_DP_SHARD"], env["SLIPSTREAM_TP"], env["SLIPSTREAM_ZERO_STAGE"]) == ("-1", "2", "2")
+    assert (env["SLIPSTREAM_CHECKPOINT_VERIFY"], env["SLIPSTREAM_CHECKPOINT_MAX_FAILURES"]) == ("size", "5")
+    assert "SLIPSTREAM_PP_SCHEDULE" not in env and s.parallel.pp is None
+    # A spec without the section keeps the layout in env, as `slipstream plan --write-job` writes it.
+    assert spec_of(env={"SLIPSTREAM_TP": "2"}).worker_env()["SLIPSTREAM_TP"] == "2"
+
+
 @pytest.mark.parametrize(
     "over, expected",
     [
@@ -108,6 +120,16 @@ def test_worker_env_carries_training_options():
         ({"kind": "inference", "checkpoint": {"dir": "/c"}}, "checkpoint: is only for kind training, got kind inference"),
         ({"kind": "inference", "serve": {"port": 29400}}, "serve.port: must not be 29400"),
         ({"image": None}, "image: is required"),
+        ({"checkpoint": {"dir": "/c", "verify": "crc"}}, "checkpoint.verify: must be one of full, size, off, got 'crc'"),
+        ({"parallel": {"zero_stage": 1}}, "parallel.zero_stage: must be one of 2, 3, got 1"),
+        ({"parallel": {"pp_schedule": "zb"}}, "parallel.pp_schedule: must be one of gpipe, 1f1b, got 'zb'"),
+        ({"parallel": {"tp": 0}}, "parallel.tp: must be >= 1, got 0"),
+        ({"replicas": 4, "parallel": {"pp": 4, "pp_microbatches": 3}},
+         "parallel.pp_microbatches: pp_microbatches(3) must be >= pp(4) for the 1f1b schedule"),
+        ({"replicas": 2, "parallel": {"tp": 4}}, "parallel.tp: "),
+        ({"parallel": {"tp": 2}, "replicas": 2, "env": {"SLIPSTREAM_TP": "2"}},
+         "env.SLIPSTREAM_TP: is set by parallel.tp too; set it in one place, got both"),
+        ({"kind": "inference", "parallel": {"tp": 2}}, "parallel: is only for kind training, got kind inference"),
     ],
 )
 def test_error_names_field_rule_and_value(over, expected):

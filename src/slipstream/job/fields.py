@@ -62,6 +62,10 @@ class Rule:
     min_items: int = 0
     reserved: tuple[str, ...] = ()
     """For ``env``: names refused (one ending in ``_`` refuses every name it begins)."""
+    config: str | None = None
+    """The flat :class:`~slipstream.config.TrainConfig` name this key feeds (``checkpoint.interval_steps``:
+    ``checkpoint_every_steps``); the workers get it as ``SLIPSTREAM_<NAME>``. A key with no default of
+    its own (None) takes the engine's."""
     section: type | None = None
     """For ``section``: the dataclass whose fields are the section's keys."""
     optional_section: bool = False
@@ -112,7 +116,8 @@ def string(default: str | None = None, *, doc: str, pattern: str | None = None, 
 
 
 def choice(default: Any, enum: tuple[Any, ...] | Callable[[], tuple[Any, ...]], *, doc: str, **more: Any) -> Any:
-    """One of ``enum`` (the default is always allowed, so a callable enum is asked only when needed)."""
+    """One of ``enum``, of the same type (the default is always allowed, so a callable enum is asked
+    only when another value is given)."""
     return _field(Rule("choice", doc, default, enum=enum, **more))
 
 

@@ -34,14 +34,17 @@ DRAFT = "https://json-schema.org/draft/2020-12/schema"
 
 
 def job_schema() -> dict[str, Any]:
-    """The JSON Schema of a job spec file, as a dict (asks ``slipstream.sync`` for the strategy names)."""
+    """The JSON Schema of a job spec file, as a dict. Strategy names come from ``slipstream.sync``;
+    the defaults of keys the spec leaves to the engine from ``TrainConfig()``."""
     schema: dict[str, Any] = {
         "$schema": DRAFT,
         "title": "Slipstream job spec",
         "description": "One YAML file that runs on a laptop (slipstream run), an emulated cluster and Kubernetes "
                        "(slipstream render/submit). Generated from slipstream.job.model; see docs/job.md.",
     }
-    schema.update(_object(JobSpec))
+    from ..config import TrainConfig
+
+    schema.update(_object(JobSpec, TrainConfig().flat()))
     kinds = {rule.only_for for rule in rules(JobSpec).values() if rule.only_for}
     # Keys of the other kind are refused: "kind: inference" (given) against the training-only keys, and the
     # inference-only keys otherwise (kind defaults to training).
@@ -57,11 +60,11 @@ def schema_text() -> str:
     return json.dumps(job_schema(), indent=2, ensure_ascii=False) + "\n"
 
 
-def _object(cls: type) -> dict[str, Any]:
+def _object(cls: type, engine_defaults: dict[str, Any]) -> dict[str, Any]:
     keys = rules(cls)
     out: dict[str, Any] = {
         "type": "object",
-        "properties": {name: _property(rule) for name, rule in keys.items()},
+        "properties": {name: _property(rule, engine_defaults) for name, rule in keys.items()},
         "additionalProperties": False,
     }
     required = [name for name, rule in keys.items() if rule.required]
@@ -70,7 +73,7 @@ def _object(cls: type) -> dict[str, Any]:
     return out
 
 
-def _property(rule: Rule) -> dict[str, Any]:  # noqa: C901 - one branch per kind
+def _property(rule: Rule, engine_defaults: dict[str, Any]) -> dict[str, Any]:  # noqa: C901 - one branch per kind
     doc = rule.doc
     if rule.default_doc:
         doc += f" Default: {rule.default_doc}."
@@ -92,7 +95,7 @@ def _property(rule: Rule) -> dict[str, Any]:  # noqa: C901 - one branch per kind
             out["pattern"] = rule.pattern
     elif kind == "choice":
         choices = list(rule.choices())
-        out.update(type="integer" if isinstance(rule.default, int) else "string", enum=choices)
+        out.update(type="integer" if isinstance(choices[0], int) else "string", enum=choices)
     elif kind == "quantity":
         out.update(type=["string", "number"], pattern=_ecma(QUANTITY_RE.pattern), exclusiveMinimum=0)
     elif kind == "strings":
@@ -107,15 +110,18 @@ def _property(rule: Rule) -> dict[str, Any]:  # noqa: C901 - one branch per kind
         out.update(type="object", propertyNames=names,
                    additionalProperties={"type": ["string", "number", "boolean"]})
     elif kind == "section":
-        out.update(_object(rule.section))
+        out.update(_object(rule.section, engine_defaults))
     if kind in ("integer", "number") and rule.minimum is not None:
         out["exclusiveMinimum" if rule.exclusive_minimum else "minimum"] = _num(rule.minimum)
     if kind in ("integer", "number") and rule.maximum is not None:
         out["maximum"] = _num(rule.maximum)
+    default = rule.default
+    if default is None and rule.config is not None:
+        default = engine_defaults.get(rule.config)  # "not set" in the spec: the engine's default applies
     if kind == "env":
         out["default"] = {}
-    elif rule.default is not None and kind != "section" and rule.default_from is None:
-        out["default"] = list(rule.default) if isinstance(rule.default, tuple) else rule.default
+    elif default is not None and kind != "section" and rule.default_from is None:
+        out["default"] = list(default) if isinstance(default, tuple) else default
     return out
 
 

@@ -18,9 +18,14 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..config import PRECISIONS
-from .fields import boolean, choice, env_mapping, integer, number, quantity, section, string, strings
+from ..config import CHECKPOINT_VERIFY_MODES, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
+
+from .fields import boolean, choice, env_mapping, integer, number, quantity, rules, section, string, strings
+
+if TYPE_CHECKING:
+    from ..config import TrainConfig
 
 KINDS = ("training", "inference")
 RDZV_PORT = 29400
@@ -110,16 +115,22 @@ class Elastic:
 class Checkpoint:
     dir: str = string(
         max_len=1024, required="when checkpoint is given (a path, or an fsspec URL such as s3://bucket/ckpt)",
-        doc="Checkpoint directory (/ckpt/run1, s3://bucket/run1): SLIPSTREAM_CHECKPOINT_DIR.")
+        config="checkpoint_dir", doc="Checkpoint directory (/ckpt/run1, s3://bucket/run1).")
     volume_claim: str | None = string(
         pattern=_PVC_PATTERN, rule="a PersistentVolumeClaim name (DNS-1123 subdomain)", max_len=253,
         doc="PersistentVolumeClaim mounted at dir (which must then be an absolute path).")
     interval_steps: int | None = integer(
-        minimum=1, doc="Checkpoint every N optimizer steps: SLIPSTREAM_CHECKPOINT_EVERY_STEPS.")
+        minimum=1, config="checkpoint_every_steps", doc="Checkpoint every N optimizer steps.")
     interval_s: float | None = number(
-        minimum=0.0, exclusive_minimum=True, doc="Checkpoint every N seconds: SLIPSTREAM_CHECKPOINT_EVERY_S.")
-    keep_last: int = integer(
-        3, minimum=1, maximum=1000, doc="Complete checkpoints kept: SLIPSTREAM_CHECKPOINT_KEEP_LAST.")
+        minimum=0.0, exclusive_minimum=True, config="checkpoint_every_s", doc="Checkpoint every N seconds.")
+    keep_last: int = integer(3, minimum=1, maximum=1000, config="checkpoint_keep_last",
+                             doc="Complete checkpoints kept.")
+    verify: str | None = choice(
+        None, CHECKPOINT_VERIFY_MODES, config="checkpoint_verify",
+        doc="Check a checkpoint before loading it: full (sizes and CRC-32), size, or off.")
+    max_failures: int | None = integer(
+        minimum=1, maximum=1000, config="checkpoint_max_failures",
+        doc="Failed saves in a row before the run gives up with exit 1.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,14 +150,34 @@ class Data:
 @dataclass(frozen=True, kw_only=True)
 class Sync:
     strategy: str = choice(
-        "allreduce", sync_strategies,
-        doc="Gradient synchronisation strategy (slipstream.sync.available()): SLIPSTREAM_SYNC.")
-    precision: str = choice("fp32", PRECISIONS, doc="Training precision: SLIPSTREAM_PRECISION.")
-    accumulate_steps: int = integer(
-        1, minimum=1, maximum=100000, doc="Micro-steps per optimizer step: SLIPSTREAM_ACCUMULATE_STEPS.")
-    bucket_cap_mb: float = number(
-        25.0, minimum=0.0, exclusive_minimum=True, maximum=65536.0,
-        doc="DDP bucket size in MiB: SLIPSTREAM_BUCKET_CAP_MB.")
+        "allreduce", sync_strategies, config="sync",
+        doc="Gradient synchronisation strategy (slipstream.sync.available()).")
+    precision: str = choice("fp32", PRECISIONS, config="precision", doc="Training precision.")
+    accumulate_steps: int = integer(1, minimum=1, maximum=100000, config="accumulate_steps",
+                                    doc="Micro-steps per optimizer step.")
+    bucket_cap_mb: float = number(25.0, minimum=0.0, exclusive_minimum=True, maximum=65536.0,
+                                  config="bucket_cap_mb", doc="DDP bucket size in MiB.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallel:
+    """The parallel layout (docs/parallel.md): dp_replicate * dp_shard * tp * pp = world size."""
+
+    dp_replicate: int | None = integer(
+        minimum=-1, maximum=65536, config="dp_replicate",
+        doc="Replicated data-parallel degree; -1: the rest of the world.")
+    dp_shard: int | None = integer(
+        minimum=-1, maximum=65536, config="dp_shard",
+        doc="FSDP2 sharded data-parallel degree; -1: the rest of the world.")
+    tp: int | None = integer(minimum=1, maximum=65536, config="tp", doc="Tensor-parallel degree.")
+    pp: int | None = integer(minimum=1, maximum=65536, config="pp", doc="Pipeline-parallel stages.")
+    pp_schedule: str | None = choice(None, PP_SCHEDULES, config="pp_schedule", doc="Pipeline schedule.")
+    pp_microbatches: int | None = integer(
+        minimum=1, maximum=65536, config="pp_microbatches",
+        doc="Micro-batches per pipeline step (must divide the batch).")
+    zero_stage: int | None = choice(
+        None, ZERO_STAGES, config="zero_stage",
+        doc="With dp_shard: 3 reshards parameters after forward, 2 keeps them gathered until backward.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -222,6 +253,8 @@ class JobSpec:
                                             doc="Where and how often to checkpoint.")
     data: Data | None = section(Data, optional=True, only_for="training", doc="The data set and its node-local cache.")
     sync: Sync = section(Sync, only_for="training", doc="Gradient synchronisation options.")
+    parallel: Parallel | None = section(Parallel, optional=True, only_for="training",
+                                        doc="The parallel layout; absent: data parallel over every process.")
     queue: str | None = string(pattern=NAME_PATTERN, rule=DNS_LABEL_RULE + " naming a Kueue LocalQueue", max_len=63,
                                doc="Kueue LocalQueue (the workload is created suspended).")
     priority_class: str | None = string(
@@ -288,7 +321,7 @@ class JobSpec:
     def generated_env(self) -> dict[str, str]:
         env: dict[str, str] = {"SLIPSTREAM_JOB_NAME": self.name}
         if self.kind == "training":
-            env.update(_train_config_env(self.sync, self.checkpoint))
+            env.update(train_config(self).to_env())
         if self.data:
             d = self.data
             env["SLIPSTREAM_DATA_SOURCE"] = d.source
@@ -305,34 +338,32 @@ def num_text(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else repr(float(x))
 
 
-def _train_config_env(sync: Sync, checkpoint: Checkpoint | None) -> dict[str, str]:
-    """Sync and checkpoint options as the SLIPSTREAM_* variables TrainConfig reads back.
+def config_values(spec: JobSpec) -> dict[str, object]:
+    """The spec's values for the engine, by flat TrainConfig name (keys declared with ``config=``;
+    None, "the engine's default", left out)."""
+    out: dict[str, object] = {}
+    for name, rule in rules(JobSpec).items():
+        part = getattr(spec, name)
+        if rule.kind != "section" or part is None:
+            continue
+        for key, inner in rules(rule.section).items():
+            value = getattr(part, key)
+            if inner.config is not None and value is not None:
+                out[inner.config] = value
+    return out
 
-    Going through :class:`slipstream.config.TrainConfig` (flat names, ``to_env()``)
-    keeps the names and the checks in one place, the ones ``slipstream run
-    --checkpoint-dir ...`` uses.
+
+def train_config(spec: JobSpec) -> "TrainConfig":
+    """The engine's configuration for this spec's sync, checkpoint and parallel sections.
+
+    Built from flat names and written with ``to_env()`` (only values that differ
+    from the engine's defaults), so the names and the checks stay the
+    engine's: the same ones ``slipstream run --checkpoint-dir ...`` uses.
+    Raises ConfigError for a combination the engine refuses.
     """
     from ..config import TrainConfig
-    from ..errors import ConfigError
 
-    values: dict[str, object] = {
-        "sync": sync.strategy,
-        "precision": sync.precision,
-        "accumulate_steps": sync.accumulate_steps,
-        "bucket_cap_mb": sync.bucket_cap_mb,
-    }
-    if checkpoint is not None:
-        values.update(
-            checkpoint_dir=checkpoint.dir,
-            checkpoint_every_steps=checkpoint.interval_steps,
-            checkpoint_every_s=checkpoint.interval_s,
-            checkpoint_keep_last=checkpoint.keep_last,
-        )
-    try:
-        cfg = TrainConfig.from_env(environ={}, **values)
-    except ConfigError as exc:  # the spec checks the same rules first; this is a safety net
-        raise ConfigError(f"sync/checkpoint: {exc}") from None
-    return cfg.to_env()
+    return TrainConfig.from_env(environ={}, **config_values(spec))
 
 
 # ---------------------------------------------------------------------------- entrypoint
@@ -377,7 +408,7 @@ def parse_entrypoint(command: list[str]) -> Entrypoint:
 
 
 __all__ = [
-    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Network", "Serve", "Entrypoint",
-    "parse_entrypoint", "sync_strategies", "KINDS", "RDZV_PORT", "NAME_MAX_CHARS", "TIME_SLICED_RESOURCE",
+    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Parallel", "Network", "Serve",
+    "Entrypoint", "parse_entrypoint", "config_values", "train_config", "sync_strategies", "KINDS", "RDZV_PORT", "NAME_MAX_CHARS", "TIME_SLICED_RESOURCE",
     "GENERATED_ENV_PREFIXES",
 ]

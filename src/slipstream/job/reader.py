@@ -129,10 +129,10 @@ def _read(rule: Rule, v: Any, where: str, errors: Errors, scope: Mapping[str, An
     if kind == "string":
         return _read_string(rule, v, where, errors)
     if kind == "choice":
-        if v == rule.default and type(v) is type(rule.default):
+        if rule.default is not None and v == rule.default and type(v) is type(rule.default):
             return v  # the default is always allowed; a computed enum is not asked for it
         allowed = rule.choices()
-        if not isinstance(v, type(rule.default)) or isinstance(v, bool) or v not in allowed:
+        if not any(v == a and type(v) is type(a) for a in allowed):
             return _fail(errors, where, f"must be one of {', '.join(map(str, allowed))}, got {show(v)}")
         return v
     if kind == "quantity":

@@ -31,7 +31,7 @@ from ..errors import ConfigError, UsageError
 from .fields import rules
 from .model import (
     GENERATED_ENV_PREFIXES, KINDS, NAME_MAX_CHARS, RDZV_PORT, TIME_SLICED_RESOURCE, Checkpoint, Data, Elastic,
-    Entrypoint, GpuSlice, JobSpec, Network, Restarts, Serve, Sync, parse_entrypoint,
+    Entrypoint, GpuSlice, JobSpec, Network, Parallel, Restarts, Serve, Sync, parse_entrypoint, train_config,
 )
 from .quantity import parse_quantity
 from .reader import Errors, read_section, type_name
@@ -110,9 +110,52 @@ def _keys_of_the_kind(v: dict[str, Any], data: Mapping[str, Any], errors: Errors
             errors.add(key, f"is only for kind {rule.only_for}, got kind {v['kind']}")
 
 
+def _env_vs_sections(v: dict[str, Any], data: Mapping[str, Any], errors: Errors) -> None:
+    """An env entry for a variable a section also sets (``parallel.tp`` and ``SLIPSTREAM_TP``) would fight it."""
+    env = dict(v["env"])
+    for name, rule in rules(JobSpec).items():
+        part = v[name]
+        if rule.kind != "section" or part is None:
+            continue
+        for key, inner in rules(rule.section).items():
+            var = f"SLIPSTREAM_{inner.config.upper()}" if inner.config else None
+            if var in env and getattr(part, key) is not None:
+                errors.add(f"env.{var}", f"is set by {name}.{key} too; set it in one place, got both")
+
+
+def _engine_accepts(v: dict[str, Any], data: Mapping[str, Any], errors: Errors) -> None:
+    """The engine's own checks across its options (``pp_microbatches >= pp`` for 1f1b, a layout that
+    fits replicas x processes, ...), run once every key is valid on its own; the message is the
+    engine's, under the key it names first."""
+    if errors.items or v["kind"] != "training":
+        return
+    spec = JobSpec(**v)
+    try:
+        cfg = train_config(spec)
+        if spec.min_replicas == spec.max_replicas:  # a fixed world: the layout must fit it
+            cfg.degrees(spec.replicas * spec.procs_per_replica)
+    except ConfigError as exc:
+        errors.add(_key_named(str(exc), data), str(exc))
+
+
+def _key_named(message: str, data: Mapping[str, Any]) -> str:
+    """``parallel.pp_microbatches`` for "pp_microbatches(3) must be >= pp(4) ...": the spec key whose
+    engine name comes first in the message (keys the spec gives before the others, the longest name
+    at one place); "sync" if none is named."""
+    found: list[tuple[bool, int, int, str]] = []
+    for name, rule in rules(JobSpec).items():
+        if rule.kind == "section":
+            given = data.get(name) if isinstance(data.get(name), dict) else {}
+            for key, inner in rules(rule.section).items():
+                hit = re.search(rf"\b{re.escape(inner.config)}\b", message) if inner.config else None
+                if hit:
+                    found.append((key not in given, hit.start(), -len(inner.config), f"{name}.{key}"))
+    return min(found)[3] if found else "sync"
+
+
 CHECKS: tuple[Callable[[dict[str, Any], Mapping[str, Any], Errors], None], ...] = (
     _command_runs, _processes_fit_gpus, _shm_fits_memory, _gpu_slice, _elastic_range, _checkpoint_mount,
-    _data_cache, _serve_port, _keys_of_the_kind,
+    _data_cache, _serve_port, _keys_of_the_kind, _env_vs_sections, _engine_accepts,
 )
 
 
@@ -207,7 +250,7 @@ def is_job_file(path: str) -> bool:
 
 
 __all__ = [
-    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Network", "Serve",
+    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Parallel", "Network", "Serve",
     "Entrypoint", "parse_spec", "load_spec", "load_spec_text", "parse_entrypoint", "is_job_file",
     "RDZV_PORT", "KINDS", "NAME_MAX_CHARS", "TIME_SLICED_RESOURCE", "GENERATED_ENV_PREFIXES", "CHECKS",
 ]
