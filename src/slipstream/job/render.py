@@ -25,22 +25,12 @@ Example::
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-import copy
-from decimal import Decimal
-
-from ..errors import ConfigError
-from .quantity import parse_quantity
+from ..errors import EXIT_PREEMPTED, EXIT_USAGE, ConfigError
+from .commands import POD_IP_ENV, entry_argv, launcher_command, launcher_flags, prewarm_command
 from .spec import RDZV_PORT, JobSpec
-
-try:  # the fault-tolerance work may define it centrally
-    from ..errors import EXIT_PREEMPTED  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - depends on the other issue's progress
-    EXIT_PREEMPTED = 143
-    """Exit code of a worker that checkpointed and stopped on SIGTERM (128 + 15)."""
-
-from ..errors import EXIT_USAGE
 
 TARGETS = ("indexed-job", "jobset", "trainjob", "pytorchjob")
 DEFAULT_TARGET = "indexed-job"
@@ -55,7 +45,6 @@ PYTORCHJOB_PORT_NAME = "pytorchjob-port"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
 JOB_LABEL = "slipstream.dev/job"
-POD_IP_ENV = "SLIPSTREAM_POD_IP"
 
 
 class TargetUnsupported(ConfigError):
@@ -64,8 +53,6 @@ class TargetUnsupported(ConfigError):
 SHM_VOLUME = "dshm"
 CKPT_VOLUME = "checkpoint"
 CACHE_VOLUME = "data-cache"
-CACHE_FILL = Decimal("0.9")
-"""Share of data.cache_size the prewarmed cache may fill."""
 
 
 def render(spec: JobSpec, target: str = DEFAULT_TARGET) -> list[dict[str, Any]]:
@@ -151,42 +138,6 @@ def _volumes(spec: JobSpec) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
-def launcher_flags(spec: JobSpec, nnodes: str, endpoint: str, node_rank: str | None, rdzv_id: str,
-                   local_addr: str | None = None) -> list[str]:
-    """The ``slipstream run`` flags for one replica (everything before the script)."""
-    flags = ["--nnodes", nnodes, "--nproc-per-node", str(spec.procs_per_replica)]
-    if node_rank is not None:
-        flags += ["--node-rank", node_rank]
-    flags += ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--max-restarts", str(spec.restarts.max_restarts)]
-    if local_addr is not None:
-        flags += ["--local-addr", local_addr]
-    return flags
-
-
-def entry_argv(spec: JobSpec, extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """What follows the flags: ``train.py ARGS`` or ``-m pkg.train ARGS``.
-
-    With a GPU memory fraction the user's code runs under ``-m slipstream.job.worker``,
-    which applies the cap before the user's code starts.
-    """
-    argv = spec.entrypoint.run_argv() + list(extra_args)
-    if spec.gpu_slice.memory_fraction is not None:
-        return ["-m", "slipstream.job.worker", *argv]
-    return argv
-
-
-def launcher_command(
-    spec: JobSpec, nnodes: str, endpoint: str, node_rank: str | None, rdzv_id: str
-) -> list[str]:
-    """The container command: ``slipstream run`` with the rendezvous flags, then the script.
-
-    Each agent publishes its pod IP (``--local-addr``, from the downward API) rather
-    than its host name, so peers need no DNS record for it (host network included).
-    """
-    flags = launcher_flags(spec, nnodes, endpoint, node_rank, rdzv_id, local_addr=f"$({POD_IP_ENV})")
-    return ["slipstream", "run", *flags, *entry_argv(spec)]
-
-
 def _container(spec: JobSpec, name: str, command: list[str], ports: list[dict] | None = None) -> dict[str, Any]:
     _, mounts = _volumes(spec)
     c: dict[str, Any] = {"name": name, "image": spec.image, "command": command}
@@ -201,20 +152,6 @@ def _container(spec: JobSpec, name: str, command: list[str], ports: list[dict] |
     if mounts:
         c["volumeMounts"] = mounts
     return c
-
-
-def prewarm_command(spec: JobSpec) -> list[str] | None:
-    """``slipstream data prewarm SOURCE --cache DIR ...`` when the spec asks for a prewarmed cache."""
-    d = spec.data
-    if not (d and d.prewarm and d.cache_dir):
-        return None
-    cmd = ["slipstream", "data", "prewarm", d.source, "--cache", d.cache_dir]
-    if d.cache_size:
-        # 90% of the emptyDir's sizeLimit: the kubelet evicts a pod whose
-        # emptyDir grows past its limit, so eviction by the cache must come first.
-        gigabytes = parse_quantity(d.cache_size) * CACHE_FILL / Decimal(10**9)
-        cmd += ["--max-cache-gb", format(gigabytes.quantize(Decimal("0.001")).normalize(), "f")]
-    return cmd
 
 
 def _prewarm_container(spec: JobSpec, main: dict[str, Any]) -> dict[str, Any] | None:

@@ -43,7 +43,7 @@ from typing import Mapping
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, ConfigError, UsageError
 from ..launch.proc import stop_processes
-from .render import entry_argv, launcher_flags, prewarm_command
+from .commands import entry_argv, launcher_flags, prewarm_command
 from .spec import JobSpec
 
 STOP_GRACE_S = 10.0
