@@ -191,9 +191,13 @@ def main() -> None:
         # slipstream (was: loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()).
         # Without pipeline stages, run.model(x) / run.backward(loss) / run.step() work as well.
         run.train_step(x, y, loss_fn)
+        if run.stop_requested:  # SIGTERM (preemption): the checkpoint of this step is written
+            break
     step = run.step_count
 
     summary = run.finish()
+    if run.stop_requested:  # exit 143: the launcher (and Kubernetes) count it as a preemption, not a failure
+        slipstream.shutdown(exit_code=slipstream.EXIT_PREEMPTED)
     # Gathering a sharded model is a collective: every rank asks, the first one writes.
     state = run.unwrapped_state_dict() if args.out else None
     if rt.is_main:

@@ -106,10 +106,13 @@ def main() -> None:
         if run.step_count >= args.steps - 10:  # accuracy over the last 10 steps
             correct += (logits.argmax(1) == y).sum().item()
             seen += y.numel()
-        run.step()  # slipstream
+        if run.step().stop_requested:  # slipstream: SIGTERM (preemption); the checkpoint of this step is written
+            break
     step = run.step_count
 
     summary = run.finish()
+    if run.stop_requested:  # exit 143: the launcher (and Kubernetes) count it as a preemption, not a failure
+        slipstream.shutdown(exit_code=slipstream.EXIT_PREEMPTED)
     if rt.is_main:
         print(f"done: {step} steps in {time.perf_counter() - started:.1f} s, final loss {summary['final_loss']:.4f}, "
               f"train accuracy (last 10 steps, rank 0) {correct / max(1, seen):.2%}, "

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import run_ranks
+from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -80,7 +80,7 @@ def _accumulate(rank: int, world_size: int, accumulate_steps: int, optimizer_ste
             loss = F.cross_entropy(run.model(x[lo : lo + PER_RANK]), y[lo : lo + PER_RANK])
             run.backward(loss)
             per_step_calls.append(len(calls) - before)
-            stepped.append(run.step())
+            stepped.append(run.step().stepped)
     return per_step_calls, stepped, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -197,7 +197,7 @@ def _init_info(rank: int, world_size: int):
     ],
 )
 def test_init_recognises_srun_and_mpirun(launcher, env, monkeypatch):
-    import harness
+    from tests import harness
 
     def entry_env(rank):
         if launcher == "slurm":
