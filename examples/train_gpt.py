@@ -178,7 +178,7 @@ def main() -> None:
     if rt.is_main:
         c = run.config
         print(f"GPT: {params / 1e6:.2f}M parameters, corpus {corpus.numel() / 2**20:.1f} MiB, "
-              f"{rt.world_size} rank(s) on {rt.device}, precision {c.precision}, sync {c.sync}, "
+              f"{rt.world_size} rank(s) on {rt.device}, precision {c.numerics.precision}, sync {c.sync.strategy}, "
               f"layout {run.describe_layout()}")
 
     started = time.perf_counter()

@@ -393,13 +393,6 @@ class TrainConfig:
             object.__setattr__(self, name, value)
         self._check_across_sections()
 
-    def __getattr__(self, name: str) -> Any:
-        # TRANSITION (issue #18): flat reads while callers move to the sections; removed before landing.
-        if name in FLAT_NAMES and name != "sync":
-            section, leaf = FLAT_NAMES[name]
-            return getattr(object.__getattribute__(self, section), leaf)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
     def _check_across_sections(self) -> None:
         # Checked here, not only in accelerate(), so `slipstream run` refuses it before any worker starts.
         if self.parallel.is_mesh:
