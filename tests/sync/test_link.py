@@ -9,7 +9,6 @@ from slipstream.plan.calibrate import link_from_probe
 from slipstream.plan.network import parse_network
 from slipstream.sync.compress import Cast, Codec, PowerSGD, ScaledSign, TopK
 from slipstream.sync.link import Link, all_gather_bytes, allreduce_bytes, allreduce_steps, reduce_scatter_bytes
-from slipstream.sync.probe import LinkFigures
 
 
 @pytest.mark.parametrize("n,allreduce,reduce_scatter", [(1, 0, 0), (2, 1000, 500), (4, 1500, 750), (8, 1750, 875)])
@@ -57,8 +56,7 @@ def test_measured_link_gives_back_its_figures():
     assert solo.seconds(1e9, 3) == 0.0 and solo.summary() == "single rank"
 
 
-def test_the_old_name_builds_the_same_link_and_the_planner_reads_it():
-    assert LinkFigures(2, 1e-4, 125e6) == Link.measured(2, 1e-4, 125e6)
+def test_the_planner_reads_a_measured_link():
     planner = link_from_probe(Link.measured(4, 3e-4, 1e8, samples=[(1, 1.0)]))
     assert (planner.ranks, planner.samples, planner.fabric, planner.efficiency) == (0, (), "probed", 1.0)
     assert planner.allreduce_s(0, 4) == pytest.approx(3e-4)

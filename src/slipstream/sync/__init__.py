@@ -37,6 +37,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .compress import CODECS, make_codec
+from .link import Link, allreduce_bytes
 
 _Strategy = Callable[..., "SyncHandle"]  # fn(ddp_model, **options) -> state
 _REGISTRY: dict[str, _Strategy] = {}
@@ -135,7 +136,7 @@ class AllreduceState:
         n = dist.get_world_size(ddp_model.process_group) if ddp_model.process_group is not None else 1
         params = [p for p in ddp_model.module.parameters() if p.requires_grad]
         grad_bytes = sum(p.numel() * p.element_size() for p in params)
-        self.bytes_per_step = 2 * (n - 1) / n * grad_bytes
+        self.bytes_per_step = allreduce_bytes(grad_bytes, n)
         self.steps = 0
         self._ddp = ddp_model
         if params:
@@ -251,10 +252,10 @@ def _hierarchical(ddp_model: DistributedDataParallel, **options: Any):
 def _probe_group(group: Any, ranks: int, device: torch.device) -> Any:
     """One level's link, timed on its data group. Its figures are not agreed here:
     :func:`_probe_levels` takes the slowest over all ranks right after."""
-    from .probe import LinkFigures, probe_link
+    from .probe import probe_link
 
     if ranks <= 1:
-        return LinkFigures(1, 0.0, float("inf"))
+        return Link.measured(1, 0.0, float("inf"))
     return probe_link(group, device=device, control=_OneRank())
 
 
@@ -285,7 +286,6 @@ def _probe_levels(g: Any, device: torch.device) -> Any:
 
     from .control import ControlWire
     from .policy import HierarchicalCost
-    from .probe import LinkFigures
 
     topo = g.topology
     control = ControlWire(g.control)
@@ -293,8 +293,8 @@ def _probe_levels(g: Any, device: torch.device) -> Any:
     inter = _probe_group(g.inter, topo.num_nodes, device)
     a1, inv1, a2, inv2 = control.agree(
         [intra.alpha_s, 1 / intra.bytes_per_s, inter.alpha_s, 1 / inter.bytes_per_s], op=dist.ReduceOp.MAX)
-    intra = LinkFigures(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
-    inter = LinkFigures(inter.ranks, a2, 1 / inv2 if inv2 > 0 else float("inf"), inter.samples)
+    intra = Link.measured(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
+    inter = Link.measured(inter.ranks, a2, 1 / inv2 if inv2 > 0 else float("inf"), inter.samples)
     return HierarchicalCost(intra, inter, topo.local_world_size, topo.num_nodes)
 
 

@@ -24,11 +24,6 @@ import torch.distributed as dist
 from .link import Link, allreduce_bytes
 
 
-# The old name of a measured link, kept for callers that still spell it
-# (LinkFigures(ranks, alpha_s, bytes_per_s, samples)): sync/__init__.py, benchmarks/.
-LinkFigures = Link.measured
-
-
 def probe_link(
     group: Any = None,
     sizes_bytes: tuple[int, int] = (8 << 10, 4 << 20),
