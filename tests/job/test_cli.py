@@ -113,7 +113,7 @@ def test_submit_refused_by_cluster_is_exit_1(capsys, monkeypatch, tmp_path):
 
 def test_invalid_spec_in_a_real_subprocess_has_no_traceback(tmp_path):
     path = write_spec({"name": "x", "image": "i", "command": ["python", "t.py"], "replicas": 0}, str(tmp_path))
-    for cmd in (["run", path],):  # `run` dispatches through launch/cli.py; in-process tests cover the rest
+    for cmd in (["run", path],):  # `run JOB.yaml`: the top-level command routes it to job/cli.py; in-process tests cover the rest
         proc = subprocess.run([sys.executable, "-m", "slipstream", *cmd], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2
         assert proc.stderr == f"slipstream {cmd[0]}: error: {path}: replicas: must be >= 1, got 0\n"

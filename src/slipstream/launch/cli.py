@@ -134,8 +134,9 @@ def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
     except ConfigError as exc:
         raise UsageError(f"invalid training flag: {exc}") from None
     env = cfg.to_env()
-    if cfg.run_dir is not None:
-        env["SLIPSTREAM_RUN_DIR"] = cfg.run_dir
+    run_dir = cfg.flat()["run_dir"]
+    if run_dir is not None:
+        env["SLIPSTREAM_RUN_DIR"] = run_dir
     timeout_s = getattr(args, "collective_timeout_s", None)
     if timeout_s is not None:
         if timeout_s <= 0:
