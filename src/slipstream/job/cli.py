@@ -215,7 +215,13 @@ _LAUNCHER_ONLY = ("--emulate", "--link", "--nnodes", "--nproc-per-node", "--node
 
 
 def job_run_from_args(args: argparse.Namespace) -> JobRun:
-    """The ``slipstream run`` flags given with a job spec, checked, as a :class:`JobRun`."""
+    """The ``slipstream run`` flags given with a job spec, checked, as a :class:`JobRun`.
+
+    Example::
+
+        args = build_parser().parse_args(["run", "--precision", "bf16", "job.yaml", "--", "--steps", "5"])
+        job_run_from_args(args)   # JobRun(spec=..., script_args=("--steps", "5"), worker_env={"SLIPSTREAM_PRECISION": "bf16"})
+    """
     path = args.script
     spec = load_spec(path)
     for dest, default, flag, where in _TOPOLOGY_FLAGS:
@@ -227,7 +233,8 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
     _refuse_misplaced_flags(extra, path)
     return JobRun(
         spec=spec, script_args=tuple(extra), worker_env=worker_env_from_args(args),
-        max_restarts=args.max_restarts or None, rdzv_id=args.rdzv_id,
+        max_restarts=args.max_restarts or None,  # --max-restarts 0 (its default) leaves the spec's budget
+        rdzv_id=args.rdzv_id,
         rdzv_conf=parse_rdzv_conf(args.rdzv_conf or ""), emulate=args.emulate, link=args.link,
     )
 

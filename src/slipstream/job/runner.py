@@ -79,7 +79,12 @@ class JobRun:
 
 
 def run_job(request: JobRun) -> int:
-    """Run a job spec locally (or on an emulated cluster); returns the exit code."""
+    """Run a job spec locally (or on an emulated cluster); returns the exit code.
+
+    Example::
+
+        run_job(JobRun(load_spec("examples/jobs/local-2x1.yaml"), emulate="2x1", link="1gbit"))
+    """
     spec = request.spec
     env = spec.worker_env()
     env.update(request.worker_env)
@@ -87,7 +92,7 @@ def run_job(request: JobRun) -> int:
     if spec.kind == "inference":
         return _run_inference(spec, env, extra)
     _check_entrypoint(spec, spec.source_path or spec.name)
-    max_restarts = request.max_restarts or spec.restarts.max_restarts
+    max_restarts = spec.restarts.max_restarts if request.max_restarts is None else request.max_restarts
     if request.emulate:
         return _run_emulated(spec, request, env, extra, max_restarts)
     return run_local(spec, env=env, extra_args=extra, max_restarts=max_restarts,
