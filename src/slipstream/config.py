@@ -37,6 +37,8 @@ from .errors import ConfigError
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_VERIFY_MODES = ("full", "size", "off")  # see slipstream.checkpoint.verify
 PP_SCHEDULES = ("gpipe", "1f1b")
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""Experiment trackers ``log_to`` may name (see slipstream.metrics)."""
 ZERO_STAGES = (2, 3)
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Parallel degrees, in the order of the device mesh's dimensions (outermost first)."""
@@ -261,6 +263,9 @@ class MetricsConfig:
     straggler_threshold: float = 0.1
     """Name a straggler only when its compute per step exceeds the median rank's by more
     than this fraction, in most of the last 5 log steps."""
+    log_to: tuple[str, ...] = ()
+    """Experiment trackers that receive every metric: tensorboard, wandb, mlflow (comma-separated
+    from the environment or ``--log-to``). Each needs its package (``pip install slipstream[wandb]``)."""
 
     FLAT: ClassVar[dict[str, str]] = {
         "profile": "profile",
@@ -271,6 +276,7 @@ class MetricsConfig:
         "flops_per_sample": "flops_per_sample",
         "peak_flops": "peak_flops",
         "straggler_threshold": "straggler_threshold",
+        "log_to": "log_to",
     }
 
     def __post_init__(self) -> None:
@@ -285,6 +291,10 @@ class MetricsConfig:
         )
         _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
         _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
+        names = _split_names(self.log_to) if isinstance(self.log_to, str) else tuple(self.log_to)
+        unknown = [name for name in names if name not in TRACKERS]
+        _require(not unknown, f"log_to must name trackers among {', '.join(TRACKERS)}, got {', '.join(unknown)}")
+        object.__setattr__(self, "log_to", names)
 
 
 @dataclass(frozen=True)
@@ -547,6 +557,7 @@ __all__ = [
     "PP_SCHEDULES",
     "PRECISIONS",
     "SECTIONS",
+    "TRACKERS",
     "CheckpointConfig",
     "MetricsConfig",
     "NumericsConfig",

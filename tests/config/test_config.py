@@ -108,7 +108,7 @@ def test_every_flat_name_round_trips_through_the_environment():
         checkpoint_verify="size", checkpoint_max_failures=5, preemption_deadline_s=9.0, profile=False,
         timeline=True, tensorboard=True, prometheus_port=9400, prometheus_addr="0.0.0.0",
         flops_per_sample=1e9, peak_flops=1e15, straggler_threshold=0.2, run_dir="/runs",
-        log_every_steps=5, progress=False, total_steps=100,
+        log_every_steps=5, progress=False, total_steps=100, log_to=("wandb", "mlflow"),
     )
     cfg = TrainConfig(**changed)
     env = cfg.to_env()
