@@ -303,21 +303,3 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"shape": shape, "results": [r.as_dict() for r in results]}, indent=1))
     return EXIT_OK if all(r.ok for r in results) else EXIT_TRAINING_FAILED
-
-
-def overhead_main(argv: list[str] | None = None) -> int:
-    """``python -m slipstream.bench.overhead [--width W --depth D --batch B --steps N]``:
-    the profiler's cost per step (slipstream.bench.overhead), as an :class:`OverheadRun`."""
-    from .overhead import OverheadRun, compare
-
-    defaults = OverheadRun()
-    ap = argparse.ArgumentParser(prog="python -m slipstream.bench.overhead",
-                                 description="Measure what the step profiler costs, two ways.")
-    ap.add_argument("--width", type=int, default=defaults.width)
-    ap.add_argument("--depth", type=int, default=defaults.depth)
-    ap.add_argument("--batch", type=int, default=defaults.batch)
-    ap.add_argument("--steps", type=int, default=defaults.steps, help="steps of each configuration")
-    ap.add_argument("--log-every-steps", type=int, default=defaults.log_every_steps)
-    args = ap.parse_args(argv)
-    return compare(OverheadRun(width=args.width, depth=args.depth, batch=args.batch, steps=args.steps,
-                               log_every_steps=args.log_every_steps))

@@ -15,8 +15,8 @@ Run (the GUIDE's MLP workload: 8 x Linear(1024, 1024) + ReLU, batch 64)::
     python -m slipstream.bench.overhead                  # one process
     slipstream run -n 2 -m slipstream.bench.overhead     # two gloo ranks (includes the straggler gather)
 
-A benchmark tool, not part of the engine: it lives with ``slipstream bench`` and
-its flags are parsed in bench/cli.py (:func:`slipstream.bench.cli.overhead_main`).
+A benchmark tool, not part of the engine: it lives with ``slipstream bench``; its
+flags are parsed in ``slipstream/bench/overhead/cli.py`` (``python -m`` runs ``__main__.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..metrics.profiler import StepProfiler
+from ...metrics.profiler import StepProfiler
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,4 @@ def compare(req: OverheadRun) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    from .cli import overhead_main
-
-    raise SystemExit(overhead_main())
+__all__ = ["OverheadRun", "compare", "hot_path_cost_s", "mlp"]
