@@ -31,7 +31,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -149,10 +149,11 @@ class StepRecorder:
 
     # --- wiring ------------------------------------------------------------------------
     def attach(self, model: torch.nn.Module, config: TrainConfig | None = None, device: torch.device | None = None,
-               local_rank: int | None = None) -> None:
+               local_rank: int | None = None, extra_sinks: Sequence[Sink] = ()) -> None:
         """Instrument ``model`` and open the sinks ``config`` asks for (its ``metrics``
         section, and ``numerics.precision`` for the peak FLOP/s). Without a config,
-        TrainConfig's defaults: the defaults are written there only.
+        TrainConfig's defaults: the defaults are written there only. ``extra_sinks``
+        (the user's own, from ``accelerate(sinks=...)``) receive every record too.
 
         Collective when ``world_size > 1`` only in that every rank must call it
         (the straggler gather then runs at every log step on every rank). The
@@ -164,6 +165,7 @@ class StepRecorder:
             rec.attach(model, TrainConfig(timeline=True), device=torch.device("cuda", 0))
         """
         cfg = config if config is not None else TrainConfig()
+        self.sinks.extend(extra_sinks)
         if not cfg.metrics.profile:
             self.profiler = None
         self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))

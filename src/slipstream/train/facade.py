@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -36,6 +37,7 @@ from ..errors import EXIT_PREEMPTED, ConfigError
 from ..fault import progress
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
 from ..metrics import StepRecorder
+from ..metrics.sinks import Sink
 from ..runtime import Runtime, current
 from ..sync import SyncHandle
 from .bookkeeping import new_recorder, open_checkpoints
@@ -364,6 +366,7 @@ def accelerate(
     extra_state: dict[str, Any] | None = None,
     tp_plan: dict[str, Any] | None = None,
     pp_split_points: list[str] | None = None,
+    sinks: Sequence[Sink] = (),
     **options: Any,
 ) -> Accelerated:
     """Wrap ``model`` and ``optimizer`` for distributed training.
@@ -383,6 +386,9 @@ def accelerate(
     (with pp > 1): names of the units where stages begin (default: layers split
     evenly; see :mod:`slipstream.parallel.pipeline`). Both are ignored by the
     data-parallel layout, so one script runs under every layout.
+    ``sinks`` (optional): your own metric sinks (objects with ``write(record)`` and
+    ``close()``, see :class:`slipstream.metrics.sinks.Sink`); each receives every
+    log step's record, beside the trackers ``log_to`` names.
     ``extra_state`` (optional): more objects with ``state_dict()``/``load_state_dict()``
     (a data sampler, say) saved in every checkpoint. With ``checkpoint_dir``
     set, the run resumes from the newest complete checkpoint there; read
@@ -422,7 +428,7 @@ def accelerate(
         if reporter is not None:
             reporter.close()
         raise
-    recorder.attach(layout.module, config, runtime.device, runtime.local_rank)  # phase hooks, sinks
+    recorder.attach(layout.module, config, runtime.device, runtime.local_rank, extra_sinks=sinks)  # phase hooks, sinks
     if layout.sync is not None:
         recorder.sources.append(layout.sync.stats)
     run = Accelerated(layout, built, config, runtime, recorder, micro, reporter, scheduler=built_scheduler)
