@@ -134,7 +134,7 @@ def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
     except ConfigError as exc:
         raise UsageError(f"invalid training flag: {exc}") from None
     env = cfg.to_env()
-    run_dir = cfg.flat()["run_dir"]
+    run_dir = cfg.run.dir
     if run_dir is not None:
         env["SLIPSTREAM_RUN_DIR"] = run_dir
     timeout_s = getattr(args, "collective_timeout_s", None)
