@@ -16,13 +16,48 @@ Example::
 See docs/data.md.
 """
 
-from .cache import CacheStats, PrewarmReport, ShardCache, load_index, prewarm
-from .dataset import ShardedDataset, SkippedSample, verify_dataset
-from .format import DataIntegrityError, Field, Index, ShardInfo, ShardReader, ShardWriter
-from .loader import SlipstreamLoader
-from .pack import pack, pack_arrays, pack_files, pack_text
-from .sampler import ResumableSampler
-from .source import Source, SourceUnavailable
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the module that defines it. Imported on first use (PEP 562): the
+# dataset and loader need torch, and `slipstream data --help` (or `slipstream --help`,
+# which lists it) should not pay for that.
+_LAZY = {
+    "CacheStats": ".cache", "PrewarmReport": ".cache", "ShardCache": ".cache", "load_index": ".cache",
+    "prewarm": ".cache",
+    "ShardedDataset": ".dataset", "SkippedSample": ".dataset", "verify_dataset": ".dataset",
+    "DataIntegrityError": ".format", "Field": ".format", "Index": ".format", "ShardInfo": ".format",
+    "ShardReader": ".format", "ShardWriter": ".format",
+    "SlipstreamLoader": ".loader",
+    "pack": ".pack", "pack_arrays": ".pack", "pack_files": ".pack", "pack_text": ".pack",
+    "ResumableSampler": ".sampler",
+    "Source": ".source", "SourceUnavailable": ".source",
+}
+
+if TYPE_CHECKING:
+    from .cache import CacheStats, PrewarmReport, ShardCache, load_index, prewarm
+    from .dataset import ShardedDataset, SkippedSample, verify_dataset
+    from .format import DataIntegrityError, Field, Index, ShardInfo, ShardReader, ShardWriter
+    from .loader import SlipstreamLoader
+    from .pack import pack, pack_arrays, pack_files, pack_text
+    from .sampler import ResumableSampler
+    from .source import Source, SourceUnavailable
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "CacheStats",

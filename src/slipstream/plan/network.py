@@ -1,7 +1,7 @@
-"""Networks: parse a network SPEC into a :class:`~slipstream.sync.link.Link` per node.
+"""Networks: parse a network SPEC into a :class:`~slipstream.link.Link` per node.
 
 The link model itself (alpha-beta times of ring collectives) is the core's,
-:mod:`slipstream.sync.link`; ``Link`` is re-exported here for the planner.
+:mod:`slipstream.link`; ``Link`` is re-exported here for the planner.
 
 A network SPEC names the link between nodes::
 
@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..sync.link import Link
+from ..link import Link
 
 FABRICS = {
     # name: (one-hop latency s, achieved fraction of line rate)

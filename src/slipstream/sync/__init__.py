@@ -31,13 +31,17 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
-
-import torch
-from torch.nn.parallel import DistributedDataParallel
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .compress import CODECS, make_codec
-from .link import Link, allreduce_bytes
+from ..link import Link, allreduce_bytes
+
+if TYPE_CHECKING:
+    # torch is imported where a strategy is applied, not here: the names above
+    # (available, is_valid) are read by config checks and `slipstream validate`,
+    # which should not pay for importing torch.
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
 
 _Strategy = Callable[..., "SyncHandle"]  # fn(ddp_model, **options) -> state
 _REGISTRY: dict[str, _Strategy] = {}
@@ -270,6 +274,8 @@ class _OneRank:
 
 def _model_device(ddp_model: DistributedDataParallel) -> torch.device:
     """Where the model's gradients live: the device of every data collective."""
+    import torch
+
     for p in ddp_model.module.parameters():
         return p.device
     return torch.device("cpu")

@@ -23,7 +23,7 @@ from collections.abc import Hashable
 import torch
 
 from .compress.base import Codec, Layout, Wire, sub_layout
-from .link import allreduce_bytes
+from ..link import allreduce_bytes
 from .topology import Groups
 
 

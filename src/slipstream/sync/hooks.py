@@ -55,7 +55,7 @@ from .compress.base import Codec, Layout, Wire, layout_from_shapes
 from .compress.cast import Cast
 from .control import ControlWire
 from .guard import ConvergenceGuard
-from .link import allreduce_bytes
+from ..link import allreduce_bytes
 from .policy import BucketInfo, Decision, as_cost, decide, verify_plan
 from .probe import probe_link
 

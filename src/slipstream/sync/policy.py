@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .compress.base import Codec, Layout, sub_layout
-from .link import Link, allreduce_bytes
+from ..link import Link, allreduce_bytes
 
 
 @dataclass(frozen=True)

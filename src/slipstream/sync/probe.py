@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .link import Link, allreduce_bytes
+from ..link import Link, allreduce_bytes
 
 
 def probe_link(

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..link import all_gather_bytes, allreduce_bytes, reduce_scatter_bytes
+from ...link import all_gather_bytes, allreduce_bytes, reduce_scatter_bytes
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..link import all_gather_bytes
+from ...link import all_gather_bytes
 from .base import ErrorFeedback, Layout, Wire, all_finite
 
 
