@@ -10,7 +10,8 @@ steps, so a step adds no host synchronisation.
 Phase timing (see :mod:`.profiler`) goes through ``begin(phase)`` /
 ``end(phase, token)`` or ``with recorder.timed(phase):``; ``attach(model,
 config)`` (a TrainConfig) hooks the model's parameters (for the backward/communication split)
-and opens the sinks the config asks for (TensorBoard, Prometheus, timeline).
+and opens the sinks the config asks for (TensorBoard, Prometheus, timeline, and
+on rank 0 the experiment trackers ``log_to`` names, see :mod:`.trackers`).
 At each log step the ranks exchange their busy times (one small all_gather)
 to name a straggler.
 
@@ -50,6 +51,7 @@ from .profiler import (
 from .sinks import ConsoleSink, JsonlSink, Sink
 from .straggler import GATHERED, StragglerDetector, gather_vectors
 from .timeline import TimelineWriter
+from .trackers import open_trackers, require_trackers, run_params
 
 
 def _require_module(name: str, option: str) -> None:
@@ -165,6 +167,17 @@ class StepRecorder:
             rec.attach(model, TrainConfig(timeline=True), device=torch.device("cuda", 0))
         """
         cfg = config if config is not None else TrainConfig()
+        trackers = tuple(name for name in cfg.metrics.log_to if name != "tensorboard")
+        tensorboard = cfg.metrics.tensorboard or "tensorboard" in cfg.metrics.log_to
+        try:  # on every rank, before anything is opened: all ranks stop alike (exit 2)
+            if tensorboard and self.run_dir is not None:
+                _require_module("tensorboard", "tensorboard=True" if cfg.metrics.tensorboard else "log_to tensorboard")
+            require_trackers(trackers)
+            if trackers and self.run_dir is None:
+                raise ConfigError(f"log_to {','.join(trackers)} needs a run directory (run_dir)")
+        except ConfigError:
+            self.close()
+            raise
         self.sinks.extend(extra_sinks)
         if not cfg.metrics.profile:
             self.profiler = None
@@ -186,8 +199,7 @@ class StepRecorder:
         local_rank = int(os.environ.get("LOCAL_RANK", self.rank)) if local_rank is None else local_rank
         if self.run_dir is not None and cfg.metrics.timeline and self.profiler is not None:
             self.timeline = TimelineWriter(os.path.join(self.run_dir, "timeline", f"rank{self.rank}.json"), self.rank)
-        if self.run_dir is not None and cfg.metrics.tensorboard:
-            _require_module("tensorboard", "tensorboard=True")
+        if self.run_dir is not None and tensorboard:
             from .tensorboard import TensorBoardSink
 
             self.sinks.append(TensorBoardSink(os.path.join(self.run_dir, "tensorboard", f"rank{self.rank}")))
@@ -209,6 +221,10 @@ class StepRecorder:
                     f.write(sink.url + "\n")
             if self.rank == 0:
                 print(f"[slipstream] Prometheus metrics of rank 0 at {sink.url}", file=sys.stderr, flush=True)
+        if trackers and self.rank == 0:
+            # Last, so that nothing above fails after a tracker run was created.
+            # Rank 0 only: its record already holds the job's figures.
+            self.sinks.extend(open_trackers(trackers, self.run_dir, run_params(cfg, self.world_size)))  # type: ignore[arg-type]
         if self.run_dir is not None and self.rank == 0:
             self._write_run_info(config)
 
