@@ -1,7 +1,8 @@
 """Per-step metrics: a recorder with a step profiler that feeds pluggable sinks.
 
-Sinks: console (rank 0), JSONL per rank, TensorBoard, Prometheus; a Chrome-trace
-timeline; straggler detection at log steps. ``slipstream report RUN_DIR`` turns
+Sinks: console (rank 0), JSONL per rank, TensorBoard, Prometheus, the experiment
+trackers W&B and MLflow (rank 0, ``log_to``), the user's own (``accelerate(sinks=...)``);
+a Chrome-trace timeline; straggler detection at log steps. ``slipstream report RUN_DIR`` turns
 a run directory into one HTML page (see :mod:`slipstream.report`).
 """
 

@@ -8,7 +8,15 @@ plus anything a component adds (``sync_...``, ``data/...``). Lists (rank 0's
 ``busy_s_ranks``) and strings appear too; numeric sinks skip them.
 
 Sinks here: :class:`JsonlSink`, :class:`ConsoleSink`; elsewhere in the
-package: ``tensorboard.TensorBoardSink``, ``prometheus.PrometheusSink``.
+package: ``tensorboard.TensorBoardSink``, ``prometheus.PrometheusSink``, and the
+experiment trackers ``trackers.WandbSink``, ``trackers.MlflowSink`` (``log_to``).
+Your own: any object with these two methods, given as ``accelerate(sinks=[...])``.
+
+Example::
+
+    class PrintLoss:
+        def write(self, record): print(record["step"], record.get("loss"))
+        def close(self): pass
 """
 
 from __future__ import annotations

@@ -238,7 +238,8 @@ class MlflowSink(_ClosedAtExit):
         except MlflowException as exc:
             raise ConfigError(f"log_to mlflow: tracking URI {uri}: {exc.message}") from exc
         ids.put("mlflow", {"run_id": self.run_id, "tracking_uri": uri, "experiment": experiment})
-        self._pending: Any = None
+        self._pending: Any = None  # the last batch queued (mlflow's RunOperations)
+        self._failures = 0
         self._arm()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -248,12 +249,26 @@ class MlflowSink(_ClosedAtExit):
         now_ms = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now_ms, step) for k, v in metric_values(record).items()]
         if metrics:
+            # The previous log step's batch is written by now (a wait of ~0): waiting
+            # for it keeps at most one in flight, so batches land in order.
+            self._wait_pending()
             # Queued: one batch per log step, written by MLflow's logging thread.
             self._pending = self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
 
+    def _wait_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            pending.wait()
+        except Exception as exc:  # noqa: BLE001 - a tracker outage must not stop training; the JSONL has it all
+            self._failures += 1
+            if self._failures == 1:
+                print(f"[slipstream] MLflow: a metrics batch was not logged ({exc}); training goes on, "
+                      f"RUN_DIR/metrics/rank0.jsonl has every record", file=sys.stderr, flush=True)
+
     def _finish(self, failure: BaseException | None) -> None:
-        if self._pending is not None:
-            self._pending.wait()  # batches are written in order: the last one done means all are
+        self._wait_pending()
         status = ("FINISHED" if failure is None else "KILLED" if isinstance(failure, KeyboardInterrupt)
                   else "FAILED")
         self.client.set_terminated(self.run_id, status=status)
