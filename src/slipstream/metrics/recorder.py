@@ -227,6 +227,9 @@ class StepRecorder:
             self.sinks.extend(open_trackers(trackers, self.run_dir, run_params(cfg, self.world_size)))  # type: ignore[arg-type]
         if self.run_dir is not None and self.rank == 0:
             self._write_run_info(config)
+        # Steps start now: the set-up above (a tracker run takes seconds to open)
+        # is not the first window's step time.
+        self._start = self._window_start = time.perf_counter()
 
     @property
     def next_step_logs(self) -> bool:
