@@ -46,8 +46,8 @@ def _children() -> set[int]:
 @pytest.fixture()
 def tracker_env(monkeypatch, tmp_path):
     """Offline, quiet W&B; no tracking server; and no W&B service process left behind."""
-    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME",
-                 "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE"):
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_NAME", "WANDB_RESUME",
+                 "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -99,12 +99,12 @@ def wandb_records(path: str):
             yield record
 
 
-def wandb_run(run_dir: Path) -> dict:
-    """History rows by step, the config, and the exit code of the one offline run under run_dir."""
-    files = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
-    assert len(files) == 1, files
-    history, config, exit_code, name = {}, {}, None, None
-    for record in wandb_records(files[0]):
+def wandb_run(run_dir: Path, attempt: int = 0) -> dict:
+    """History rows by step, the config, the exit code, the name and id of an offline
+    run under run_dir (a restart that continues the run writes a second directory)."""
+    files = sorted(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb")))
+    history, config, exit_code, name, run_id = {}, {}, None, None, None
+    for record in wandb_records(files[attempt]):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = {"/".join(item.nested_key) or item.key: json.loads(item.value_json) for item in record.history.item}
@@ -113,10 +113,11 @@ def wandb_run(run_dir: Path) -> dict:
             updates = record.run.config.update if kind == "run" else record.config.update
             config.update({u.key: json.loads(u.value_json) for u in updates})
             if kind == "run":
-                name = record.run.display_name
+                name, run_id = record.run.display_name, record.run.run_id
         elif kind == "exit":
             exit_code = record.exit.exit_code
-    return {"history": history, "config": config, "exit_code": exit_code, "name": name}
+    return {"history": history, "config": config, "exit_code": exit_code, "name": name, "id": run_id,
+            "attempts": len(files)}
 
 
 def mlflow_run(run_dir: Path):
@@ -166,7 +167,7 @@ def test_wandb_and_mlflow_receive_every_log_step(single_process, tracker_env, tm
     assert [r["loss"] for r in jsonl] == [r["loss"] for r in mine.records]
 
     wb = wandb_run(run_dir)
-    assert wb["name"] == "exp-a" and wb["exit_code"] == 0
+    assert wb["name"] == "exp-a" and wb["exit_code"] == 0 and wb["attempts"] == 1
     assert sorted(wb["history"]) == [2, 4, 6]
     for record in jsonl:
         row = wb["history"][record["step"]]
@@ -183,11 +184,17 @@ def test_wandb_and_mlflow_receive_every_log_step(single_process, tracker_env, tm
     assert run.data.params["grad_clip_norm"] == "1.0" and run.data.params["world_size"] == "1"
     assert set(run.data.metrics) == set(metric_values(jsonl[-1]))
 
-    # A restart in the same run directory continues the same MLflow run.
-    _train(run_dir, 2, log_to=("mlflow",))
+    # A restart in the same run directory continues the same tracker runs. (W&B
+    # names an offline run's directory by the second it started: keep the first
+    # attempt's apart should this test be that fast.)
+    first = Path(glob.glob(str(run_dir / "wandb" / "offline-run-*"))[0])
+    first.rename(first.with_name("offline-run-00000000_000000-" + wb["id"]))
+    _train(run_dir, 2, log_to=("wandb", "mlflow"))
     client, again = mlflow_run(run_dir)
     assert again.info.run_id == run.info.run_id and again.info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [2, 4, 6, 2]
+    resumed = wandb_run(run_dir, attempt=1)
+    assert resumed["attempts"] == 2 and resumed["id"] == wb["id"] and resumed["exit_code"] == 0
 
 
 def test_a_run_closed_by_an_exception_is_marked_failed(tracker_env, tmp_path):
@@ -241,6 +248,7 @@ def test_a_missing_tracker_package_is_one_config_error(single_process, tracker_e
 def test_only_rank_0_opens_a_tracker_run(tracker_env, tmp_path):
     require("wandb")
     require("mlflow")
+    require("tensorboard")
     model = nn.Linear(2, 1)
     rec = StepRecorder(rank=1, world_size=2, run_dir=str(tmp_path), progress=False)
     rec.attach(model, TrainConfig(log_to=("wandb", "mlflow", "tensorboard")))

@@ -162,8 +162,9 @@ class _ClosedAtExit:
 
 class WandbSink(_ClosedAtExit):
     """One Weights & Biases run. Project: ``WANDB_PROJECT`` (default "slipstream");
-    name: the run directory's name; files under ``WANDB_DIR`` or the run directory;
-    ``WANDB_MODE`` (``offline`` needs no server), ``WANDB_ENTITY``,
+    name: ``WANDB_NAME`` or the run directory's name; id: ``WANDB_RUN_ID``, or the
+    one this run directory had, or a new one; files under ``WANDB_DIR`` or the run
+    directory; ``WANDB_MODE`` (``offline`` needs no server), ``WANDB_ENTITY``,
     ``WANDB_API_KEY`` as wandb reads them.
 
     Example::
@@ -175,11 +176,11 @@ class WandbSink(_ClosedAtExit):
         import wandb
 
         ids = _TrackerIds(run_dir)
-        run_id = ids.get("wandb").get("id") or uuid.uuid4().hex[:12]
+        run_id = os.environ.get("WANDB_RUN_ID") or ids.get("wandb").get("id") or uuid.uuid4().hex[:12]
         try:
             self.run = wandb.init(
                 project=os.environ.get("WANDB_PROJECT") or "slipstream",
-                name=os.path.basename(os.path.abspath(run_dir)),
+                name=os.environ.get("WANDB_NAME") or os.path.basename(os.path.abspath(run_dir)),
                 dir=os.environ.get("WANDB_DIR") or run_dir,
                 id=run_id,
                 resume="allow",  # a restart in this run directory continues the run
@@ -203,7 +204,8 @@ class WandbSink(_ClosedAtExit):
 class MlflowSink(_ClosedAtExit):
     """One MLflow run. Tracking URI: ``MLFLOW_TRACKING_URI`` (default: the file
     store ``RUN_DIR/mlruns``); experiment: ``MLFLOW_EXPERIMENT_NAME`` (default
-    "slipstream"); run name: the run directory's name. Metrics are sent with
+    "slipstream"); run name: the run directory's name; ``MLFLOW_RUN_ID``: log into
+    that existing run (as a restart does into its own). Metrics are sent with
     ``log_batch(synchronous=False)``: MLflow's queue thread writes them, and
     ``close()`` waits for the last batch.
 
@@ -224,9 +226,10 @@ class MlflowSink(_ClosedAtExit):
         try:
             with _file_store_allowed(not os.environ.get("MLFLOW_TRACKING_URI")):
                 self.client = MlflowClient(tracking_uri=uri)
-            if known.get("tracking_uri") == uri and known.get("experiment") == experiment:
-                self.run_id = known["run_id"]
-                self.client.update_run(self.run_id, status="RUNNING")  # continued after a restart
+            given = os.environ.get("MLFLOW_RUN_ID")
+            if given or (known.get("tracking_uri") == uri and known.get("experiment") == experiment):
+                self.run_id = given or known["run_id"]
+                self.client.update_run(self.run_id, status="RUNNING")  # continued (after a restart)
             else:
                 found = self.client.get_experiment_by_name(experiment)
                 experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
