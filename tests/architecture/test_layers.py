@@ -79,3 +79,55 @@ def test_the_contract_catches_a_violation(tmp_path, rule):
     proc = subprocess.run([exe, "--no-cache"], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0
     assert ("zz_bad" if rule == "upward" else "zz_") in proc.stdout
+
+
+# Files whose owners were converting them while the no-print rule came in (issue #15 item 7).
+# TODO(integrator): convert their print() calls to logging (slipstream.log.CONSOLE for what the
+# user must see, as job/runner.py does) and empty this list.
+PRINT_ALLOWED = {
+    "src/slipstream/launch/api.py",
+    "src/slipstream/launch/emulate.py",
+    "src/slipstream/metrics/recorder.py",
+    "src/slipstream/metrics/sinks.py",
+    "src/slipstream/metrics/trackers.py",
+    "src/slipstream/train/facade.py",
+}
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    """``if __name__ == "__main__":``: a module's command line, like a cli.py."""
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+
+def _print_calls(tree: ast.AST) -> list[int]:
+    lines: list[int] = []
+
+    def visit(node: ast.AST) -> None:
+        if _is_main_guard(node):
+            return
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "print":
+            lines.append(node.lineno)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return lines
+
+
+def test_library_modules_log_instead_of_printing():
+    """print() only in */cli.py (and `if __name__ == "__main__"` blocks): the library logs under the
+    `slipstream` logger, and slipstream/log.py says on the console what print() used to."""
+    offenders = []
+    for path in _modules():
+        rel = str(path.relative_to(REPO))
+        if path.name == "cli.py" or rel in PRINT_ALLOWED:
+            continue
+        offenders += [f"{rel}:{line}" for line in _print_calls(ast.parse(path.read_text(), rel))]
+    assert offenders == [], "print() in library modules (log through logging instead):\n" + "\n".join(offenders)
+
+
+def test_the_no_print_rule_sees_calls_not_docstrings():
+    tree = ast.parse('"""Example::\n\n    print(x)\n"""\nimport sys\nprint("a", file=sys.stderr)\n'
+                     'if __name__ == "__main__":\n    print("table")\n')
+    assert _print_calls(tree) == [6]

@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -43,8 +44,11 @@ from typing import Mapping
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, ConfigError, UsageError
 from ..launch.proc import stop_processes
+from ..log import CONSOLE
 from .commands import entry_argv, launcher_flags, prewarm_command
 from .spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
 """How long the other replicas get to exit after one failed, before SIGTERM."""
@@ -215,7 +219,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
     base_env.update(env)
     devices, note = _gpu_plan(spec, base_env)
     if note:
-        print(f"slipstream run: {note}", file=sys.stderr)
+        log.info("slipstream run: %s", note, extra=CONSOLE)
     code = prewarm_local(spec, base_env)
     if code != EXIT_OK:
         return code
@@ -234,7 +238,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
         return _wait_all(procs)
     except KeyboardInterrupt:
         stop_processes(procs, grace_s=KILL_GRACE_S)
-        print("slipstream run: interrupted", file=sys.stderr)
+        log.info("slipstream run: interrupted", extra=CONSOLE)
         return EXIT_INTERRUPTED
     finally:
         stop_processes(procs, grace_s=KILL_GRACE_S)
@@ -247,10 +251,10 @@ def prewarm_local(spec: JobSpec, env: dict[str, str]) -> int:
     if cmd is None:
         return EXIT_OK
     argv = [sys.executable, "-m", "slipstream", *cmd[1:]]
-    print(f"slipstream run: prewarming {spec.data.cache_dir} from {spec.data.source}", file=sys.stderr)
+    log.info("slipstream run: prewarming %s from %s", spec.data.cache_dir, spec.data.source, extra=CONSOLE)
     code = subprocess.run(argv, env=env).returncode
     if code != EXIT_OK:
-        print(f"slipstream run: prewarm failed with exit code {code}; not starting the replicas", file=sys.stderr)
+        log.error("slipstream run: prewarm failed with exit code %s; not starting the replicas", code)
     return code
 
 
@@ -264,7 +268,7 @@ def _wait_all(procs: list[subprocess.Popen]) -> int:
         for i, c in enumerate(codes):
             if c not in (None, 0) and first_failure is None:
                 first_failure, failed_at = (i, c), time.monotonic()
-                print(f"slipstream run: replica {i} exited with code {c}; stopping the others", file=sys.stderr)
+                log.error("slipstream run: replica %d exited with code %s; stopping the others", i, c)
         if first_failure is not None and time.monotonic() - failed_at > STOP_GRACE_S:
             stop_processes(procs, grace_s=KILL_GRACE_S)
         time.sleep(0.1)
@@ -288,7 +292,7 @@ def _run_inference(spec: JobSpec, env: dict[str, str], extra: list[str]) -> int:
     child_env = dict(os.environ)
     child_env.update(env)
     cmd = spec.full_command + extra
-    print(f"slipstream run: serving {spec.name} on port {spec.serve.port}: {' '.join(cmd)}", file=sys.stderr)
+    log.info("slipstream run: serving %s on port %s: %s", spec.name, spec.serve.port, " ".join(cmd), extra=CONSOLE)
     try:
         proc = subprocess.Popen(cmd, env=child_env)
     except FileNotFoundError:

@@ -90,12 +90,15 @@ def _step(run, x, y) -> tuple[float, float]:
     return time.perf_counter() - w0, time.thread_time() - c0
 
 
-def compare(req: OverheadRun) -> int:
-    """Run the MLP with the profiler on and off, alternating, and print both medians; returns 0.
+def compare(req: OverheadRun) -> str | None:
+    """Run the MLP with the profiler on and off, alternating; returns the report of both medians
+    on rank 0 (None on the other ranks). Collective: every rank calls it.
 
     Example::
 
-        compare(OverheadRun(width=256, depth=48, steps=100))
+        report = compare(OverheadRun(width=256, depth=48, steps=100))
+        if report is not None:
+            print(report)
     """
     import slipstream
 
@@ -136,17 +139,17 @@ def compare(req: OverheadRun) -> int:
     for run in runs.values():
         run.finish()
     scratch.cleanup()
-    if rt.is_main:
-        print(
-            f"world_size {rt.world_size}, {n_params} parameter tensors ({n_hooks} hooked), "
-            f"{req.steps} steps per configuration, alternating\n"
-            f"median thread CPU per step: profile on {con * 1e3:.2f} ms, off {coff * 1e3:.2f} ms, "
-            f"ratio {con / coff:.4f} ({(con / coff - 1) * 100:+.2f} %)\n"
-            f"median wall per step:       profile on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, "
-            f"ratio {on / off:.4f} ({(on / off - 1) * 100:+.2f} %)\n"
-            f"profiler calls alone: {iso * 1e6:.1f} us per step = {iso / off * 100:.3f} % of the step"
-        )
-    return 0
+    if not rt.is_main:
+        return None
+    return (
+        f"world_size {rt.world_size}, {n_params} parameter tensors ({n_hooks} hooked), "
+        f"{req.steps} steps per configuration, alternating\n"
+        f"median thread CPU per step: profile on {con * 1e3:.2f} ms, off {coff * 1e3:.2f} ms, "
+        f"ratio {con / coff:.4f} ({(con / coff - 1) * 100:+.2f} %)\n"
+        f"median wall per step:       profile on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, "
+        f"ratio {on / off:.4f} ({(on / off - 1) * 100:+.2f} %)\n"
+        f"profiler calls alone: {iso * 1e6:.1f} us per step = {iso / off * 100:.3f} % of the step"
+    )
 
 
 __all__ = ["OverheadRun", "compare", "hot_path_cost_s", "mlp"]

@@ -9,7 +9,7 @@ from . import OverheadRun, compare
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse the flags and run :func:`~slipstream.bench.overhead.compare`; returns its exit code.
+    """Parse the flags, run :func:`~slipstream.bench.overhead.compare` and print its report on rank 0; returns 0.
 
     Example::
 
@@ -24,5 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=defaults.steps, help="steps of each configuration")
     ap.add_argument("--log-every-steps", type=int, default=defaults.log_every_steps)
     args = ap.parse_args(argv)
-    return compare(OverheadRun(width=args.width, depth=args.depth, batch=args.batch, steps=args.steps,
-                               log_every_steps=args.log_every_steps))
+    report = compare(OverheadRun(width=args.width, depth=args.depth, batch=args.batch, steps=args.steps,
+                                 log_every_steps=args.log_every_steps))
+    if report is not None:  # rank 0
+        print(report)
+    return 0

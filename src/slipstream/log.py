@@ -1,0 +1,77 @@
+"""Slipstream's console: library modules log, and this one handler says it on stderr.
+
+Library modules log through :mod:`logging` under the ``slipstream`` logger
+(``log = logging.getLogger(__name__)``). What a module used to ``print()`` for
+the user to read is logged with ``extra=CONSOLE``; importing this module puts one
+handler on the ``slipstream`` logger that writes those records, and every
+warning or error, as bare text on ``sys.stderr`` -- the same text on the same
+stream as before, and what Python's last-resort handler shows for a library
+without one. Other records (``log.info`` without ``CONSOLE``, ``log.debug``) stay
+quiet unless you configure logging.
+
+If the application configures logging itself (a handler on the root logger, e.g.
+``logging.basicConfig``), this handler steps aside and the application's
+handlers and levels decide, so nothing is said twice.
+
+Example::
+
+    import logging
+    from slipstream.log import CONSOLE
+
+    log = logging.getLogger(__name__)
+    log.info("slipstream run: replica %d exited with code %d", 1, 3, extra=CONSOLE)  # on stderr, as print() was
+    log.info("probed link: %s", summary)                                            # only when configured
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+CONSOLE = {"slipstream_console": True}
+"""``extra=`` of a record the user reads on the console by default (what ``print()`` said)."""
+
+
+class _ConsoleHandler(logging.Handler):
+    """Bare messages on the current ``sys.stderr`` (looked up per record, so redirections and
+    pytest's capture see them), for console records and warnings, while the application has
+    no logging configuration of its own."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if logging.getLogger().handlers:  # the application configured logging: its handlers say it
+            return False
+        return record.levelno >= logging.WARNING or bool(getattr(record, "slipstream_console", False))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            stream = sys.stderr
+            stream.write(self.format(record) + "\n")
+            stream.flush()
+        except Exception:  # noqa: BLE001 - logging must never raise into the caller
+            self.handleError(record)
+
+
+def install_console() -> logging.Logger:
+    """Put the console handler on the ``slipstream`` logger (once) and return that logger.
+
+    Called when this module is imported; idempotent.
+
+    Example::
+
+        install_console().info("hello", extra=CONSOLE)   # "hello" on stderr
+    """
+    logger = logging.getLogger("slipstream")
+    if not any(isinstance(h, _ConsoleHandler) for h in logger.handlers):
+        logger.addHandler(_ConsoleHandler())
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)  # console records are INFO; the handler filters the rest
+    return logger
+
+
+install_console()
+
+__all__ = ["CONSOLE", "install_console"]
