@@ -18,12 +18,16 @@ Example::
         if run.step().stop_requested:   # clip + step + zero_grad on the boundary; SIGTERM: checkpoint written
             break
     run.finish()
+
+A Hugging Face model that computes its own loss takes its dict batch as is:
+``outputs = run.model(**batch); run.backward(outputs.loss)``, or
+``run.train_step(batch)``; outputs keep their type (``ModelOutput``) in every precision.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -144,24 +148,47 @@ class Accelerated:
         return self._stop_reported
 
     # --- the loop ------------------------------------------------------------------------
-    def train_step(self, inputs: Any, target: Any, loss_fn: LossFn) -> torch.Tensor:
-        """One micro-step: forward, ``loss_fn(output, target)``, backward, :meth:`step`.
+    def train_step(self, inputs: Any, target: Any = None, loss_fn: LossFn | None = None) -> torch.Tensor:
+        """One micro-step: forward, loss, backward, :meth:`step`. Two forms:
+
+        * ``train_step(x, y, loss_fn)``: the model is called as ``model(x)`` and the
+          loss is ``loss_fn(output, y)``;
+        * ``train_step(batch)``: a Hugging Face style dict (``input_ids``,
+          ``attention_mask``, ``labels``, ...) for a model that computes its own loss:
+          the model is called as ``model(**batch)`` and the loss is ``output.loss``
+          (or ``output["loss"]``). With a ``loss_fn`` the dict is still passed as
+          keywords and the loss is ``loss_fn(output, target)``.
 
         The same loop then works for every layout, pipeline parallelism included
-        (where forward and backward run interleaved in a schedule). Returns the
+        (where forward and backward run interleaved in a schedule; there only the
+        first form: a stage cannot take the whole model's keywords). Returns the
         loss (detached; on every rank); read ``run.stop_requested`` after it.
 
         Example::
 
             loss = run.train_step(x, y, lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten()))
+            loss = run.train_step({"input_ids": ids, "attention_mask": mask, "labels": ids})  # transformers
         """
         self._refuse_after_stop()
+        if loss_fn is None and target is not None:
+            raise ConfigError(
+                "train_step got a target but no loss_fn: give train_step(inputs, target, loss_fn), or "
+                "train_step(batch) with the labels in the batch for a model that computes its own loss"
+            )
         pipeline = self.layout.pipeline
         if pipeline is None:
-            loss = loss_fn(self.model(inputs), target)
+            output = self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
+            loss = _model_loss(output) if loss_fn is None else loss_fn(output, target)
             self.backward(loss)
             self.step()
             return loss.detach()
+        if loss_fn is None or isinstance(inputs, Mapping):
+            raise ConfigError(
+                f"with pp({self.config.parallel.pp}) give train_step(inputs, target, loss_fn) with a tensor of "
+                f"inputs, got {type(inputs).__name__} inputs and loss_fn={loss_fn!r}: a pipeline stage runs part "
+                "of the model on the previous stage's tensor, so a dict batch, or a loss the model computes "
+                "itself (a Hugging Face model's output.loss), cannot be split into stages; use dp_shard/tp instead"
+            )
         try:
             loss = pipeline.run(inputs, target, loss_fn)
         except Exception as exc:  # noqa: BLE001 - re-raised, with a diagnosis when a peer hung or died
@@ -171,8 +198,19 @@ class Accelerated:
         return loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-step's loss (averaged over the accumulation window)."""
+        """Backward of one micro-step's loss (averaged over the accumulation window).
+
+        ``loss`` is a scalar tensor: for a Hugging Face model called with ``labels``
+        that is ``outputs.loss``.
+
+        Example::
+
+            outputs = run.model(**batch)    # input_ids, attention_mask, labels
+            run.backward(outputs.loss)
+        """
         self._refuse_after_stop()
+        if not isinstance(loss, torch.Tensor):
+            raise ConfigError(f"backward takes the loss tensor, got {_describe_loss(loss)}")
         if self.layout.pipeline is not None:
             self.model()  # raises the explanation: the schedule runs backward itself
         self.recorder.add_loss(loss)
@@ -331,6 +369,34 @@ class Accelerated:
             self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _model_loss(output: Any) -> torch.Tensor:
+    """The loss a model computed itself: ``output.loss``, or ``output["loss"]`` of a dict
+    (a Hugging Face ``ModelOutput`` has both; it is set when the batch holds ``labels``).
+
+    Example::
+
+        _model_loss(model(input_ids=ids, labels=ids))   # tensor(4.85, grad_fn=...)
+    """
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"train_step without loss_fn takes the loss from the model's output (output.loss), but the model "
+            f"returned {_describe_loss(output)}; put the labels in the batch, or give train_step(inputs, "
+            "target, loss_fn)"
+        )
+    return loss
+
+
+def _describe_loss(value: Any) -> str:
+    if value is None:
+        return "None (a model called without labels computes no loss: put labels in the batch)"
+    name = type(value).__name__
+    if isinstance(value, Mapping):
+        hint = " (pass outputs.loss)" if isinstance(value.get("loss"), torch.Tensor) else ", no loss among them"
+        return f"a {name} with keys {list(value)}{hint}"
+    return f"a {name} (pass outputs.loss)" if isinstance(getattr(value, "loss", None), torch.Tensor) else f"a {name}"
 
 
 def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, config: TrainConfig,

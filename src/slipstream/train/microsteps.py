@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,15 +53,31 @@ class ForwardContext:
 
 
 def count_inputs(recorder: StepRecorder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Count the batch of one forward: samples from the first tensor's first
+    """Count the batch of one forward: samples from the batch tensor's first
     dimension, and tokens when it holds token ids (integer, ``(batch, seq)``).
+
+    The batch tensor is the first positional argument; for a Hugging Face style
+    call (``model(**batch)``, or a dict passed whole) it is ``input_ids``, else
+    the first tensor among the keyword arguments (the dict's values).
 
     Example::
 
         count_inputs(recorder, (torch.zeros(8, 128, dtype=torch.long),), {})   # 8 samples, 1024 tokens
+        count_inputs(recorder, (), {"input_ids": ids, "attention_mask": mask, "labels": ids})  # same
     """
-    first = args[0] if args else next(iter(kwargs.values()), None)
-    if isinstance(first, torch.Tensor) and first.dim() >= 1:
+    first = _batch_tensor(args[0]) if args else None
+    if first is None:
+        first = _batch_tensor(kwargs)
+    if first is not None and first.dim() >= 1:
         recorder.add_samples(first.shape[0])
         if first.dim() >= 2 and not first.is_floating_point():
             recorder.add_tokens(first.numel())
+
+
+def _batch_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, Mapping):
+        ids = value.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return ids
+        value = next((v for v in value.values() if isinstance(v, torch.Tensor)), None)
+    return value if isinstance(value, torch.Tensor) else None

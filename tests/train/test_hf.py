@@ -1,0 +1,131 @@
+"""Hugging Face models just work: ModelOutput through every precision, dict batches,
+the model's own loss, powersgd, checkpoint and resume, and examples/train_hf.py.
+
+Needs transformers (the ``hf`` extra): without it these tests skip, except in CI
+(CI=true), where they fail.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import IN_CI
+from tests.harness import run_ranks
+from tests.train.hf_workers import PER_RANK, SEQ, hf_batch, tiny_gpt2, train_hf_everything
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def require_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        reason = f"needs transformers (pip install 'slipstream[hf]'): {exc}"
+        if IN_CI:
+            pytest.fail(f"{reason}, and CI=true: the Hugging Face tests must run in CI")
+        pytest.skip(reason)
+
+
+class Counts:
+    samples = tokens = 0
+
+    def add_samples(self, n: int) -> None:
+        self.samples += n
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+
+def test_count_inputs_understands_a_dict_batch():
+    from slipstream.train.microsteps import count_inputs
+
+    batch = hf_batch(0, 0)
+    # labels first: the count must come from input_ids, not from the first keyword
+    for args, kwargs in [((), {"labels": batch["labels"][:, :3], **batch}), ((batch,), {}),
+                         ((batch["input_ids"],), {"attention_mask": batch["attention_mask"]}),
+                         ((None,), {"input_ids": batch["input_ids"]})]:
+        counts = Counts()
+        count_inputs(counts, args, kwargs)
+        assert (counts.samples, counts.tokens) == (PER_RANK, PER_RANK * SEQ), (args, list(kwargs))
+    counts = Counts()
+    count_inputs(counts, (), {"pixel_values": torch.zeros(3, 2, 4, 4)})
+    assert (counts.samples, counts.tokens) == (3, 0)
+
+
+def test_a_real_model_output_keeps_its_type_under_autocast():
+    require_transformers()
+    from slipstream.train.precision import autocast, outputs_to_fp32
+
+    model = tiny_gpt2()
+    with autocast("bf16", torch.device("cpu")):
+        raw = model(**hf_batch(0, 0))
+    assert raw.logits.dtype == torch.bfloat16
+    out = outputs_to_fp32(raw)
+    assert type(out) is type(raw) and list(out.keys()) == list(raw.keys())
+    assert out.loss is raw.loss and out[0] is out.loss and out["loss"] is out.loss
+    assert out.logits.dtype == torch.float32 and out[1] is out.logits
+    out.loss.backward()  # the graph goes through the cast
+
+
+def test_train_step_refuses_a_target_without_loss_fn_and_an_output_without_loss(tmp_path):
+    require_transformers()
+    import slipstream
+    from slipstream.errors import ConfigError
+
+    slipstream.init()
+    try:
+        model = tiny_gpt2()
+        run = slipstream.accelerate(model, torch.optim.SGD(model.parameters(), lr=0.1), progress=False,
+                                    run_dir=None)
+        batch = hf_batch(0, 0)
+        with pytest.raises(ConfigError, match="got a target but no loss_fn"):
+            run.train_step(batch, batch["labels"])
+        unlabeled = {k: v for k, v in batch.items() if k != "labels"}
+        with pytest.raises(ConfigError, match="no loss among them; put the labels in the batch"):
+            run.train_step(unlabeled)
+        with pytest.raises(ConfigError, match=r"got a CausalLMOutputWithCrossAttentions .*\(pass outputs.loss\)"):
+            run.backward(run.model(**batch))
+        # A loss_fn with a dict batch: the dict goes in as keywords, the loss is the function's.
+        loss = run.train_step(unlabeled, batch["labels"], lambda out, y: out.logits.float().mean() * 0 + 1.0)
+        assert float(loss) == 1.0 and run.step_count == 1
+        run.finish()
+    finally:
+        slipstream.shutdown()
+
+
+@pytest.mark.distributed
+def test_gpt2_trains_at_two_ranks_in_bf16_and_powersgd_and_resumes_bitwise(tmp_path):
+    require_transformers()
+    results = run_ranks(train_hf_everything, 2, str(tmp_path), timeout_s=240)
+    for rank, r in enumerate(results):
+        bf16 = r["bf16_losses"]
+        assert bf16[-1] < 0.75 * bf16[0], f"rank {rank}: bf16 loss {bf16}"
+        # log_every_steps=1: totals of the job (both ranks), from input_ids of each dict batch
+        assert (r["samples"], r["tokens"]) == (10 * PER_RANK * 2, 10 * PER_RANK * SEQ * 2)
+        whole = r["whole_losses"]
+        assert whole[-1] < 0.85 * whole[0], f"rank {rank}: powersgd loss {whole}"
+        assert (r["resumed_from"], r["resumed_micro"]) == (4, 4)
+        # The resumed run continues exactly: same losses, same weights, bit for bit.
+        assert r["first_losses"] + r["second_losses"] == whole
+        for name, p in r["whole"].items():
+            assert torch.equal(r["resumed"][name], p), f"rank {rank}: {name} differs after resume"
+    assert all(torch.equal(results[0]["whole"][n], results[1]["whole"][n]) for n in results[0]["whole"])
+
+
+def test_the_example_trains_alone(tmp_path):
+    require_transformers()
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "examples/train_hf.py", "--steps", "4", "--batch-size", "2", "--layers", "1",
+         "--hidden", "32", "--context", "16", "--corpus-mb", "0.1", "--out", str(out), "--seed", "3"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "done: 4 steps" in proc.stdout
+    state = torch.load(out / "model.pt")
+    assert state and all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
