@@ -1,0 +1,31 @@
+"""slipstream/log.py: what print() said stays the same text on stderr; nothing else is added.
+(In tests/packaging for now; its mirror, tests/log, is the integrator's to create.)"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SCRIPT = r"""
+import logging
+from slipstream.log import CONSOLE
+logging.getLogger("slipstream.job.runner").info("slipstream run: replica %d is up", 1, extra=CONSOLE)
+logging.getLogger("slipstream.sync").info("quiet unless configured")
+logging.getLogger("slipstream.checkpoint").warning("a warning, as before")
+"""
+
+
+def test_console_records_and_warnings_go_to_stderr_as_bare_text():
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert proc.stderr == "slipstream run: replica 1 is up\na warning, as before\n"
+
+
+def test_an_application_logging_config_takes_over():
+    proc = subprocess.run([sys.executable, "-c", "import logging; logging.basicConfig(format='APP %(message)s')\n"
+                           + SCRIPT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert "APP slipstream run: replica 1 is up" in lines and "APP a warning, as before" in lines
+    assert "slipstream run: replica 1 is up" not in lines  # said once, by the application's handler
