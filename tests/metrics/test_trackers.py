@@ -240,7 +240,8 @@ def test_a_missing_tracker_package_is_one_config_error(single_process, tracker_e
     assert str(info.value) == "log_to wandb needs the wandb package: pip install 'slipstream[wandb]'"
     assert info.value.exit_code == EXIT_USAGE == 2
     monkeypatch.setitem(sys.modules, "mlflow", None)
-    with pytest.raises(ConfigError, match=r"log_to mlflow needs the mlflow package: pip install 'slipstream\[mlflow\]'"):
+    expected = r"log_to mlflow needs the mlflow package: pip install 'slipstream\[mlflow\]'"
+    with pytest.raises(ConfigError, match=expected):
         StepRecorder(rank=3, world_size=4, run_dir=str(tmp_path), progress=False).attach(
             model, TrainConfig(log_to=("mlflow",)))  # every rank checks, not rank 0 alone
 

@@ -221,10 +221,10 @@ class StepRecorder:
                     f.write(sink.url + "\n")
             if self.rank == 0:
                 print(f"[slipstream] Prometheus metrics of rank 0 at {sink.url}", file=sys.stderr, flush=True)
-        if trackers and self.rank == 0:
+        if trackers and self.rank == 0 and self.run_dir is not None:
             # Last, so that nothing above fails after a tracker run was created.
             # Rank 0 only: its record already holds the job's figures.
-            self.sinks.extend(open_trackers(trackers, self.run_dir, run_params(cfg, self.world_size)))  # type: ignore[arg-type]
+            self.sinks.extend(open_trackers(trackers, self.run_dir, run_params(cfg, self.world_size)))
         if self.run_dir is not None and self.rank == 0:
             self._write_run_info(config)
         # Steps start now: the set-up above (a tracker run takes seconds to open)
