@@ -21,7 +21,7 @@ def _modules() -> list[Path]:
 def test_import_contracts_hold():
     """.importlinter: tooling over core, the core in its layers, no cycle between siblings."""
     exe = shutil.which("lint-imports")
-    assert exe, "lint-imports is missing: install the test extra (pip install -e .[test])"
+    assert exe, "lint-imports is missing: install the test tools (bash scripts/install.sh test)"
     # Run in the repository: lint-imports reads .importlinter from the working directory.
     proc = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -66,7 +66,7 @@ def test_no_private_name_is_imported_across_modules():
 def test_the_contract_catches_a_violation(tmp_path, rule):
     """The check can fail: a copy of the tree with one bad import breaks it."""
     exe = shutil.which("lint-imports")
-    assert exe, "lint-imports is missing: install the test extra"
+    assert exe, "lint-imports is missing: install the test tools (bash scripts/install.sh test)"
     copy = tmp_path / "src"
     shutil.copytree(SRC, copy / "slipstream", ignore=shutil.ignore_patterns("__pycache__"))
     if rule == "upward":
