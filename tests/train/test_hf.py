@@ -57,6 +57,28 @@ def test_count_inputs_understands_a_dict_batch():
     assert (counts.samples, counts.tokens) == (3, 0)
 
 
+def test_pipeline_parallelism_refuses_a_dict_batch_and_a_model_loss():
+    from types import SimpleNamespace
+
+    from slipstream.config import TrainConfig
+    from slipstream.errors import ConfigError
+    from slipstream.train.facade import Accelerated
+    from slipstream.train.microsteps import MicroSteps
+
+    # Only the layout's pipeline is read before the refusal: stand-ins for the rest.
+    layout = SimpleNamespace(pipeline=SimpleNamespace(run=lambda *a: pytest.fail("the schedule ran")))
+    run = Accelerated(layout, None, TrainConfig.from_env(pp=2), SimpleNamespace(device=torch.device("cpu")),
+                      None, MicroSteps(1))
+    batch = hf_batch(0, 0)
+    refused = r"with pp\(2\) give train_step\(inputs, target, loss_fn\) with a tensor of inputs, got {}"
+    with pytest.raises(ConfigError, match=refused.format("dict inputs and loss_fn=None")):
+        run.train_step(batch)
+    with pytest.raises(ConfigError, match=refused.format("dict inputs")):
+        run.train_step(batch, batch["labels"], lambda out, y: out)
+    with pytest.raises(ConfigError, match=refused.format("Tensor inputs and loss_fn=None")):
+        run.train_step(batch["input_ids"])
+
+
 def test_a_real_model_output_keeps_its_type_under_autocast():
     require_transformers()
     from slipstream.train.precision import autocast, outputs_to_fp32
