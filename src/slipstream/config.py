@@ -43,6 +43,9 @@ ZERO_STAGES = (2, 3)
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Parallel degrees, in the order of the device mesh's dimensions (outermost first)."""
 ENV_PREFIX = "SLIPSTREAM_"
+# Field metadata read by ``slipstream run`` (launch/cli.py), which makes one flag per flat name:
+# "choices" (shown in --help; a tuple field takes a comma-separated subset), "metavar", and
+# "help" (default: the first sentence of the field's docstring). Values are still checked here.
 
 
 def _require(cond: bool, message: str) -> None:
@@ -54,18 +57,20 @@ def _require(cond: bool, message: str) -> None:
 class SyncConfig:
     """Gradient synchronisation of the data-parallel (DDP) layout."""
 
-    strategy: str = "allreduce"
+    strategy: str = field(default="allreduce", metadata={"metavar": "NAME", "help": "gradient sync strategy (allreduce, bf16, fp16, powersgd, topk, sign, hierarchical[+X], auto)"})
     """Strategy name (see ``slipstream.sync.available()``). Flat name: ``sync``."""
-    options: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict, metadata={"metavar": "JSON", "help": 'strategy options as JSON, e.g. \'{"rank": 4}\''})
     """Options for the strategy (e.g. {"rank": 4} for powersgd, {"density": 0.01} for topk;
     docs/sync.md lists them). Flat name ``sync_options``; from the environment as JSON."""
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float = field(default=25.0, metadata={"metavar": "MB"})
     """DDP bucket size in MiB: gradients are fused into buckets of this size and
     each bucket is reduced as soon as its gradients are ready (overlap with backward)."""
     gradient_as_bucket_view: bool = True
     """Gradients are views into the communication buckets: no extra copy."""
     find_unused_parameters: bool = False
+    """DDP searches the autograd graph for parameters that got no gradient (slower; for models with unused branches)."""
     static_graph: bool = False
+    """DDP may assume the set of used parameters and the graph are the same every step."""
 
     FLAT: ClassVar[dict[str, str]] = {
         "strategy": "sync",
@@ -90,7 +95,7 @@ class SyncConfig:
 class NumericsConfig:
     """Precision, gradient accumulation and clipping: how one optimizer step is computed."""
 
-    precision: str = "fp32"
+    precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     """fp32, bf16 (autocast) or fp16 (autocast + dynamic gradient scaler)."""
     accumulate_steps: int = 1
     """Micro-steps per optimizer step; gradients synchronise on the last one only."""
@@ -130,16 +135,16 @@ class ParallelConfig:
     """Tensor parallel degree (DTensor column/row-wise sharding of the model's plan)."""
     pp: int = 1
     """Pipeline parallel degree (stages of ``torch.distributed.pipelining``)."""
-    pp_schedule: str = "1f1b"
+    pp_schedule: str = field(default="1f1b", metadata={"choices": PP_SCHEDULES})
     """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b."""
     pp_microbatches: int | None = None
     """Micro-batches per pipeline step (must divide the batch); None: pp."""
-    zero_stage: int = 3
+    zero_stage: int = field(default=3, metadata={"choices": ZERO_STAGES})
     """With dp_shard > 1: 3 reshards parameters after forward (ZeRO-3: least memory,
     gathers them again in backward); 2 keeps them gathered until backward ends
     (``reshard_after_forward=False``: one all-gather per step instead of two).
     FSDP2 cannot do ZeRO-1 (replicated gradients, sharded optimizer state only)."""
-    activation_checkpointing: tuple[str, ...] = ()
+    activation_checkpointing: tuple[str, ...] = field(default=(), metadata={"metavar": "CLASS[,CLASS]"})
     """Class names of modules whose activations are recomputed in backward."""
 
     FLAT: ClassVar[dict[str, str]] = {
@@ -190,7 +195,7 @@ class ParallelConfig:
 class CheckpointConfig:
     """Checkpoints and preemption (see docs/fault-tolerance.md)."""
 
-    dir: str | None = None
+    dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Where checkpoints go; when set, the run resumes from the newest complete one."""
     every_steps: int | None = None
     """Save every this many optimizer steps (None: only on preemption and at the end)."""
@@ -200,7 +205,7 @@ class CheckpointConfig:
     """Complete checkpoints kept; older ones are deleted."""
     async_save: bool = False
     """Stage to CPU memory and write in a background thread (the loop blocks only for staging)."""
-    verify: str = "full"
+    verify: str = field(default="full", metadata={"choices": CHECKPOINT_VERIFY_MODES})
     """Check before loading: full (sizes and CRC-32 of every file), size (sizes only), off.
     A checkpoint that fails is moved aside and the previous one is loaded."""
     max_failures: int = 3
@@ -251,9 +256,9 @@ class MetricsConfig:
     """Write compute/communication spans per rank as a Chrome trace (RUN_DIR/timeline/)."""
     tensorboard: bool = False
     """Write every metric to TensorBoard event files (RUN_DIR/tensorboard/rank<R>)."""
-    prometheus_port: int | None = None
+    prometheus_port: int | None = field(default=None, metadata={"metavar": "PORT"})
     """Serve Prometheus metrics; rank R listens on this port + local rank (0: any free port)."""
-    prometheus_addr: str = "127.0.0.1"
+    prometheus_addr: str = field(default="127.0.0.1", metadata={"metavar": "ADDR"})
     """Address the Prometheus endpoint binds to (0.0.0.0 to let a cluster scrape it)."""
     flops_per_sample: float | None = None
     """Training FLOPs (forward + backward) of one sample, for MFU; None: 6 * params * tokens
@@ -263,7 +268,7 @@ class MetricsConfig:
     straggler_threshold: float = 0.1
     """Name a straggler only when its compute per step exceeds the median rank's by more
     than this fraction, in most of the last 5 log steps."""
-    log_to: tuple[str, ...] = ()
+    log_to: tuple[str, ...] = field(default=(), metadata={"choices": TRACKERS})
     """Experiment trackers that receive every metric: tensorboard, wandb, mlflow (comma-separated
     from the environment or ``--log-to``). Each needs its package (``pip install slipstream[wandb]``)."""
 
@@ -301,7 +306,7 @@ class MetricsConfig:
 class RunConfig:
     """Bookkeeping of the run: where artefacts go, how often the host reads figures back."""
 
-    dir: str | None = None
+    dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Where per-rank metrics (JSONL) and run artefacts go; None: runs/<timestamp>. Flat name: ``run_dir``."""
     log_every_steps: int = 10
     """Loss is read back to the host (one sync) only every this many steps."""
