@@ -20,6 +20,12 @@ What differs from torchrun, and why:
   errors (2) apart. A worker's usage error (exit 2, e.g. a ConfigError) is
   reported with its message, exits 2 and is not restarted: it would recur.
 * OMP_NUM_THREADS defaults to cores / local workers rather than 1.
+* Workers run ``python -u -m slipstream.launch.worker SCRIPT`` (the script as
+  ``__main__``, as Python runs it, plus a safe exit under gloo), not ``python -u
+  SCRIPT``; ``--no-python`` runs the program itself, as torchrun does.
+
+Every other torchrun option (``torch.distributed.run``) maps onto torch's
+``LaunchConfig`` as torchrun maps it: see :func:`agent_config`.
 
 Example::
 
@@ -33,15 +39,25 @@ import contextlib
 import errno
 import logging
 import os
+import re
+import shutil
 import signal
 import socket
 import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
+
+START_METHODS = ("spawn", "fork", "forkserver")
+NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
+"""torch.numa.binding.AffinityMode's values (torchrun --numa-binding)."""
+_STD_PATTERN = re.compile(r"[0-3]|\d+:[0-3](,\d+:[0-3])*")
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,36 @@ class LaunchOptions:
     """Extra c10d rendezvous settings (last_call_timeout, keep_alive_interval, ...)."""
     worker_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for workers (e.g. SLIPSTREAM_SYNC set by --sync)."""
+    # The rest are torchrun's options (torch.distributed.run), with its defaults and meaning.
+    rdzv_backend: str = "c10d"
+    """c10d: one fresh store per attempt (see the module's docstring); another name (etcd, etcd-v2)
+    goes to torch's rendezvous registry unchanged."""
+    role: str = "default"
+    start_method: str = "spawn"
+    """How the agent starts workers: spawn, fork or forkserver."""
+    no_python: bool = False
+    """Run ``entrypoint`` as an executable (torchrun --no-python), not through Python."""
+    log_dir: str | None = None
+    """Base directory of the workers' log files (None: a temporary one)."""
+    redirects: str = "0"
+    """Streams written to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or per local rank, "0:1,1:2"."""
+    tee: str = "0"
+    """Streams written to log files and the console (same format as ``redirects``)."""
+    local_ranks_filter: tuple[int, ...] = ()
+    """Local ranks whose output reaches the console (empty: all)."""
+    logs_specs: str | None = None
+    """Name of a ``torchrun.logs_specs`` entry point (a LogsSpecs class); None: torch's default."""
+    event_log_handler: str = "null"
+    numa_binding: str | None = None
+    """Bind workers to CPUs near their GPU: node, socket, exclusive or core-complex."""
+    signals_to_handle: str | None = None
+    """Signals the agent forwards to the workers, comma-separated; None: torch's default."""
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    virtual_local_rank: bool = False
+    """Every worker sees LOCAL_RANK 0 (and only its own device)."""
+    shutdown_timeout_s: int | None = None
+    """Seconds workers get after SIGTERM before SIGKILL; None: torch's default."""
 
     def validate(self) -> None:
         """Raise :class:`UsageError` with a readable message for anything unusable."""
@@ -85,13 +131,31 @@ class LaunchOptions:
             raise UsageError(f"--node-rank must be in [0, {self.max_nodes}), got {self.node_rank}")
         if self.join_timeout_s <= 0:
             raise UsageError(f"join timeout must be > 0 s, got {self.join_timeout_s}")
-        if not self.module:
+        if self.monitor_interval_s <= 0:
+            raise UsageError(f"--monitor-interval must be > 0 s, got {self.monitor_interval_s}")
+        if self.start_method not in START_METHODS:
+            raise UsageError(f"--start-method must be one of {', '.join(START_METHODS)}, got {self.start_method!r}")
+        for flag, value in (("--redirects", self.redirects), ("--tee", self.tee)):
+            if not _STD_PATTERN.fullmatch(value):
+                raise UsageError(f"{flag} must be 0-3 or LOCAL_RANK:0-3 pairs separated by commas (e.g. 3 or 0:1,1:2), "
+                                 f"got {value!r}")
+        if self.numa_binding is not None and self.numa_binding not in NUMA_BINDINGS:
+            raise UsageError(f"--numa-binding must be one of {', '.join(NUMA_BINDINGS)}, got {self.numa_binding!r}")
+        if self.shutdown_timeout_s is not None and self.shutdown_timeout_s < 0:
+            raise UsageError(f"--shutdown-timeout must be >= 0 s, got {self.shutdown_timeout_s}")
+        if self.no_python:
+            if self.module:
+                raise UsageError("--no-python and -m/--module cannot be used together (as with torchrun)")
+            if not os.path.exists(self.entrypoint) and shutil.which(self.entrypoint) is None:
+                raise UsageError(f"--no-python: command not found: {self.entrypoint}")
+        elif not self.module:
             if not os.path.exists(self.entrypoint):
                 raise UsageError(f"training script not found: {self.entrypoint}")
             if os.path.isdir(self.entrypoint):
                 raise UsageError(f"training script is a directory, not a file: {self.entrypoint}")
         if self.max_nodes > 1 and not self.rdzv_endpoint:
-            raise UsageError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the store every node joins)")
+            raise UsageError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the store every node joins), "
+                             "or --master-addr HOST [--master-port PORT]")
         if self.rdzv_endpoint:
             parse_endpoint(self.rdzv_endpoint)
 
@@ -165,7 +229,7 @@ def launch(opts: LaunchOptions) -> int:
     opts.validate()
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
     host, port = parse_endpoint(endpoint)
-    if opts.is_rdzv_host:
+    if opts.is_rdzv_host and opts.rdzv_backend == "c10d":  # another backend's store is not ours to host
         check_port_free(host, port)
 
     # Imported late: importing the launcher costs a second and the checks above
@@ -173,42 +237,20 @@ def launch(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import elastic_launch
 
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(_default_threads(opts.nproc_per_node)))
     os.environ.setdefault("LOGLEVEL", "WARNING")
     os.environ.update(opts.worker_env)
-
-    rdzv_configs: dict[str, object] = {"join_timeout": int(opts.join_timeout_s)}
-    if opts.is_rdzv_host is not None:
-        rdzv_configs["is_host"] = opts.is_rdzv_host
-    rdzv_configs.update(opts.rdzv_conf)
-    config = LaunchConfig(
-        min_nodes=opts.min_nodes,
-        max_nodes=opts.max_nodes,
-        nproc_per_node=opts.nproc_per_node,
-        run_id=opts.rdzv_id or f"slipstream-{uuid.uuid4().hex[:12]}",
-        role="worker",
-        rdzv_endpoint=endpoint,
-        rdzv_backend="c10d",
-        rdzv_configs=rdzv_configs,
-        max_restarts=opts.max_restarts,
-        monitor_interval=opts.monitor_interval_s,
-        start_method="spawn",
-        local_addr=opts.local_addr,
-    )
-    # Each worker runs the script through slipstream.launch.worker: the script as
-    # Python would run it, plus a wait at exit that keeps gloo from aborting it.
-    target = ["--module", opts.entrypoint] if opts.module else [opts.entrypoint]
-    cmd_args = ["-u", "-m", "slipstream.launch.worker", *target, *opts.args]
+    config, entrypoint, cmd_args = agent_config(opts)
     started = time.monotonic()
     history = _AttemptHistory()
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addHandler(history)
     try:
         with _no_restart_on_usage_error():
-            elastic_launch(config, sys.executable)(*cmd_args)
+            elastic_launch(config, entrypoint)(*cmd_args)
     except ChildFailedError as exc:
         failures = getattr(exc, "failures", {})
         if any(f.exitcode == EXIT_USAGE for f in failures.values()):
@@ -231,6 +273,92 @@ def launch(opts: LaunchOptions) -> int:
     finally:
         agent_log.removeHandler(history)
     return EXIT_OK
+
+
+def agent_config(opts: LaunchOptions) -> "tuple[LaunchConfig, str, list[str]]":
+    """What torch's ``elastic_launch`` gets for ``opts``: its LaunchConfig, the program and its arguments.
+
+    The torchrun options map as ``torch.distributed.run.config_from_args`` maps them;
+    the program is ``python -u -m slipstream.launch.worker SCRIPT ARGS`` (``--no-python``:
+    ``SCRIPT ARGS``). Starts nothing (torch's log spec makes its log directory); raises :class:`UsageError` for a
+    ``--logs-specs`` name no package provides.
+
+    Example::
+
+        config, program, args = agent_config(LaunchOptions("train.py", ["--steps", "5"], nproc_per_node=2))
+        config.nproc_per_node, args   # 2, ["-u", "-m", "slipstream.launch.worker", "train.py", "--steps", "5"]
+    """
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
+    endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
+    rdzv_configs: dict[str, object] = {"join_timeout": int(opts.join_timeout_s)}
+    if opts.rdzv_backend == "c10d" and opts.is_rdzv_host is not None:
+        rdzv_configs["is_host"] = opts.is_rdzv_host
+    rdzv_configs.update(opts.rdzv_conf)
+    if opts.rdzv_id:
+        run_id = opts.rdzv_id
+    else:
+        # torchrun's default id across nodes (every agent must name the same one); one node: a fresh id.
+        run_id = "none" if opts.max_nodes > 1 else f"slipstream-{uuid.uuid4().hex[:12]}"
+    logs_specs = _logs_specs_class(opts.logs_specs, DefaultLogsSpecs)(
+        log_dir=opts.log_dir,
+        redirects=Std.from_str(opts.redirects),
+        tee=Std.from_str(opts.tee),
+        local_ranks_filter=set(opts.local_ranks_filter) or None,
+    )
+    # Given only when set, so an older torch without these fields still launches.
+    optional: dict[str, object] = {}
+    if opts.numa_binding is not None:
+        from torch.numa.binding import AffinityMode, NumaOptions
+
+        optional["numa_options"] = NumaOptions(affinity_mode=AffinityMode(opts.numa_binding))
+    if opts.signals_to_handle is not None:
+        optional["signals_to_handle"] = opts.signals_to_handle
+    if opts.duplicate_stdout_filters:
+        optional["duplicate_stdout_filters"] = list(opts.duplicate_stdout_filters)
+    if opts.duplicate_stderr_filters:
+        optional["duplicate_stderr_filters"] = list(opts.duplicate_stderr_filters)
+    if opts.virtual_local_rank:
+        optional["virtual_local_rank"] = True
+    if opts.shutdown_timeout_s is not None:
+        optional["shutdown_timeout"] = opts.shutdown_timeout_s
+    config = LaunchConfig(
+        min_nodes=opts.min_nodes,
+        max_nodes=opts.max_nodes,
+        nproc_per_node=opts.nproc_per_node,
+        run_id=run_id,
+        role=opts.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=opts.rdzv_backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=opts.max_restarts,
+        monitor_interval=opts.monitor_interval_s,
+        start_method=opts.start_method,
+        log_line_prefix_template=os.getenv("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+        local_addr=opts.local_addr,
+        logs_specs=logs_specs,
+        event_log_handler=opts.event_log_handler,
+        **optional,
+    )
+    if opts.no_python:
+        return config, opts.entrypoint, list(opts.args)
+    # Each worker runs the script through slipstream.launch.worker: the script as
+    # Python would run it, plus a wait at exit that keeps gloo from aborting it.
+    target = ["--module", opts.entrypoint] if opts.module else [opts.entrypoint]
+    return config, os.getenv("PYTHON_EXEC", sys.executable), ["-u", "-m", "slipstream.launch.worker", *target, *opts.args]
+
+
+def _logs_specs_class(name: str | None, default: type) -> type:
+    """The LogsSpecs class of entry point ``name`` in group ``torchrun.logs_specs``, as torchrun finds it."""
+    if name is None:
+        return default
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="torchrun.logs_specs").select(name=name)
+    if not found:
+        raise UsageError(f"--logs-specs: no entry point {name!r} in group torchrun.logs_specs (is its package installed?)")
+    return next(iter(found)).load()
 
 
 @contextlib.contextmanager

@@ -1,40 +1,55 @@
-"""``slipstream run``: argument parsing for the launcher (the flags become a :class:`LaunchOptions`)."""
+"""``slipstream run``: argument parsing for the launcher (the flags become a :class:`LaunchOptions`).
+
+Three kinds of options:
+
+* torchrun's, every one of ``torch.distributed.run``'s parser in both spellings
+  (``--nproc-per-node`` and ``--nproc_per_node``), with its default (``PET_<NAME>``
+  variables included) and meaning; :data:`TORCHRUN_DIFFERENCES` lists where ours differ;
+* the launcher's own (``--backend``, ``--device``, ``--collective-timeout-s``, ``--emulate``);
+* training options: one flag per TrainConfig flat name, generated from config.py's
+  fields (type, ``choices``/``metavar`` metadata, docstring as help), plus
+  ``--config FILE`` (launch/run_config.py). Flags override the file, which overrides
+  the ``SLIPSTREAM_*`` environment.
+
+Example::
+
+    slipstream run --standalone --nproc_per_node 2 --config run.yaml --precision bf16 train.py --steps 10
+"""
 
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import re
 
-from ..config import TrainConfig
+from .. import config as config_module
+from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig
 from ..errors import ConfigError, UsageError
+from . import run_config
 from .api import LaunchOptions, launch
 
-# Flags that feed defaults into the training config of every worker.
-_TRAIN_FLAGS = (
-    ("--sync", "sync", str, "gradient sync strategy (allreduce, bf16, fp16, powersgd, topk, sign, hierarchical[+X], auto)"),
-    ("--sync-options", "sync_options", lambda text: _json_object(text), 'strategy options as JSON, e.g. \'{"rank": 4}\''),
-    ("--precision", "precision", str, "fp32, bf16 or fp16"),
-    ("--accumulate-steps", "accumulate_steps", int, "micro-steps per optimizer step"),
-    ("--bucket-cap-mb", "bucket_cap_mb", float, "DDP bucket size in MiB"),
-    ("--grad-clip-norm", "grad_clip_norm", float, "clip the gradient 2-norm to this value"),
-    ("--run-dir", "run_dir", str, "directory for metrics and run artefacts"),
-    ("--log-every-steps", "log_every_steps", int, "read the loss back and log every N steps"),
-    ("--checkpoint-dir", "checkpoint_dir", str, "save checkpoints here and resume from the newest complete one"),
-    ("--checkpoint-every-steps", "checkpoint_every_steps", int, "save every N optimizer steps"),
-    ("--checkpoint-every-s", "checkpoint_every_s", float, "save when N seconds passed since the last save"),
-    ("--checkpoint-keep-last", "checkpoint_keep_last", int, "complete checkpoints kept (default 3)"),
-    ("--checkpoint-verify", "checkpoint_verify", str,
-     "check a checkpoint before loading it: full (sizes and CRC-32, the default), size or off"),
-    ("--checkpoint-max-failures", "checkpoint_max_failures", int,
-     "failed saves in a row before the run gives up with exit 1 (default 3)"),
-    # Parallel layout (docs/parallel.md): dp_replicate * dp_shard * tp * pp = world size.
-    ("--dp-replicate", "dp_replicate", int, "replicated data-parallel degree (-1: the rest of the world, the default)"),
-    ("--dp-shard", "dp_shard", int, "FSDP2 sharded data-parallel degree (-1: the rest of the world)"),
-    ("--tp", "tp", int, "tensor-parallel degree"),
-    ("--pp", "pp", int, "pipeline-parallel stages"),
-    ("--pp-schedule", "pp_schedule", str, "pipeline schedule: gpipe or 1f1b"),
-    ("--pp-microbatches", "pp_microbatches", int, "micro-batches per pipeline step (must divide the batch)"),
-    ("--zero-stage", "zero_stage", int, "with --dp-shard: 3 (reshard after forward) or 2 (keep gathered)"),
-)
+TORCHRUN_DIFFERENCES = """\
+differences from torchrun (everything else means what it means to torchrun):
+  rendezvous      every attempt bootstraps from a fresh c10d store (a new port per round), so a restarted
+                  rank never reads its peer's address from an earlier attempt; --rdzv-backend static and
+                  c10d both run this rendezvous, with --rdzv-endpoint, else --master-addr:--master-port
+                  (static's endpoint), as the store; other backends (etcd, etcd-v2) go to torch unchanged
+  one node        without --rdzv-endpoint or --master-port (or with --standalone): a free local port and
+                  a fresh --rdzv-id, as torchrun --standalone; the workers' MASTER_PORT is new per attempt
+  several nodes   need --rdzv-endpoint or --master-addr (torchrun waits at 127.0.0.1:29500 without them)
+  --node-rank     names the node that hosts the store (0) for every backend; torchrun reads it for static only
+  --rdzv-id       default: a fresh id on one node, torchrun's "none" across nodes
+  workers         run `python -u -m slipstream.launch.worker SCRIPT` (SCRIPT as __main__, as python runs it,
+                  plus a safe exit under gloo); --run-path is accepted and changes nothing (the worker runs
+                  SCRIPT with runpy.run_path already); --no-python runs SCRIPT itself, as torchrun does
+  OMP_NUM_THREADS default: cores / local workers (torchrun: 1)
+  exit codes      0 done, 1 training failed, 2 usage or configuration error (a worker exiting 2 is not
+                  restarted: it would recur), 130 interrupted, 143 preempted
+  --emulate       the emulated nodes' agents get -n, --nnodes, --max-restarts, --rdzv-id, --rdzv-conf, -m
+                  and the training options; torchrun's other options are not passed to them"""
 
 
 def _json_object(text: str) -> dict:
@@ -49,46 +64,261 @@ def _json_object(text: str) -> dict:
     return value
 
 
+# -- torchrun's options ------------------------------------------------------------------
+
+NPROC_KEYWORDS = ("auto", "cpu", "gpu", "xpu")
+
+
+def _nproc_value(text: str) -> int | str:
+    """``-n``'s value: a whole number, or a keyword kept as text (resolved at launch by
+    :func:`resolve_nproc`, so parsing needs no torch; a bad word is a one-line error there)."""
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def resolve_nproc(value: int | str) -> int:
+    """``-n``'s value as a worker count, as torchrun's ``determine_local_world_size`` decides it:
+    ``gpu`` one per CUDA device, ``cpu`` one per usable core, ``auto`` one per accelerator if
+    there is one, else per core; ``xpu`` and a PrivateUse1 backend's name likewise.
+
+    Example::
+
+        resolve_nproc(4)       # 4
+        resolve_nproc("cpu")   # len(os.sched_getaffinity(0))
+    """
+    if isinstance(value, int):
+        return value
+    if value == "cpu":  # torch's rule, without importing torch
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from torch.distributed.run import determine_local_world_size
+
+    try:
+        return determine_local_world_size(value)
+    except ValueError as exc:
+        if str(exc).startswith("Unsupported nproc_per_node"):
+            raise UsageError(f"--nproc-per-node must be a number or one of {', '.join(NPROC_KEYWORDS)}, "
+                             f"got {value!r}") from None
+        raise UsageError(f"--nproc-per-node {value}: {exc}") from None
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    """torchrun's comma-separated list (``,,`` is a literal comma)."""
+    return tuple(item.replace("\0", ",") for item in text.replace(",,", "\0").split(","))
+
+
+def _pet(dest: str, default: object) -> object:
+    """torchrun's default rule: ``PET_<DEST>`` from the environment, else the default."""
+    return os.environ.get(f"PET_{dest.upper()}", default)
+
+
+def _pet_flag(dest: str) -> bool:
+    return bool(int(os.environ.get(f"PET_{dest.upper()}", "0") or 0))
+
+
+def _spellings(*names: str) -> list[str]:
+    """``--nproc-per-node`` -> [--nproc-per-node, --nproc_per_node], as torchrun spells its options."""
+    out = []
+    for name in names:
+        out.append(name)
+        if name.startswith("--") and "-" in name[2:]:
+            out.append("--" + name[2:].replace("-", "_"))
+    return out
+
+
+def _add_torchrun_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "torchrun options",
+        "torch.distributed.run's options in both spellings (--nproc-per-node, --nproc_per_node); a PET_<NAME> "
+        "variable gives the default, as with torchrun. Differences: at the end of this help.",
+    )
+
+    def opt(*names: str, default: object = None, **kw: object) -> None:
+        dest = names[-1].lstrip("-").replace("-", "_")
+        if kw.get("action") == "store_true":
+            g.add_argument(*_spellings(*names), dest=dest, default=_pet_flag(dest), **kw)
+        else:
+            g.add_argument(*_spellings(*names), dest=dest, default=_pet(dest, default), **kw)
+
+    opt("-n", "--nproc-per-node", type=_nproc_value, default=1, metavar="N|auto|gpu|cpu",
+        help="workers on this node: a number, gpu (one per GPU), cpu (one per core) or auto (gpu if there are "
+        "GPUs, else cpu); default 1")
+    opt("--nnodes", default="1", metavar="MIN[:MAX]", help="number of nodes, or an elastic range (default 1)")
+    opt("--node-rank", type=int, metavar="R", help="rank of this node; 0 hosts the rendezvous store")
+    opt("--standalone", action="store_true",
+        help="one node, a local store on a free port, a fresh rendezvous id (--rdzv-* options are ignored)")
+    opt("--rdzv-backend", default="static", metavar="NAME",
+        help="static (the default) or c10d: our c10d rendezvous, a fresh store per attempt; etcd, etcd-v2: torch's")
+    opt("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous store every node joins")
+    opt("--rdzv-id", metavar="ID", help="job id shared by all nodes of one run")
+    opt("--rdzv-conf", default="", metavar="K=V[,K=V]",
+        help="rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2")
+    opt("--master-addr", metavar="HOST",
+        help="with --rdzv-backend static and no --rdzv-endpoint: the store's host (default 127.0.0.1)")
+    opt("--master-port", type=int, metavar="PORT",
+        help="with --rdzv-backend static and no --rdzv-endpoint: the store's port (default 29500; "
+        "one node without it: a free port)")
+    opt("--local-addr", metavar="ADDR", help="address this node publishes to the others")
+    opt("--max-restarts", type=int, default=0, metavar="K", help="restart the workers up to K times (default 0)")
+    opt("--monitor-interval", type=float, default=LaunchOptions.monitor_interval_s, metavar="S",
+        help=f"seconds between checks on the workers (default {LaunchOptions.monitor_interval_s})")
+    opt("--start-method", default=LaunchOptions.start_method, metavar="{spawn,fork,forkserver}",
+        help=f"how workers are started (default {LaunchOptions.start_method})")
+    opt("--role", default=LaunchOptions.role, metavar="NAME", help="the workers' role name (ROLE_NAME)")
+    opt("-m", "--module", action="store_true", help="SCRIPT is a Python module name (python -m)")
+    opt("--no-python", action="store_true", help="run SCRIPT as a program, not with python")
+    opt("--run-path", action="store_true", help="accepted for torchrun parity; workers run SCRIPT with runpy.run_path")
+    opt("--log-dir", metavar="DIR", help="base directory of the workers' log files")
+    opt("-r", "--redirects", default="0", metavar="0-3|R:0-3,...",
+        help="write 1 stdout, 2 stderr, 3 both to log files only, for all or some local ranks (0:1,1:2)")
+    opt("-t", "--tee", default="0", metavar="0-3|R:0-3,...", help="as --redirects, but also to the console")
+    opt("--local-ranks-filter", default="", metavar="R[,R]", help="show only these local ranks' output on the console")
+    opt("--duplicate-stdout-filters", type=_comma_list, default=(), metavar="F[,F]",
+        help="copy console stdout lines matching these filters to a file in the log directory")
+    opt("--duplicate-stderr-filters", type=_comma_list, default=(), metavar="F[,F]",
+        help="as --duplicate-stdout-filters, for stderr")
+    opt("--logs-specs", metavar="NAME", help="a torchrun.logs_specs entry point: the LogsSpecs class to use")
+    opt("--event-log-handler", default=LaunchOptions.event_log_handler, metavar="NAME",
+        help="registered event logging handler of torch.distributed.elastic.events")
+    opt("--numa-binding", metavar="{node,socket,exclusive,core-complex}",
+        help="bind workers to CPUs near their GPU")
+    opt("--signals-to-handle", metavar="SIG[,SIG]",
+        help="signals the agent forwards to the workers (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)")
+    opt("--shutdown-timeout", type=int, metavar="S", help="seconds workers get after SIGTERM before SIGKILL")
+    opt("--virtual-local-rank", action="store_true",
+        help="every worker sees LOCAL_RANK 0 and only its own device")
+
+
+# -- training options, one flag per TrainConfig field ------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFlag:
+    """The flag of one TrainConfig field: ``--`` + its flat name with dashes."""
+
+    flat: str
+    flag: str
+    kind: str
+    """The field's type as written in config.py ("int | None", "tuple[str, ...]", ...)."""
+    help: str
+    metavar: str | None
+    choices: tuple | None
+
+
+def _field_docs() -> dict[tuple[str, str], str]:
+    """(class name, field) -> the docstring under the field in config.py."""
+    try:
+        tree = ast.parse(inspect.getsource(config_module))
+    except (OSError, TypeError):  # no source (a frozen install): flags without help
+        return {}
+    docs = {}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for a, b in zip(cls.body, cls.body[1:]):
+            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+                docs[(cls.name, a.target.id)] = b.value.value
+    return docs
+
+
+def _first_sentence(text: str) -> str:
+    text = " ".join(text.replace("``", "").split())
+    match = re.match(r"(.+?\.)(\s|$)", text)
+    text = (match.group(1) if match else text).rstrip(".")
+    return text[0].lower() + text[1:] if text[1:2].islower() else text
+
+
+def train_flags() -> list[TrainFlag]:
+    """One :class:`TrainFlag` per flat name, from config.py's fields (in section order).
+
+    Example::
+
+        {f.flat: f.flag for f in train_flags()}["checkpoint_async"]   # "--checkpoint-async"
+    """
+    docs = _field_docs()
+    out = []
+    for section, cls in SECTIONS.items():
+        by_name = {f.name: f for f in dataclasses.fields(cls)}
+        for leaf, flat in cls.FLAT.items():
+            f = by_name[leaf]
+            meta = f.metadata
+            text = meta.get("help") or _first_sentence(docs.get((cls.__name__, leaf), "")) or f"{section}.{leaf}"
+            out.append(TrainFlag(flat, "--" + flat.replace("_", "-"), str(f.type), text,
+                                 meta.get("metavar"), tuple(meta["choices"]) if "choices" in meta else None))
+    return out
+
+
+def _optional(kind: type):  # noqa: ANN202 - an argparse type
+    def convert(text: str):  # noqa: ANN202
+        return None if text.strip().lower() == "none" else kind(text)
+
+    convert.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    return convert
+
+
+def _add_training_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="run config: TrainConfig's fields as YAML, flat (precision: bf16) or nested "
+                   "(numerics: {precision: bf16}); flags override it, it overrides SLIPSTREAM_* variables")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in train_flags():
+        section = FLAT_NAMES[flag.flat][0]
+        if section not in groups:
+            groups[section] = p.add_argument_group(
+                f"training options: {section}", (SECTIONS[section].__doc__ or "").strip().splitlines()[0])
+        g = groups[section]
+        text = flag.help.replace("%", "%%")
+        dest = f"train_{flag.flat}"
+        kind, optional = flag.kind.split(" | ")[0], "None" in flag.kind
+        if kind == "bool":
+            g.add_argument(flag.flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+            continue
+        metavar = flag.metavar
+        if flag.choices is not None:
+            metavar = "{" + ",".join(map(str, flag.choices)) + "}" + ("[,...]" if kind.startswith("tuple") else "")
+        if kind in ("int", "float"):
+            convert = {"int": int, "float": float}[kind]
+            g.add_argument(flag.flag, dest=dest, type=_optional(convert) if optional else convert, default=None,
+                           metavar=metavar or ("N" if kind == "int" else "X"), help=text)
+        elif kind == "dict":
+            g.add_argument(flag.flag, dest=dest, type=_json_object, default=None, metavar=metavar or "JSON", help=text)
+        else:  # str, and tuples as comma-separated names (TrainConfig splits them); values checked by TrainConfig
+            g.add_argument(flag.flag, dest=dest, default=None,
+                           metavar=metavar or ("NAME[,NAME]" if kind.startswith("tuple") else "TEXT"), help=text)
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "run",
         help="launch a training script on this node (torchrun-compatible)",
         description="Launch SCRIPT in N worker processes through torch's elastic agent. "
-        "An unmodified torchrun script runs unchanged.",
+        "Every torchrun option is accepted and an unmodified torchrun script runs unchanged. "
+        "With JOB.yaml instead of SCRIPT: run a job spec locally (slipstream validate JOB.yaml).",
+        epilog=TORCHRUN_DIFFERENCES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         # No prefix matching: the script's own flags (--checkpoint-every, say)
         # must reach the script, not be taken as abbreviations of ours.
         allow_abbrev=False,
     )
-    p.add_argument("-n", "--nproc-per-node", type=int, default=1, metavar="N", help="workers on this node (default 1)")
-    p.add_argument("--nnodes", default="1", metavar="MIN[:MAX]", help="number of nodes, or an elastic range (default 1)")
-    p.add_argument("--node-rank", type=int, default=None, metavar="R", help="rank of this node; 0 hosts the store")
-    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous store every node joins")
-    p.add_argument("--rdzv-id", default=None, metavar="ID", help="job id shared by all nodes of one run")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart the workers up to K times")
-    p.add_argument("--local-addr", default=None, help="address this node publishes to the others")
-    p.add_argument(
-        "--rdzv-conf", default="", metavar="K=V[,K=V]",
-        help="c10d rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2",
-    )
-    p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a Python module name (python -m)")
-    p.add_argument(
+    _add_torchrun_options(p)
+    g = p.add_argument_group("slipstream options")
+    g.add_argument(
         "--collective-timeout-s", type=float, default=None, metavar="S",
         help="a collective waiting longer fails, is diagnosed (which rank stalled, where) and the group restarts",
     )
     # Checked in worker_env_from_args rather than with argparse choices, so a bad
     # value is one line and exit 2 like every other flag error.
-    p.add_argument("--backend", default=None, metavar="{nccl,gloo}",
+    g.add_argument("--backend", default=None, metavar="{nccl,gloo}",
                    help="process-group backend of the workers (default: nccl with GPUs, else gloo)")
-    p.add_argument("--device", default=None, metavar="{cuda,cpu}",
+    g.add_argument("--device", default=None, metavar="{cuda,cpu}",
                    help="workers' device (default: cuda for nccl, cpu for gloo); "
                    "--backend gloo --device cuda lets ranks share a GPU on purpose")
-    p.add_argument("--emulate", default=None, metavar="NODESxPROCS",
+    g.add_argument("--emulate", default=None, metavar="NODESxPROCS",
                    help="run on an emulated cluster on this machine: one network namespace per node (needs root)")
-    p.add_argument("--link", default="unshaped", metavar="RATE",
+    g.add_argument("--link", default="unshaped", metavar="RATE",
                    help="with --emulate: each node's link rate, both directions (1gbit, 200mbit, unshaped)")
-    for flag, dest, kind, text in _TRAIN_FLAGS:
-        p.add_argument(flag, dest=f"train_{dest}", type=kind, default=None, help=text)
-    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m)")
+    _add_training_flags(p)
+    p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m), or JOB.yaml")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     p.set_defaults(func=main)
 
@@ -118,22 +348,56 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return out
 
 
-def worker_env_from_args(args: argparse.Namespace) -> dict[str, str]:
-    """The SLIPSTREAM_* variables for the training flags given, checked now."""
-    overrides = {
-        dest: getattr(args, f"train_{dest}")
-        for _, dest, _, _ in _TRAIN_FLAGS
-        if getattr(args, f"train_{dest}") is not None
-    }
+def training_options(args: argparse.Namespace) -> dict[str, object]:
+    """The training options given: ``--config FILE``'s, then the flags over them (flat names).
+
+    Example::
+
+        # run.yaml: {precision: bf16, tp: 2}
+        training_options(parse(["run", "--config", "run.yaml", "--tp", "1", "train.py"]))
+        # {"precision": "bf16", "tp": 1}
+    """
+    path = getattr(args, "config", None)
+    given = run_config.load(path) if path else {}
+    for name in FLAT_NAMES:
+        value = getattr(args, f"train_{name}", None)
+        if value is not None:
+            given[name] = value
+    return given
+
+
+def _env_text(value: object) -> str:
+    """A value as TrainConfig.from_env reads it back."""
+    import json
+
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = None) -> dict[str, str]:
+    """The SLIPSTREAM_* variables for the training options given (file and flags), checked now.
+
+    Every option given is set, its default value too, so it overrides a variable the
+    launcher's own environment passes to the workers. ``nproc_per_node``: the resolved
+    worker count when ``-n`` named a keyword (``gpu``), for the layout check.
+    """
+    given = training_options(args)
     try:
-        cfg = TrainConfig.from_env(environ={}, **overrides)
-        nproc = getattr(args, "nproc_per_node", None)
+        cfg = TrainConfig.from_env(environ={}, **given)
+        nproc = nproc_per_node if nproc_per_node is not None else getattr(args, "nproc_per_node", None)
         nnodes = getattr(args, "nnodes", None)
         if isinstance(nproc, int) and isinstance(nnodes, str) and nnodes.isdigit() and not getattr(args, "emulate", None):
             cfg.degrees(nproc * int(nnodes))  # a layout that cannot fit the world fails now, not in every worker
     except ConfigError as exc:
-        raise UsageError(f"invalid training flag: {exc}") from None
+        where = f" (flags over {args.config})" if getattr(args, "config", None) else ""
+        raise UsageError(f"invalid training flag{where}: {exc}") from None
     env = cfg.to_env()
+    flat = cfg.flat()
+    for name in given:
+        env.setdefault(ENV_PREFIX + name.upper(), _env_text(flat[name]))
     run_dir = cfg.run.dir
     if run_dir is not None:
         env["SLIPSTREAM_RUN_DIR"] = run_dir
@@ -166,31 +430,89 @@ def _placement_env(backend: str | None, device: str | None) -> dict[str, str]:
     return env
 
 
+def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str | None, str | None]:
+    """(backend, endpoint, id) as torchrun's ``run`` settles them before launching.
+
+    --standalone, or the static backend on one node with no endpoint and no
+    --master-port: a local store on a free port and a fresh id. The static backend
+    otherwise: --rdzv-endpoint, else --master-addr:--master-port. Both static and c10d
+    run our c10d rendezvous (a fresh store per attempt).
+    """
+    backend = args.rdzv_backend
+    endpoint, rdzv_id = args.rdzv_endpoint or None, args.rdzv_id
+    if args.standalone:
+        return "c10d", None, None
+    if backend == "static" and endpoint is None:
+        if args.master_port is None and (max_nodes == 1 or args.master_addr is None):
+            # One node: a free local port. Several with neither given: no endpoint, which
+            # LaunchOptions.validate refuses at once (torchrun would wait at 127.0.0.1:29500).
+            return "c10d", None, rdzv_id
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{29500 if args.master_port is None else args.master_port}"
+    return ("c10d" if backend == "static" else backend), endpoint, rdzv_id
+
+
+def _local_ranks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(part) for part in text.split(",")})) if text.strip() else ()
+    except ValueError:
+        raise UsageError(f"--local-ranks-filter must be local ranks separated by commas (e.g. 0,1), got {text!r}") from None
+
+
+def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """The ``slipstream run SCRIPT`` flags as a :class:`LaunchOptions`, checked (no worker starts).
+
+    Example::
+
+        args = build_parser().parse_args(["run", "--standalone", "--nproc_per_node", "2", "train.py", "--steps", "5"])
+        launch_options_from_args(args)   # LaunchOptions(entrypoint="train.py", args=["--steps", "5"], nproc_per_node=2, ...)
+    """
+    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    nproc = resolve_nproc(args.nproc_per_node)
+    backend, endpoint, rdzv_id = _rendezvous(args, max_nodes)
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    return LaunchOptions(
+        entrypoint=args.script,
+        args=script_args,
+        nproc_per_node=nproc,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=endpoint,
+        rdzv_id=rdzv_id,
+        max_restarts=args.max_restarts,
+        monitor_interval_s=args.monitor_interval,
+        module=args.module,
+        local_addr=args.local_addr,
+        worker_env=worker_env_from_args(args, nproc),
+        rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
+        rdzv_backend=backend,
+        role=args.role,
+        start_method=args.start_method,
+        no_python=args.no_python,
+        log_dir=args.log_dir,
+        redirects=args.redirects,
+        tee=args.tee,
+        local_ranks_filter=_local_ranks(args.local_ranks_filter),
+        logs_specs=args.logs_specs,
+        event_log_handler=args.event_log_handler,
+        numa_binding=args.numa_binding,
+        signals_to_handle=args.signals_to_handle,
+        duplicate_stdout_filters=tuple(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
+        virtual_local_rank=args.virtual_local_rank,
+        shutdown_timeout_s=args.shutdown_timeout,
+    )
+
+
 def main(args: argparse.Namespace) -> int:
     """``slipstream run SCRIPT``: the flags as a :class:`LaunchOptions`, then :func:`launch`.
 
     ``slipstream run JOB.yaml`` never reaches here: the top-level command sends it to
     ``slipstream.job.cli.run_main`` (the job package uses the launcher, not the reverse).
     """
-    min_nodes, max_nodes = parse_nnodes(args.nnodes)
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    opts = LaunchOptions(
-        entrypoint=args.script,
-        args=script_args,
-        nproc_per_node=args.nproc_per_node,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        node_rank=args.node_rank,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        max_restarts=args.max_restarts,
-        module=args.module,
-        local_addr=args.local_addr,
-        worker_env=worker_env_from_args(args),
-        rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
-    )
+    opts = launch_options_from_args(args)
     if args.emulate:
         from .emulate import parse_shape, run_emulated
 
