@@ -57,13 +57,14 @@ else
     echo "torch==$torch_version" >"$constraints"
 fi
 
-pip_install -e "$target"
-
+# The package and the group in one pip call, so one resolution sees every requirement
+# (two calls let the second upgrade what the first's packages pin, e.g. botocore under s3fs).
+group_args=()
 if [ -n "$group" ]; then
     if "$PY" -m pip install --help 2>/dev/null | grep -q -- "--group"; then
-        pip_install --group "$group"
+        group_args=(--group "$group")
     else
-        mapfile -t reqs < <("$PY" - "$group" <<'PYEOF'
+        mapfile -t group_args < <("$PY" - "$group" <<'PYEOF'
 import sys
 try:
     import tomllib
@@ -84,9 +85,9 @@ def expand(name, seen=()):
 print("\n".join(expand(sys.argv[1])))
 PYEOF
 )
-        pip_install "${reqs[@]}"
     fi
 fi
+pip_install -e "$target" "${group_args[@]}"
 
 if [ -z "$report_dir" ]; then
     "$PY" -c "import slipstream, torch; print(f'slipstream {slipstream.__version__} installed (torch {torch.__version__})')"
