@@ -71,29 +71,52 @@ def test_exhausted_restarts_fail_with_a_summary(tmp_path):
     assert "Traceback" not in proc.stderr.split("training failed")[-1]
 
 
-def test_unmodified_torchrun_script_gives_the_same_result(tmp_path):
-    script = str(HERE / "scripts_ddp_plain.py")
-    ours, theirs = tmp_path / "slipstream", tmp_path / "torchrun"
-    ours.mkdir()
-    theirs.mkdir()
-    proc = slipstream_run("-n", "2", script, "--out", str(ours))
-    assert proc.returncode == 0, proc.stderr
+def _torchrun(argv: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     for _ in range(3):
-        ref = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", script,
-             "--out", str(theirs)],
-            capture_output=True, text=True, timeout=120,
-        )
+        ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], capture_output=True, text=True,
+                             timeout=180, cwd=REPO, env={**os.environ, **(env or {})})
         # The reference itself can die of torch 2.13's gloo abort at exit after
         # finishing (see slipstream/gloo_exit.py; `slipstream run` guards its
         # workers against it, plain torchrun does not): run it again then.
         if "terminate called without an active exception" not in ref.stderr:
             break
-    assert ref.returncode == 0, ref.stderr
-    a, b = torch.load(ours / "model.pt"), torch.load(theirs / "model.pt")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return ref
+
+
+def _assert_same_model(a_dir: Path, b_dir: Path) -> None:
+    a, b = torch.load(a_dir / "model.pt"), torch.load(b_dir / "model.pt")
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+GPT = ["examples/train_gpt.py", "--steps", "3", "--layers", "1", "--dim", "32", "--context", "16", "--batch-size", "4",
+       "--corpus-mb", "0.05"]
+
+
+@pytest.mark.parametrize("case", ["plain-torch-script", "torchrun-line"])
+def test_unmodified_torchrun_script_gives_the_same_result(tmp_path, case):
+    """plain-torch-script: a script using only torch.distributed, under `slipstream run -n 2`.
+    torchrun-line: an unmodified torchrun command line (examples/train_gpt.py), the same words after
+    `slipstream run` as after `torchrun`. Either way, bitwise the same model as torchrun's. OMP_NUM_THREADS
+    is pinned: the launchers' defaults differ on purpose (torchrun 1, slipstream cores / workers)."""
+    ours, theirs = tmp_path / "slipstream", tmp_path / "torchrun"
+    env = {"OMP_NUM_THREADS": "1"}
+    if case == "plain-torch-script":
+        script = str(HERE / "scripts_ddp_plain.py")
+        ours.mkdir()
+        theirs.mkdir()
+        proc = slipstream_run("-n", "2", script, "--out", str(ours), env=env)
+        assert proc.returncode == 0, proc.stderr
+        _torchrun(["--standalone", "--nproc-per-node", "2", script, "--out", str(theirs)], env=env)
+    else:
+        line = ["--standalone", "--nproc_per_node", "2", *GPT]
+        proc = slipstream_run(*line, "--out", str(ours), env={**env, "SLIPSTREAM_RUN_DIR": str(tmp_path / "run-a")},
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        _torchrun([*line, "--out", str(theirs)], env={**env, "SLIPSTREAM_RUN_DIR": str(tmp_path / "run-b")})
+    _assert_same_model(ours, theirs)
 
 
 @pytest.mark.parametrize(
