@@ -11,6 +11,7 @@ import json
 import os
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,10 +37,18 @@ def require(module: str) -> None:
 
 
 def _children() -> set[int]:
+    """This process's live child processes (a zombie has exited: not counted)."""
     pids: set[int] = set()
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
         with open(path) as f:
-            pids.update(int(p) for p in f.read().split())
+            for pid in f.read().split():
+                try:
+                    with open(f"/proc/{pid}/stat") as stat:
+                        state = stat.read().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if state != "Z":
+                    pids.add(int(pid))
     return pids
 
 
@@ -60,6 +69,9 @@ def tracker_env(monkeypatch, tmp_path):
     wandb = sys.modules.get("wandb")  # None: a test hid it
     if wandb is not None:
         wandb.teardown()  # stops the wandb-core service this process started
+    deadline = time.monotonic() + 10  # teardown asks it to stop; it may take a moment to exit
+    while not _children() <= before and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert _children() <= before, "a W&B service process outlived the test"
 
 

@@ -29,7 +29,6 @@ import atexit
 import contextlib
 import importlib.util
 import json
-import math
 import os
 import sys
 import time
@@ -46,6 +45,7 @@ MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
 
 _NOT_METRICS = frozenset({"step", "rank"})
 _MLFLOW_BATCH = 100  # MLflow's limit of params per log_batch call
+_MLFLOW_PARAM_CHARS = 6000  # and of a param value's length
 
 
 def require_trackers(names: Sequence[str]) -> None:
@@ -176,10 +176,13 @@ class WandbSink(_ClosedAtExit):
         import wandb
 
         ids = _TrackerIds(run_dir)
-        run_id = os.environ.get("WANDB_RUN_ID") or ids.get("wandb").get("id") or uuid.uuid4().hex[:12]
+        project = os.environ.get("WANDB_PROJECT") or "slipstream"
+        known = ids.get("wandb")
+        run_id = (os.environ.get("WANDB_RUN_ID") or (known.get("id") if known.get("project") == project else None)
+                  or uuid.uuid4().hex[:12])
         try:
             self.run = wandb.init(
-                project=os.environ.get("WANDB_PROJECT") or "slipstream",
+                project=project,
                 name=os.environ.get("WANDB_NAME") or os.path.basename(os.path.abspath(run_dir)),
                 dir=os.environ.get("WANDB_DIR") or run_dir,
                 id=run_id,
@@ -190,7 +193,7 @@ class WandbSink(_ClosedAtExit):
         except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as exc:
             raise ConfigError(f"log_to wandb: {exc} (log in with `wandb login` or WANDB_API_KEY, "
                               f"or set WANDB_MODE=offline)") from exc
-        ids.put("wandb", {"id": run_id, "project": self.run.project})
+        ids.put("wandb", {"id": run_id, "project": project})
         self._arm()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -278,13 +281,14 @@ class MlflowSink(_ClosedAtExit):
 
 
 def _param_text(value: Any) -> str:
+    """A param as MLflow stores it: text, at most 6000 characters (its limit)."""
     if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    if isinstance(value, dict):
-        return json.dumps(value, sort_keys=True)
-    if isinstance(value, float) and math.isfinite(value):
-        return repr(value)
-    return str(value)
+        text = ",".join(str(v) for v in value)
+    elif isinstance(value, dict):
+        text = json.dumps(value, sort_keys=True)
+    else:
+        text = str(value)
+    return text[:_MLFLOW_PARAM_CHARS]
 
 
 @contextlib.contextmanager
