@@ -13,17 +13,30 @@ import sys
 
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, SlipstreamError
 
-_COMMAND_MODULES = (
-    "slipstream.launch.cli",
-    "slipstream.data.cli",
-    "slipstream.job.cli",
-    "slipstream.report.cli",
-    "slipstream.bench.cli",
-    "slipstream.plan.cli",
-)
+# Each command and the module whose ``register`` adds it, in the order ``--help`` lists them.
+# Only the module of the command given is imported (``slipstream validate`` needs neither the
+# launcher nor the planner); ``--help``, no command or an unknown one import them all.
+_COMMANDS = {
+    "run": "slipstream.launch.cli",
+    "data": "slipstream.data.cli",
+    "validate": "slipstream.job.cli",
+    "render": "slipstream.job.cli",
+    "submit": "slipstream.job.cli",
+    "job": "slipstream.job.cli",
+    "report": "slipstream.report.cli",
+    "bench": "slipstream.bench.cli",
+    "plan": "slipstream.plan.cli",
+}
+_COMMAND_MODULES = tuple(dict.fromkeys(_COMMANDS.values()))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``slipstream`` parser; with ``argv``, only the sub-command ``argv`` names is registered.
+
+    Example::
+
+        build_parser(["plan", "--help"])   # imports slipstream.plan.cli only
+    """
     from . import __version__
 
     parser = argparse.ArgumentParser(
@@ -32,13 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
+    command = next((a for a in argv or () if not a.startswith("-")), None)
+    modules = (_COMMANDS[command],) if command in _COMMANDS else _COMMAND_MODULES
+    for name in modules:
         importlib.import_module(name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)

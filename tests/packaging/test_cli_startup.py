@@ -78,3 +78,15 @@ def test_every_lazy_name_is_defined_where_it_points():
             defined |= {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))
                         for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
             assert name in defined, f"{pkg.__name__}.{name}: not in {module}"
+
+
+def test_the_command_table_names_what_each_module_registers():
+    """cli._COMMANDS routes a command to one module; it must match what the modules register."""
+    import argparse
+
+    from slipstream import cli
+
+    for module in cli._COMMAND_MODULES:
+        sub = argparse.ArgumentParser().add_subparsers()
+        __import__(module, fromlist=["register"]).register(sub)
+        assert {c for c, m in cli._COMMANDS.items() if m == module} == set(sub.choices), module
