@@ -151,18 +151,19 @@ class Accelerated:
     def train_step(self, inputs: Any, target: Any = None, loss_fn: LossFn | None = None) -> torch.Tensor:
         """One micro-step: forward, loss, backward, :meth:`step`. Two forms:
 
-        * ``train_step(x, y, loss_fn)``: the model is called as ``model(x)`` and the
-          loss is ``loss_fn(output, y)``;
-        * ``train_step(batch)``: a Hugging Face style dict (``input_ids``,
-          ``attention_mask``, ``labels``, ...) for a model that computes its own loss:
-          the model is called as ``model(**batch)`` and the loss is ``output.loss``
-          (or ``output["loss"]``). With a ``loss_fn`` the dict is still passed as
-          keywords and the loss is ``loss_fn(output, target)``.
+        * ``train_step(x, y, loss_fn)``: the model is called as ``model(x)`` (whatever
+          ``x`` is) and the loss is ``loss_fn(output, y)``;
+        * ``train_step(batch)`` (no ``loss_fn``): a Hugging Face style dict
+          (``input_ids``, ``attention_mask``, ``labels``, ...) for a model that
+          computes its own loss: the model is called as ``model(**batch)`` and the
+          loss is ``output.loss`` (or ``output["loss"]``). A target without a
+          ``loss_fn`` is refused.
 
         The same loop then works for every layout, pipeline parallelism included
         (where forward and backward run interleaved in a schedule; there only the
-        first form: a stage cannot take the whole model's keywords). Returns the
-        loss (detached; on every rank); read ``run.stop_requested`` after it.
+        first form, with a tensor ``x``: a stage cannot take the whole model's
+        keywords, and refuses the second with a ConfigError). Returns the loss
+        (detached; on every rank); read ``run.stop_requested`` after it.
 
         Example::
 
@@ -177,17 +178,21 @@ class Accelerated:
             )
         pipeline = self.layout.pipeline
         if pipeline is None:
-            output = self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
-            loss = _model_loss(output) if loss_fn is None else loss_fn(output, target)
+            if loss_fn is not None:
+                loss = loss_fn(self.model(inputs), target)
+            elif isinstance(inputs, Mapping):
+                loss = _model_loss(self.model(**inputs))
+            else:
+                loss = _model_loss(self.model(inputs))
             self.backward(loss)
             self.step()
             return loss.detach()
-        if loss_fn is None or isinstance(inputs, Mapping):
+        if loss_fn is None:
             raise ConfigError(
                 f"with pp({self.config.parallel.pp}) give train_step(inputs, target, loss_fn) with a tensor of "
-                f"inputs, got {type(inputs).__name__} inputs and loss_fn={loss_fn!r}: a pipeline stage runs part "
-                "of the model on the previous stage's tensor, so a dict batch, or a loss the model computes "
-                "itself (a Hugging Face model's output.loss), cannot be split into stages; use dp_shard/tp instead"
+                f"inputs, got {type(inputs).__name__} inputs and no loss_fn: a pipeline stage runs part of the "
+                "model on the previous stage's tensor, so a dict batch, or a loss the model computes itself "
+                "(a Hugging Face model's output.loss), cannot be split into stages; use dp_shard/tp instead"
             )
         try:
             loss = pipeline.run(inputs, target, loss_fn)
