@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
 
 import pytest
@@ -47,12 +46,13 @@ def test_every_torchrun_option_string_is_accepted():
                "duplicate_stderr_filters": "a", "node_rank": "0", "master_addr": "h", "master_port": "1",
                "local_addr": "h", "logs_specs": "x", "numa_binding": "node", "signals_to_handle": "SIGTERM",
                "shutdown_timeout": "5"}
+    parser = build_parser()
     for action in torchrun.get_args_parser()._actions:
         for flag in action.option_strings:
             if flag in ("-h", "--help"):
                 continue
             value = [] if action.nargs == 0 else [samples[action.dest]]
-            args = build_parser().parse_args(["run", flag, *value, "train.py"])
+            args = parser.parse_args(["run", flag, *value, "train.py"])
             assert args.script == "train.py", flag
 
 
