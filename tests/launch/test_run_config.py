@@ -29,6 +29,9 @@ def test_flat_and_nested_keys_reach_the_same_fields(tmp_path):
     assert run_config.parse("sync: {strategy: topk, options: {density: 0.1}}") == {
         "sync": "topk", "sync_options": {"density": 0.1}}
     assert run_config.parse("") == {}
+    # YAML reads 1e3 and none as text; number fields take them as a number and None.
+    assert run_config.parse("checkpoint_every_s: 1e3\ngrad_clip_norm: none") == {
+        "checkpoint_every_s": 1000.0, "grad_clip_norm": None}
 
 
 def test_dump_writes_nested_non_default_fields_that_load_back():
@@ -49,6 +52,8 @@ def test_dump_writes_nested_non_default_fields_that_load_back():
     ("[1, 2]", "run.yaml: a run config is a mapping"),
     ("a: [", "run.yaml: not valid YAML at line"),
     ("numerics: bf16", "run.yaml: numerics is a section and needs a mapping"),
+    ("tp: two", "run.yaml: tp must be a whole number, got 'two'"),
+    ("checkpoint: {every_s: soon}", "run.yaml: checkpoint.every_s must be a number or none, got 'soon'"),
 ])
 def test_a_bad_file_is_one_line_naming_it(text, message):
     with pytest.raises(ConfigError) as info:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 
 import pytest
@@ -146,8 +147,11 @@ def test_nproc_keywords_resolve_as_torchrun_resolves_them(monkeypatch):
     (["--start_method", "thread", "t.py"], "--start-method must be one of spawn, fork, forkserver"),
     (["--numa-binding", "rack", "t.py"], "--numa-binding must be one of node, socket"),
     (["--nnodes", "2", "t.py"], "needs --rdzv-endpoint"),
+    (["--rdzv-backend", "carrier-pigeon", "t.py"], "--rdzv-backend carrier-pigeon: The rendezvous backend"),
 ])
 def test_bad_torchrun_values_are_one_line_exit_2(argv, message, monkeypatch, tmp_path):
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "OMP_NUM_THREADS", "LOGLEVEL"):
+        monkeypatch.setenv(name, os.environ.get(name, "1"))  # launch() sets them: restored after the test
     if argv[0] == "-n" and argv[1] == "gpu":
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.chdir(tmp_path)

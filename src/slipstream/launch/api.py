@@ -261,6 +261,10 @@ def launch(opts: LaunchOptions) -> int:
     except RendezvousError as exc:
         print(f"slipstream run: rendezvous failed at {endpoint}: {exc}", file=sys.stderr)
         return EXIT_TRAINING_FAILED
+    except ValueError as exc:
+        if "rendezvous backend" in str(exc):  # a --rdzv-backend no package registered
+            raise UsageError(f"--rdzv-backend {opts.rdzv_backend}: {exc}") from None
+        raise
     except KeyboardInterrupt:
         print("slipstream run: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -84,11 +84,12 @@ def parse(text: str, source: str = "<run config>") -> dict[str, Any]:
         raise ConfigError(f"{source}: a run config is a mapping of training options, got a {type(doc).__name__}")
     values: dict[str, Any] = {}
     where: dict[str, str] = {}
+    kinds = {cls.FLAT[f.name]: str(f.type) for cls in SECTIONS.values() for f in fields(cls)}
 
     def put(flat: str, value: Any, key: str) -> None:
         if flat in values:
             raise ConfigError(f"{source}: {flat} is given twice ({where[flat]} and {key}); keep one")
-        values[flat] = list_to_tuple(value)
+        values[flat] = _number(kinds[flat], list_to_tuple(value), key, source)
         where[flat] = key
 
     for key, value in doc.items():
@@ -149,6 +150,27 @@ def dump(cfg: TrainConfig) -> str:
 def list_to_tuple(value: Any) -> Any:
     """YAML lists become tuples (TrainConfig's tuple fields); anything else is unchanged."""
     return tuple(value) if isinstance(value, list) else value
+
+
+def _number(kind: str, value: Any, key: str, source: str) -> Any:
+    """A number field's value, checked: YAML reads ``1e3`` and ``none`` as text, so text that
+    is a number (or none, where the field may be None) is taken as one."""
+    base = kind.split(" | ")[0]
+    if base not in ("int", "float"):
+        return value
+    optional = "None" in kind
+    if optional and (value is None or (isinstance(value, str) and value.strip().lower() == "none")):
+        return None
+    if not isinstance(value, bool):
+        if isinstance(value, int) or (base == "float" and isinstance(value, float)):
+            return value
+        if isinstance(value, str):
+            try:
+                return float(value) if base == "float" else int(value)
+            except ValueError:
+                pass
+    what = "a whole number" if base == "int" else "a number"
+    raise ConfigError(f"{source}: {key} must be {what}{' or none' if optional else ''}, got {value!r}")
 
 
 def _hint(name: str, known: list[str]) -> str:
