@@ -49,10 +49,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
-if TYPE_CHECKING:
-    from torch.distributed.launcher.api import LaunchConfig
-
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
+
+if TYPE_CHECKING:  # torch is imported late (see launch)
+    from torch.distributed.launcher.api import LaunchConfig
 
 START_METHODS = ("spawn", "fork", "forkserver")
 NUMA_BINDINGS = ("node", "socket", "exclusive", "core-complex")
