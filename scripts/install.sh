@@ -57,8 +57,11 @@ else
     echo "torch==$torch_version" >"$constraints"
 fi
 
-# The package and the group in one pip call, so one resolution sees every requirement
-# (two calls let the second upgrade what the first's packages pin, e.g. botocore under s3fs).
+pip_install -e "$target"
+
+# Then the group, with everything now installed pinned too: it may add packages but never
+# change one (e.g. moto's boto3 must take the botocore that s3fs's aiobotocore pinned).
+# One call for both would be simpler, but pip 23.2's resolver gives up on that set.
 group_args=()
 if [ -n "$group" ]; then
     if "$PY" -m pip install --help 2>/dev/null | grep -q -- "--group"; then
@@ -87,7 +90,15 @@ PYEOF
 )
     fi
 fi
-pip_install -e "$target" "${group_args[@]}"
+if [ -n "$group" ]; then
+    # Pin what is installed, but for the packages the group names itself (they may upgrade).
+    names="$(printf '%s\n' "${group_args[@]}" | sed -E 's/[][<>=!~;, ].*//' | tr 'A-Z_.' 'a-z--' | grep -v '^--' || true)"
+    "$PY" -m pip list --format=freeze --exclude-editable 2>/dev/null | while IFS= read -r line; do
+        name="$(printf '%s' "${line%%==*}" | tr 'A-Z_.' 'a-z--')"
+        if ! grep -qxF -- "$name" <<<"$names"; then printf '%s\n' "$line"; fi
+    done >>"$constraints"
+    pip_install "${group_args[@]}"
+fi
 
 if [ -z "$report_dir" ]; then
     "$PY" -c "import slipstream, torch; print(f'slipstream {slipstream.__version__} installed (torch {torch.__version__})')"
