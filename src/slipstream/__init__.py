@@ -41,7 +41,22 @@ _LAZY = {
     "warmup_schedule": ".train",
 }
 
-__all__ = sorted([*_LAZY, "__version__"])
+__all__ = [
+    "LAMB",
+    "Accelerated",
+    "ConfigError",
+    "EXIT_PREEMPTED",
+    "Runtime",
+    "SlipstreamError",
+    "StepResult",
+    "TrainConfig",
+    "__version__",
+    "accelerate",
+    "init",
+    "scaled_lr",
+    "shutdown",
+    "warmup_schedule",
+]
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from .config import TrainConfig
