@@ -494,12 +494,13 @@ def accelerate(
         )
         built = layout.optimizer_for(optimizer)
         built_scheduler = build_scheduler(scheduler, built)
-    except Exception:  # noqa: BLE001 - re-raised; a failed build leaves no open sinks or heartbeat thread
+        recorder.attach(layout.module, config, runtime.device, runtime.local_rank, extra_sinks=sinks)  # phase hooks, sinks
+    except Exception:  # noqa: BLE001 - re-raised; a failed build or attach (a tracker's package missing, a
+        # busy Prometheus port) leaves no open sinks or heartbeat thread
         recorder.close()
         if reporter is not None:
             reporter.close()
         raise
-    recorder.attach(layout.module, config, runtime.device, runtime.local_rank, extra_sinks=sinks)  # phase hooks, sinks
     if layout.sync is not None:
         recorder.sources.append(layout.sync.stats)
     run = Accelerated(layout, built, config, runtime, recorder, micro, reporter, scheduler=built_scheduler)
