@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import gloo_exit
-from .errors import ConfigError, SlipstreamError
+from .errors import ConfigError, SlipstreamError, TrainingFailed
 
 DEFAULT_PORT = 29500
 
@@ -307,6 +307,22 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
 
         os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
     if not dist.is_initialized():
+        _join_process_group(launch, backend, where, timeout)
+    _install_excepthook()  # after init_process_group, which installs a hook of its own
+    gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
+    _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)
+    return _RUNTIME
+
+
+def _join_process_group(launch: LaunchEnv, backend: str, where: torch.device, timeout: datetime.timedelta) -> None:
+    """``dist.init_process_group`` for how this process was launched.
+
+    A peer that goes away while the group forms (it failed first, say with a
+    configuration error) makes gloo or the store raise a bare RuntimeError
+    ("Connection reset by peer") deep inside torch; it becomes one line naming
+    this rank, and exit 1 so that the launcher's restart policy applies.
+    """
+    try:
         if launch.launcher == "single":
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
@@ -319,10 +335,13 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
             dist.init_process_group(
                 backend, init_method=init_method, rank=launch.rank, world_size=launch.world_size, timeout=timeout
             )
-    _install_excepthook()  # after init_process_group, which installs a hook of its own
-    gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
-    _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)
-    return _RUNTIME
+    except RuntimeError as exc:  # DistNetworkError, DistStoreError and gloo's errors are RuntimeErrors
+        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
+        _install_excepthook()  # init_process_group may have put a hook of its own before failing
+        raise TrainingFailed(
+            f"rank {launch.rank} could not join the process group of {launch.world_size} ranks "
+            f"({backend}): {first}; if another rank failed first, its error is the cause"
+        ) from exc
 
 
 def _install_excepthook() -> None:
