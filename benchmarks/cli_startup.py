@@ -1,7 +1,9 @@
 """Start-up time of the `slipstream` command, against `python -c pass` (issue #15 item 4).
 
-Each command runs N times in a fresh interpreter (median wall time reported); the commands
-that need no torch should stay under 0.5 s. The last rows import torch, for scale.
+Each command runs N times in a fresh interpreter, the cases interleaved; reported: the median
+wall time and the median CPU time (user + system of the child: the robust figure on a shared
+machine, where others' load stretches wall time). The commands that need no torch should stay
+under 0.5 s. The last rows import torch, for scale.
 
     python3 benchmarks/cli_startup.py [--runs 5] [--json OUT]
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,10 +39,14 @@ CASES = [
 ]
 
 
-def time_once(argv: list[str]) -> float:
+def time_once(argv: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the child) of one run."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> int:
@@ -50,17 +57,22 @@ def main() -> int:
     rows = []
     for _, argv in CASES:  # warm the page cache once, untimed
         time_once(argv)
-    times: dict[str, list[float]] = {name: [] for name, _ in CASES}
+    wall: dict[str, list[float]] = {name: [] for name, _ in CASES}
+    cpu: dict[str, list[float]] = {name: [] for name, _ in CASES}
     for _ in range(args.runs):  # interleaved, so every case sees the same machine load
         for name, argv in CASES:
-            times[name].append(time_once(argv))
-    base = statistics.median(times[CASES[0][0]])
-    print(f"| command | median of {args.runs} (s) | minus `python -c pass` (s) |")
-    print("|---|---|---|")
+            w, c = time_once(argv)
+            wall[name].append(w)
+            cpu[name].append(c)
+    base_w, base_c = statistics.median(wall[CASES[0][0]]), statistics.median(cpu[CASES[0][0]])
+    print(f"| command (median of {args.runs}) | wall (s) | CPU (s) | CPU minus `python -c pass` (s) |")
+    print("|---|---|---|---|")
     for name, _ in CASES:
-        med = statistics.median(times[name])
-        rows.append({"command": name, "median_s": med, "over_python_s": med - base, "runs_s": times[name]})
-        print(f"| `{name}` | {med:.3f} | {med - base:+.3f} |")
+        w, c = statistics.median(wall[name]), statistics.median(cpu[name])
+        rows.append({"command": name, "wall_s": w, "cpu_s": c, "cpu_over_python_s": c - base_c,
+                     "wall_runs_s": wall[name], "cpu_runs_s": cpu[name]})
+        print(f"| `{name}` | {w:.3f} | {c:.3f} | {c - base_c:+.3f} |")
+    del base_w
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0
