@@ -108,7 +108,7 @@ class System:
             from slipstream import sync
             from slipstream.config import TrainConfig
 
-            self.model = DDP(model, bucket_cap_mb=TrainConfig().bucket_cap_mb, gradient_as_bucket_view=True)
+            self.model = DDP(model, bucket_cap_mb=TrainConfig().sync.bucket_cap_mb, gradient_as_bucket_view=True)
             self.state = sync.apply(name.split(":", 1)[1], self.model)
             self.opt = work.optimizer(list(self.model.parameters()))
         else:

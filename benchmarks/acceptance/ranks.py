@@ -49,8 +49,9 @@ def config_dir(out: Path, name: str) -> Path:
 def effective_mismatches(config, options: dict) -> list[str]:
     """Options asked for that the run's TrainConfig does not show (a lost flag or env)."""
     wrong = []
+    flat = config.flat()  # options are given by their flat names
     for key, wanted in options.items():
-        have = getattr(config, key, None)
+        have = flat.get(key)
         if isinstance(have, tuple):
             wanted = tuple(wanted)
         if have != wanted:
