@@ -62,7 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--script", default="train.py", help="training script named in the written run command and job")
     p.add_argument("--image", default="ghcr.io/slipstream-ml/slipstream:0.1.0", help="container image for --write-job")
-    p.add_argument("--write-config", metavar="PATH", help="write the chosen layout (TrainConfig fields + run command) as YAML")
+    p.add_argument("--write-config", metavar="PATH",
+                   help="write the chosen layout as a run config for `slipstream run --config PATH` "
+                        "(the run command and the prediction as comments)")
     p.add_argument("--write-job", metavar="PATH", help="write a job spec YAML for the chosen layout (slipstream validate)")
     p.add_argument("--probe-memory", action="store_true",
                    help="on a CUDA GPU: find the largest micro-batch that fits by trying forward+backward")
@@ -146,11 +148,28 @@ def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
     }
 
 
-def _write_yaml(path: str, doc: dict, header: str) -> None:
+def run_config_text(doc: dict[str, Any], header: str) -> str:
+    """The chosen layout as a run config (``slipstream run --config``): the format of
+    :func:`slipstream.launch.run_config.dump`, with the run command, batch sizes,
+    cluster and prediction as comments above it (a run config holds training options only).
+    """
+    from ..config import TrainConfig
+    from ..launch.run_config import dump
+
+    facts = {key: doc[key] for key in ("micro_batch", "global_batch", "cluster", "prediction")}
+    notes = [f"run: {doc['run']}", *yaml.safe_dump(facts, sort_keys=False).splitlines()]
+    return header + "".join(f"# {line}\n" for line in notes) + dump(TrainConfig(**doc["train"]))
+
+
+def _write_text(path: str, text: str) -> None:
     try:
-        Path(path).write_text(header + yaml.safe_dump(doc, sort_keys=False))
+        Path(path).write_text(text)
     except OSError as exc:
         raise UsageError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _write_yaml(path: str, doc: dict, header: str) -> None:
+    _write_text(path, header + yaml.safe_dump(doc, sort_keys=False))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -201,8 +220,9 @@ def main(args: argparse.Namespace) -> int:
                       markup=False)
     header = f"# written by: slipstream plan {' '.join(shlex.quote(a) for a in sys.argv[2:])}\n"
     if args.write_config:
-        _write_yaml(args.write_config, doc, header)
-        print(f"config written to {args.write_config}", file=sys.stderr)
+        _write_text(args.write_config, run_config_text(doc, header))
+        print(f"config written to {args.write_config} (use: slipstream run --config {args.write_config} ...)",
+              file=sys.stderr)
     if args.write_job:
         from ..job.spec import parse_spec
 
