@@ -68,6 +68,16 @@ def test_topology_flags_conflict_with_a_spec(tmp_path):
         _run_request("--nnodes", "2", str(path))
 
 
+@pytest.mark.parametrize("flags", [["--standalone"], ["--log-dir", "/tmp/logs"], ["--master-addr", "10.0.0.1"],
+                                   ["--tee", "3"], ["--rdzv-backend", "c10d"]])
+def test_torchrun_options_a_job_spec_cannot_honour_are_refused_by_name(tmp_path, flags):
+    path = tmp_path / "j.yaml"
+    path.write_text("name: a\nimage: i\ncommand: [python, t.py]\n")
+    with pytest.raises(UsageError, match=f"{flags[0]} has no effect with a job spec"):
+        _run_request(*flags, str(path))
+    assert _run_request(str(path)).script_args == ()  # and nothing given: accepted
+
+
 def test_missing_script_is_a_usage_error(tmp_path):
     path = tmp_path / "j.yaml"
     path.write_text("name: a\nimage: i\ncommand: [python, does_not_exist.py]\n")

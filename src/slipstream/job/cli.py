@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
-from ..launch.cli import parse_rdzv_conf, worker_env_from_args
+from ..launch.cli import parse_rdzv_conf, torchrun_option_defaults, worker_env_from_args
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
 from .spec import JobSpec, load_spec
@@ -227,6 +227,13 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
     for dest, default, flag, where in _TOPOLOGY_FLAGS:
         if getattr(args, dest) != default:
             raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")
+    handled = {dest for dest, *_ in _TOPOLOGY_FLAGS} | {"max_restarts", "rdzv_id", "rdzv_conf"}
+    for dest, (flag, default) in torchrun_option_defaults().items():
+        if dest not in handled and getattr(args, dest, default) != default:
+            raise UsageError(
+                f"{flag} has no effect with a job spec ({path}): the job runner starts and configures "
+                "each replica's agent itself; run the script directly with slipstream run to use it"
+            )
     extra = list(args.script_args or [])
     if extra[:1] == ["--"]:
         extra = extra[1:]

@@ -190,6 +190,22 @@ def _add_torchrun_options(p: argparse.ArgumentParser) -> None:
         help="every worker sees LOCAL_RANK 0 and only its own device")
 
 
+def torchrun_option_defaults() -> dict[str, tuple[str, object]]:
+    """Each torchrun option's dest -> (its long flag, its default, PET_* variables included).
+
+    Example::
+
+        torchrun_option_defaults()["log_dir"]   # ("--log-dir", None)
+    """
+    p = argparse.ArgumentParser(add_help=False)
+    _add_torchrun_options(p)
+    return {
+        a.dest: (next((s for s in a.option_strings if s.startswith("--") and "_" not in s), a.option_strings[-1]), a.default)
+        for a in p._actions
+        if a.option_strings
+    }
+
+
 # -- training options, one flag per TrainConfig field ------------------------------------------
 
 
