@@ -39,7 +39,9 @@ RUN python3 -m venv ${VIRTUAL_ENV} \
 # Only what the package build needs, so edits elsewhere in the repo keep the cache.
 COPY pyproject.toml README.md /opt/slipstream-src/
 COPY src /opt/slipstream-src/src
-RUN pip install "/opt/slipstream-src[job,data]" \
+# The torch installed above stays: pip may not replace it while resolving the extras.
+RUN pip freeze | grep -i '^torch==' > /opt/torch-constraint.txt \
+ && pip install -c /opt/torch-constraint.txt "/opt/slipstream-src[job,data]" \
  && slipstream --version
 
 WORKDIR /workspace

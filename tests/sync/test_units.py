@@ -20,7 +20,7 @@ from slipstream.sync.compress import (
 from slipstream.sync.compress.sign import pack_signs, unpack_signs
 from slipstream.sync.guard import ConvergenceGuard
 from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide, predict, verify_plan
-from slipstream.sync.link import Link
+from slipstream.link import Link
 from slipstream.sync.topology import Topology, detect
 
 SOLO = Wire(None, size=1)

@@ -101,7 +101,7 @@ class Wire:
     """Collectives on one process group that count the bytes this rank sends.
 
     Byte counts are the payload a bandwidth-optimal algorithm sends per rank
-    (the ring formulas of :mod:`slipstream.sync.link`): all-reduce 2(n-1)/n * S,
+    (the ring formulas of :mod:`slipstream.link`): all-reduce 2(n-1)/n * S,
     all-gather (n-1) * S_local, reduce-scatter (n-1)/n * S. Protocol headers (TCP/IP) come on top; the accounting test
     compares these figures with the interface counters.
     """
