@@ -50,6 +50,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
+from ..log import CONSOLE
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # torch is imported late (see launch)
     from torch.distributed.launcher.api import LaunchConfig
@@ -259,20 +262,20 @@ def launch(opts: LaunchOptions) -> int:
         _report_failure(exc, opts, time.monotonic() - started, history.failures)
         return EXIT_TRAINING_FAILED
     except RendezvousError as exc:
-        print(f"slipstream run: rendezvous failed at {endpoint}: {exc}", file=sys.stderr)
+        log.info(f"slipstream run: rendezvous failed at {endpoint}: {exc}", extra=CONSOLE)
         return EXIT_TRAINING_FAILED
     except ValueError as exc:
         if "rendezvous backend" in str(exc):  # a --rdzv-backend no package registered
             raise UsageError(f"--rdzv-backend {opts.rdzv_backend}: {exc}") from None
         raise
     except KeyboardInterrupt:
-        print("slipstream run: interrupted", file=sys.stderr)
+        log.info("slipstream run: interrupted", extra=CONSOLE)
         return EXIT_INTERRUPTED
     except SignalException as exc:
         # The agent itself was told to stop (pod eviction, preemption): its
         # workers got SIGTERM too and wrote an emergency checkpoint if they
         # checkpoint at all.
-        print(f"slipstream run: stopped by {exc.sigval.name}; workers were told to checkpoint and exit", file=sys.stderr)
+        log.info(f"slipstream run: stopped by {exc.sigval.name}; workers were told to checkpoint and exit", extra=CONSOLE)
         return EXIT_PREEMPTED if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     finally:
         agent_log.removeHandler(history)
@@ -425,7 +428,7 @@ def _report_usage_error(failures: dict, opts: LaunchOptions, attempts: int) -> N
         else:
             lines.append(f"  rank {rank} (pid {failure.pid}): exit code {failure.exitcode}, "
                          "no error record; see the worker's output above")
-    print("\n".join(lines), file=sys.stderr)
+    log.info("\n".join(lines), extra=CONSOLE)
 
 
 def _report_failure(
@@ -459,7 +462,7 @@ def _report_failure(
     verdict = _flight_recorder_verdict(opts)
     if verdict is not None:
         lines.append("  hang (from the ranks' flight-recorder dumps): " + verdict.replace("\n", "\n    "))
-    print("\n".join(lines), file=sys.stderr)
+    log.info("\n".join(lines), extra=CONSOLE)
 
 
 def _flight_recorder_verdict(opts: LaunchOptions) -> str | None:

@@ -44,6 +44,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import secrets
@@ -56,8 +57,11 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
+from ..log import CONSOLE
 from .api import LaunchOptions
 from .proc import stop_processes
+
+log = logging.getLogger(__name__)
 
 NS_PREFIX = os.environ.get("SLIPSTREAM_EMULATE_NS_PREFIX", "ss-")
 """Every namespace this module creates starts with this (tests set their own, to tell their
@@ -243,7 +247,7 @@ class EmulatedCluster:
     def _ip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         cmd = list(args)
         if self.verbose:
-            print("+ " + " ".join(cmd), file=sys.stderr)
+            log.info("+ " + " ".join(cmd), extra=CONSOLE)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
         if check and proc.returncode != 0:
             msg = (proc.stderr or proc.stdout).strip()
@@ -457,10 +461,10 @@ class EmulatedCluster:
                 return first_failure if first_failure is not None else EXIT_OK
             now = time.monotonic()
             if failed_at is not None and now - failed_at > grace_s:
-                print(f"slipstream run: a node failed (exit {first_failure}); stopping the others", file=sys.stderr)
+                log.info(f"slipstream run: a node failed (exit {first_failure}); stopping the others", extra=CONSOLE)
                 return first_failure
             if timeout_s is not None and now - started > timeout_s:
-                print(f"slipstream run: emulated job ran past {timeout_s:.0f} s; stopping it", file=sys.stderr)
+                log.info(f"slipstream run: emulated job ran past {timeout_s:.0f} s; stopping it", extra=CONSOLE)
                 return EXIT_TRAINING_FAILED
             time.sleep(0.1)
 
@@ -503,15 +507,15 @@ def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
     try:
         cluster.up()
-        print(
+        log.info(
             f"slipstream run: emulated cluster {nodes}x{procs_per_node}, link {cluster.link} each way per node, "
             f"namespaces {cluster.node_list[0].netns}..{cluster.node_list[-1].netns}, "
             f"rendezvous {cluster.rdzv_endpoint}",
-            file=sys.stderr,
+            extra=CONSOLE,
         )
         return cluster.run(base, procs_per_node)
     except (KeyboardInterrupt, _Terminated):
-        print("slipstream run: interrupted; emulated cluster removed", file=sys.stderr)
+        log.info("slipstream run: interrupted; emulated cluster removed", extra=CONSOLE)
         return EXIT_INTERRUPTED
     finally:
         # A second Ctrl-C must not leave namespaces behind: hold it off while deleting.

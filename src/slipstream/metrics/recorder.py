@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -39,6 +39,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError, UsageError
+from ..log import CONSOLE
 from .profiler import (
     CudaClock,
     HostClock,
@@ -52,6 +53,8 @@ from .sinks import ConsoleSink, JsonlSink, Sink
 from .straggler import GATHERED, StragglerDetector, gather_vectors
 from .timeline import TimelineWriter
 from .trackers import open_trackers, require_trackers, run_params
+
+log = logging.getLogger(__name__)
 
 
 def _require_module(name: str, option: str) -> None:
@@ -220,7 +223,7 @@ class StepRecorder:
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(sink.url + "\n")
             if self.rank == 0:
-                print(f"[slipstream] Prometheus metrics of rank 0 at {sink.url}", file=sys.stderr, flush=True)
+                log.info(f"[slipstream] Prometheus metrics of rank 0 at {sink.url}", extra=CONSOLE)
         if trackers and self.rank == 0 and self.run_dir is not None:
             # Last, so that nothing above fails after a tracker run was created.
             # Rank 0 only: its record already holds the job's figures.

@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import sys
 import time
@@ -39,6 +40,8 @@ from typing import Any
 from ..config import TrainConfig
 from ..errors import ConfigError
 from .sinks import Sink
+
+log = logging.getLogger(__name__)
 
 # tracker name -> the module it imports (its pip extra is slipstream[<tracker name>])
 MODULES = {"wandb": "wandb", "mlflow": "mlflow"}
@@ -270,8 +273,8 @@ class MlflowSink(_ClosedAtExit):
         except Exception as exc:  # noqa: BLE001 - a tracker outage must not stop training; the JSONL has it all
             self._failures += 1
             if self._failures == 1:
-                print(f"[slipstream] MLflow: a metrics batch was not logged ({exc}); training goes on, "
-                      f"RUN_DIR/metrics/rank0.jsonl has every record", file=sys.stderr, flush=True)
+                log.warning(f"[slipstream] MLflow: a metrics batch was not logged ({exc}); training goes on, "
+                            f"RUN_DIR/metrics/rank0.jsonl has every record")
 
     def _finish(self, failure: BaseException | None) -> None:
         self._wait_pending()
