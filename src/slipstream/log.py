@@ -9,9 +9,11 @@ stream as before, and what Python's last-resort handler shows for a library
 without one. Other records (``log.info`` without ``CONSOLE``, ``log.debug``) stay
 quiet unless you configure logging.
 
-If the application configures logging itself (a handler on the root logger, e.g.
-``logging.basicConfig``), this handler steps aside and the application's
-handlers and levels decide, so nothing is said twice.
+If the application shows logging on the console itself (a root handler writing
+to stderr or stdout, e.g. ``logging.basicConfig``), this handler steps aside and
+the application's handlers and levels decide, so nothing is said twice. A root
+handler that writes elsewhere (a file, a test runner's buffer) does not count:
+the console lines still appear.
 
 Example::
 
@@ -42,7 +44,7 @@ class _ConsoleHandler(logging.Handler):
         self.setFormatter(logging.Formatter("%(message)s"))
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if logging.getLogger().handlers:  # the application configured logging: its handlers say it
+        if _application_shows_console():  # the application's own handler puts records on the console
             return False
         return record.levelno >= logging.WARNING or bool(getattr(record, "slipstream_console", False))
 
@@ -53,6 +55,20 @@ class _ConsoleHandler(logging.Handler):
             stream.flush()
         except Exception:  # noqa: BLE001 - logging must never raise into the caller
             self.handleError(record)
+
+
+def _application_shows_console() -> bool:
+    """True when a root handler already writes to the console (``logging.basicConfig()``, say).
+
+    Only such a handler makes ours step aside: one that writes to a file, or a test
+    runner's capturing handler (pytest's writes to a buffer), shows the user nothing,
+    so the console lines must still come from here.
+    """
+    consoles = {id(s) for s in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__) if s is not None}
+    return any(
+        isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler) and id(h.stream) in consoles
+        for h in logging.getLogger().handlers
+    )
 
 
 def install_console() -> logging.Logger:
