@@ -165,7 +165,7 @@ def test_dockerfile_is_consistent_with_the_repo_and_the_manifests():
         for src in sources:
             assert (REPO / src).exists(), f"COPY source {src} missing"
     extras = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    (wanted,) = re.findall(r'pip install "/opt/slipstream-src\[([a-z,]+)\]"', text)
+    (wanted,) = re.findall(r'pip install (?:-c \S+ )?"/opt/slipstream-src\[([a-z,]+)\]"', text)
     assert set(wanted.split(",")) <= extras
     (workdir,) = re.findall(r"^WORKDIR (\S+)$", text, re.M)
     assert re.search(rf"^COPY examples {workdir}/examples$", text, re.M)

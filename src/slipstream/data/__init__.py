@@ -21,6 +21,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# Eager, and torch-free (numpy only): the function `pack` shares its name with its module,
+# so importing slipstream.data.pack anywhere would otherwise bind the *module* to
+# `slipstream.data.pack` and PEP 562's __getattr__ would never run for it.
+from .pack import pack, pack_arrays, pack_files, pack_text
+
 # public name -> the module that defines it. Imported on first use (PEP 562): the
 # dataset and loader need torch, and `slipstream data --help` (or `slipstream --help`,
 # which lists it) should not pay for that.
@@ -31,7 +36,6 @@ _LAZY = {
     "DataIntegrityError": ".format", "Field": ".format", "Index": ".format", "ShardInfo": ".format",
     "ShardReader": ".format", "ShardWriter": ".format",
     "SlipstreamLoader": ".loader",
-    "pack": ".pack", "pack_arrays": ".pack", "pack_files": ".pack", "pack_text": ".pack",
     "ResumableSampler": ".sampler",
     "Source": ".source", "SourceUnavailable": ".source",
 }
@@ -41,7 +45,6 @@ if TYPE_CHECKING:
     from .dataset import ShardedDataset, SkippedSample, verify_dataset
     from .format import DataIntegrityError, Field, Index, ShardInfo, ShardReader, ShardWriter
     from .loader import SlipstreamLoader
-    from .pack import pack, pack_arrays, pack_files, pack_text
     from .sampler import ResumableSampler
     from .source import Source, SourceUnavailable
 
