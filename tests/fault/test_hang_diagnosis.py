@@ -264,6 +264,7 @@ def test_configure_sets_what_the_user_did_not(tmp_path):
 def _stall_and_dump(rank: int, world_size: int) -> str:
     """Two gloo collectives everywhere; rank 0 enters a third that rank 1 never joins; both dump."""
     import datetime
+    import time
 
     import torch
     import torch.distributed as dist
@@ -274,18 +275,35 @@ def _stall_and_dump(rank: int, world_size: int) -> str:
     dist.all_reduce(t)
     dist.all_reduce(t)
     work = dist.all_reduce(torch.ones(16), async_op=True) if rank == 0 else None
-    # What NCCL's watchdog does on a timeout, by hand: write the buffer to <prefix><rank>.
+    # What NCCL's watchdog does on a timeout, by hand: write the buffer to <prefix><rank>. The
+    # recorder marks a gloo collective completed a moment after all_reduce returns (its own
+    # bookkeeping, on another thread); a real dump comes a timeout later, so wait for both
+    # finished collectives to read as completed, as they would then (under load they did not).
+    deadline = time.monotonic() + 30
+    trace = _dump_fr_trace()
+    while time.monotonic() < deadline:
+        entries = pickle.loads(trace).get("entries", [])
+        if sum(1 for e in entries if e.get("state") == "completed" or e.get("retired")) >= 2:
+            break
+        time.sleep(0.05)
+        trace = _dump_fr_trace()
     with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as f:
-        f.write(_dump_fr_trace())
+        f.write(trace)
     store = dist.distributed_c10d._get_default_store()
     store.set(f"dumped{rank}", "1")
-    store.wait([f"dumped{1 - rank}"])
-    if work is not None:
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            return str(exc)
-    return ""
+    store.wait([f"dumped{1 - rank}"], datetime.timedelta(seconds=60))
+    if work is None:
+        # Stay in the group until rank 0's wait has ended: leaving earlier closes the pair, and
+        # rank 0 then fails with "connection closed" instead of gloo's timeout (under load, it did).
+        store.wait(["waited0"], datetime.timedelta(seconds=60))
+        return ""
+    message = ""
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        message = str(exc)
+    store.set("waited0", "1")
+    return message
 
 
 @pytest.mark.distributed
