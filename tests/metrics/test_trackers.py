@@ -40,15 +40,19 @@ def _children() -> set[int]:
     """This process's live child processes (a zombie has exited: not counted)."""
     pids: set[int] = set()
     for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            for pid in f.read().split():
-                try:
-                    with open(f"/proc/{pid}/stat") as stat:
-                        state = stat.read().rsplit(")", 1)[1].split()[0]
-                except OSError:
-                    continue
-                if state != "Z":
-                    pids.add(int(pid))
+        try:  # a thread may end between the glob and the open (W&B's and torch's threads come and go)
+            with open(path) as f:
+                listed = f.read().split()
+        except OSError:
+            continue
+        for pid in listed:
+            try:
+                with open(f"/proc/{pid}/stat") as stat:
+                    state = stat.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if state != "Z":
+                pids.add(int(pid))
     return pids
 
 
