@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import runtime
 from ..errors import EXIT_PREEMPTED, ConfigError
-from . import layout, safe_load, storage
+from . import layout, lease, safe_load, storage
 from . import verify as integrity  # the name `verify` is the constructor's option
 
 log = logging.getLogger("slipstream.checkpoint")
@@ -63,6 +63,10 @@ class CheckpointManager:
     ``verify``: how a checkpoint is checked before loading (``full``, ``size``,
     ``off``; see :mod:`slipstream.checkpoint.verify`). ``max_failures``: saves
     that may fail in a row before the run gives up with exit 1.
+    ``lease_interval_s``/``lease_stale_after_s``: rank 0 holds the directory's
+    writer lease (:mod:`.lease`), beating every interval; another live job on
+    the same directory is refused with :class:`~slipstream.checkpoint.lease.CheckpointDirInUse`
+    (exit 2) on every rank. :meth:`close` releases it.
     """
 
     def __init__(
@@ -78,6 +82,8 @@ class CheckpointManager:
         device: torch.device | str | None = None,
         verify: str = "full",
         max_failures: int = 3,
+        lease_interval_s: float = lease.DEFAULT_INTERVAL_S,
+        lease_stale_after_s: float | None = None,
     ) -> None:
         if not directory:
             raise ConfigError("checkpoint_dir must be a path, got an empty string")
@@ -138,6 +144,9 @@ class CheckpointManager:
         self.blocking_s: list[float] = []  # time each save held the training loop
         if self.rank == 0:
             os.makedirs(directory, exist_ok=True)
+        # Before any write, and agreed by all ranks (a refusal raises on every rank).
+        self.lease = lease.take_for_job(directory, rank=self.rank, world_size=self.world_size, group=self.group,
+                                        interval_s=lease_interval_s, stale_after_s=lease_stale_after_s)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -398,4 +407,10 @@ class CheckpointManager:
         return step
 
     def close(self) -> None:
-        self.wait()
+        """Wait for a save in flight, then release the writer lease (rank 0)."""
+        try:
+            self.wait()
+        finally:
+            if self.lease is not None:
+                self.lease.release()
+                self.lease = None
