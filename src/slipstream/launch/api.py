@@ -23,6 +23,10 @@ What differs from torchrun, and why:
 * Workers run ``python -u -m slipstream.launch.worker SCRIPT`` (the script as
   ``__main__``, as Python runs it, plus a safe exit under gloo), not ``python -u
   SCRIPT``; ``--no-python`` runs the program itself, as torchrun does.
+* Workers die with the agent: a launcher killed with SIGKILL takes its workers
+  with it (SIGKILL from the kernel, see :mod:`slipstream.launch.parent_death`)
+  instead of leaving them training beside the relaunch. Not under
+  ``--no-python``, whose program does not run the worker entry.
 
 Every other torchrun option (``torch.distributed.run``) maps onto torch's
 ``LaunchConfig`` as torchrun maps it: see :func:`agent_config`.
@@ -51,6 +55,7 @@ from typing import TYPE_CHECKING, Iterator
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE
+from .parent_death import ENV_AGENT_PID
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +252,9 @@ def launch(opts: LaunchOptions) -> int:
     os.environ.setdefault("LOGLEVEL", "WARNING")
     os.environ.update(opts.worker_env)
     config, entrypoint, cmd_args = agent_config(opts)
+    # The agent runs in this process: workers arm themselves to die with it
+    # (slipstream.launch.parent_death) and check it is still their parent.
+    os.environ[ENV_AGENT_PID] = str(os.getpid())
     started = time.monotonic()
     history = _AttemptHistory()
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
@@ -279,6 +287,7 @@ def launch(opts: LaunchOptions) -> int:
         return EXIT_PREEMPTED if exc.sigval == signal.SIGTERM else 128 + int(exc.sigval)
     finally:
         agent_log.removeHandler(history)
+        os.environ.pop(ENV_AGENT_PID, None)
     return EXIT_OK
 
 

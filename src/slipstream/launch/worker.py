@@ -12,6 +12,9 @@ attempt and restart the job for. ``python -m`` cannot take a hook of its own,
 so this small entry point is the way to add one without touching the script.
 A :class:`~slipstream.errors.SlipstreamError` escaping the script ends the
 worker as ``slipstream.init()``'s excepthook would: one line, its exit code.
+Started by ``slipstream run`` (``SLIPSTREAM_AGENT_PID`` set), the worker first
+arms itself to die with its launcher (:mod:`slipstream.launch.parent_death`),
+so a launcher killed with SIGKILL leaves no workers training on behind it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 
 from slipstream import gloo_exit
 from slipstream.errors import SlipstreamError
-from slipstream.runtime import exit_on_error
+from slipstream.launch.parent_death import die_with_agent
 
 USAGE = "usage: python -m slipstream.launch.worker (SCRIPT | --module MODULE) [ARGS...]"
 
@@ -44,6 +47,13 @@ def run_as_main(argv: list[str]) -> dict:
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-m", "--module") and len(argv) < 2:
         sys.exit(f"slipstream worker: {USAGE}")
+    # Before anything slow (torch's import takes seconds): a launcher that dies
+    # from here on takes this worker with it, one that died already ends it now.
+    die_with_agent()
+    # Imports torch: after the check, and before install() as it always was,
+    # so torch's own exit handlers still run after the gloo wait (LIFO).
+    from slipstream.runtime import exit_on_error
+
     gloo_exit.install()
     try:
         script_globals = run_as_main(argv)
