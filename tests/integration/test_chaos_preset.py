@@ -1,0 +1,31 @@
+"""The chaos harness's CI preset: a worker kill, a launcher kill + relaunch and a SIGTERM
+preemption on the GPT example at 2 ranks, each final state bitwise equal to the
+uninterrupted run (benchmarks/chaos.py exits 1 on any miss)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_short_preset_every_trial_is_bitwise_equal(tmp_path):
+    out = tmp_path / "chaos.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--preset", "short", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert out.exists(), proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    trials = report["trials"]
+    assert len(trials) == 3
+    assert [t["faults"][0]["kind"] for t in trials] == ["worker_kill", "launcher_kill", "sigterm"]
+    for t in trials:
+        assert t["fault_injected"], t
+        assert t["final_state"], t
+    # The preempted launcher exits 143 (an emergency checkpoint, not a failure).
+    assert trials[2]["faults"][0]["launcher_exit"] == 143, trials[2]
+    missed = [f"trial {t['index']} ({t['faults'][0]['kind']}): {t['reason']}" for t in trials if not t["bitwise_equal"]]
+    assert proc.returncode == (1 if missed else 0), proc.stderr[-3000:]
+    assert not missed, "\n".join(missed) + "\n" + proc.stdout
