@@ -37,8 +37,8 @@ delay for nothing.
 What the check does not cover: when something stands between agent and worker
 (a ``PYTHON_EXEC`` wrapper that does not ``exec``), ``getppid()`` is the
 wrapper and the agent is still alive; the worker then carries on, armed against
-the wrapper's death only. The worker removes the variable from its environment,
-so processes it starts (DataLoader workers) are not judged against the agent.
+the wrapper's death only. The variable stays in the environment: the
+checkpoint lease (:mod:`slipstream.checkpoint.lease`) names the agent by it.
 DataLoader worker processes watch their own parent (torch's ``ManagerWatchdog``
 compares ``os.getppid()`` each time a fetch times out, every 5 s), so they end
 within about 5 s of the worker. Without the variable (a worker started by plain
@@ -91,14 +91,14 @@ def die_with_agent(environ: MutableMapping[str, str] | None = None) -> bool:
 
     Returns True when the death signal is armed and the parent is the agent,
     False when there is nothing to do (no variable, not Linux, a wrapper in
-    between). Removes the variable from ``environ`` (default ``os.environ``).
+    between). ``environ`` defaults to ``os.environ``.
 
     Example::
 
         die_with_agent()   # first thing in the worker entry, before torch's import
     """
     env = os.environ if environ is None else environ
-    raw = env.pop(ENV_AGENT_PID, None)
+    raw = env.get(ENV_AGENT_PID)
     if not raw or not sys.platform.startswith("linux"):
         return False
     try:
