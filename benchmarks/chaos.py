@@ -236,11 +236,12 @@ class Harness:
                 later = [launch for launch in launches if launch.started > rec.t_mono] if rec.kind in RELAUNCHING else launches
                 nexts = [t for t in (launch.first_step_after(rec.t_mono) for launch in later) if t is not None]
                 rec.to_next_step_s = round(min(nexts) - rec.t_mono, 3) if nexts else None
+                resumes = [r for r in (launch.first_resume_after(rec.t_mono) for launch in later) if r is not None]
+                rec.resumed_from = min(resumes)[1] if resumes else None
                 rec.at_s = round(rec.at_s, 3)
-        resumed = [launch.resumed_from for launch in launches[1:] if launch.resumed_from is not None]
         row = {"index": index, "world": setup.world, "async_save": setup.async_save, "emulated": setup.emulated,
                "faults": [r.public() for r in records], "fault_injected": any(r.injected for r in records),
-               "launcher_exit_codes": exit_codes, "relaunches": len(launches) - 1, "resumed_from": resumed,
+               "launcher_exit_codes": exit_codes, "relaunches": len(launches) - 1,
                "orphans_seen": sum(r.orphans for r in records), "wall_s": round(wall, 2), "log": str(d / "console.log")}
         model = out / "model.pt"
         row["final_state"] = str(model) if model.exists() else None
@@ -268,6 +269,9 @@ def plan_trials(preset: str, trials: int, worlds: list[int], rng: random.Random,
         kinds = ["worker_kill", "launcher_kill", "sigterm"]
         return [Plan(Setup(worlds[0], False), [(k, rng.randint(lo, hi))], rng.getrandbits(32)) for k in kinds[:trials]]
     plans = []
+    # The first fault's kind: every kind once per round of len(KINDS) trials, in random order
+    # (random, yet a short run still sees each kind).
+    firsts: list[str] = []
     for i in range(trials):
         if link_cut_on and i % 5 == 4:  # every fifth trial, when asked
             plans.append(Plan(Setup(2, rng.random() < 0.5, emulated=True), [("link_cut", rng.randint(lo, hi))],
@@ -275,7 +279,9 @@ def plan_trials(preset: str, trials: int, worlds: list[int], rng: random.Random,
             continue
         setup = Setup(rng.choice(worlds), rng.random() < 0.5)
         first = rng.randint(lo, hi)
-        faults = [(rng.choice(KINDS), first)]
+        if not firsts:
+            firsts = rng.sample(KINDS, len(KINDS))
+        faults = [(firsts.pop(), first)]
         if rng.random() < 0.3:  # some trials with two faults, the second later in the run
             faults.append((rng.choice(KINDS), rng.randint(min(first + 3, wl.steps - 3), wl.steps - 3)))
         plans.append(Plan(setup, faults, rng.getrandbits(32)))
@@ -313,7 +319,9 @@ def print_report(rows: list[dict], summary: dict, wall_s: float) -> None:
     print("| # | setup | faults (kind@step) | launcher exits | bitwise equal | orphans | fault -> next step | wall |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        faults = ", ".join(f"{f['kind']}@{f['step'] if f['injected'] else 'not injected'}" for f in r["faults"])
+        faults = ", ".join(
+            f"{f['kind']}@{f['step']}" + (f" (resumed {f['resumed_from']})" if f["resumed_from"] is not None else "")
+            if f["injected"] else f"{f['kind']} not injected" for f in r["faults"])
         nexts = ", ".join(fmt_s(f["to_next_step_s"]) for f in r["faults"] if f["injected"])
         equal = "yes" if r["bitwise_equal"] else f"NO ({r['reason']})"
         setup = f"{r['world']} ranks {'async' if r['async_save'] else 'sync'}" + (" emulated" if r["emulated"] else "")

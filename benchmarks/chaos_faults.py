@@ -53,6 +53,7 @@ class FaultRecord:
     to_next_step_s: float | None = None
     """From the fault to the next step line any launcher of the trial logged after it."""
     resumed_from: int | None = None
+    """The checkpoint step the job resumed from after this fault."""
     note: str = ""
     t_mono: float | None = None
 
@@ -71,7 +72,8 @@ class Launch:
         self.log.write(f"$ {' '.join(argv)}\n")
         self.log.flush()
         self.steps: list[tuple[float, int]] = []
-        self.resumed_from: int | None = None
+        self.resumes: list[tuple[float, int]] = []
+        """(time, step) of every "resumed from ... at step N" line (a restart inside this launch included)."""
         self.cond = threading.Condition()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
@@ -90,7 +92,7 @@ class Launch:
                 if m:
                     self.steps.append((now, int(m.group(1))))
                 if r:
-                    self.resumed_from = int(r.group(1))
+                    self.resumes.append((now, int(r.group(1))))
                 self.cond.notify_all()
         self.log.flush()
         with self.cond:
@@ -122,6 +124,10 @@ class Launch:
                 if left <= 0:
                     return None
                 self.cond.wait(min(left, 0.2))
+
+    def first_resume_after(self, t: float) -> tuple[float, int] | None:
+        with self.cond:
+            return next(((ts, s) for ts, s in self.resumes if ts > t), None)
 
     def first_step_after(self, t: float) -> float | None:
         with self.cond:
