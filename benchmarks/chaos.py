@@ -22,7 +22,17 @@ Faults:
     python -m benchmarks.chaos --preset full --trials 50 --worlds 2,4 --seed 1
 
 Writes a JSON report (--out, default benchmarks/results/chaos.json) and prints a
-table; exits 1 when any trial's final state is not bitwise equal to its reference.
+table; exits 1 when any trial's final state is not bitwise equal to its reference
+(or a trial failed: no fault injected, no final state, a timeout). Launcher exit
+codes are as subprocess reports them: -9 is a launcher the harness SIGKILLed,
+None one that ran past the trial's limit (its process tree is then killed).
+"Fault -> next step" runs from the fault to the next step line rank 0 logged
+(after a launcher fault: the relaunch's first step; for a link cut it includes
+the cut). A failed trial's directory (console logs, checkpoints) is kept.
+
+The short preset runs its 3 trials and the reference side by side (--jobs 4) to
+stay under 75 s on 2 cores; the full preset runs one at a time so that its
+recovery times are not inflated by trials competing for the cores.
 """
 
 from __future__ import annotations
@@ -402,13 +412,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         wall = time.monotonic() - started
         summary = summarize(rows)
-        report = {"preset": args.preset, "seed": args.seed, "worlds": worlds, "workload": wl.__dict__,
-                  "trial_timeout_s": timeout_s, "wall_s": round(wall, 1), "summary": summary,
+        keep = args.keep or any(r["failed"] for r in rows)  # a failed trial's logs are the evidence
+        report = {"preset": args.preset, "seed": args.seed, "worlds": worlds, "jobs": jobs, "workload": wl.__dict__,
+                  "trial_timeout_s": timeout_s, "wall_s": round(wall, 1), "work_dir": str(tmp) if keep else None,
+                  "summary": summary,
                   "references": {k.label(): v for k, v in harness.references.items()}, "trials": rows}
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2, default=str) + "\n")
-        keep = args.keep or any(r["failed"] for r in rows)  # a failed trial's logs are the evidence
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
     print_report(rows, summary, wall)

@@ -29,3 +29,19 @@ def test_short_preset_every_trial_is_bitwise_equal(tmp_path):
     missed = [f"trial {t['index']} ({t['faults'][0]['kind']}): {t['reason']}" for t in trials if not t["bitwise_equal"]]
     assert proc.returncode == (1 if missed else 0), proc.stderr[-3000:]
     assert not missed, "\n".join(missed) + "\n" + proc.stdout
+
+
+def test_compare_states_counts_the_tensors_that_differ(tmp_path):
+    import torch
+
+    from benchmarks.chaos import compare_states
+
+    a = {"w": torch.zeros(3), "b": torch.ones(2), "c": torch.arange(4.0)}
+    b = {"w": torch.zeros(3), "b": torch.tensor([1.0, 1.5]), "c": torch.arange(4.0) + 1e-7}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    torch.save(dict(a), tmp_path / "a2.pt")
+    same = compare_states(tmp_path / "a.pt", tmp_path / "a2.pt")
+    assert same["bitwise_equal"] and same["tensors_differ"] == 0
+    diff = compare_states(tmp_path / "a.pt", tmp_path / "b.pt")
+    assert not diff["bitwise_equal"] and diff["tensors_differ"] == 2 and diff["max_abs_diff"] == 0.5
