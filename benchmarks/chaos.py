@@ -202,23 +202,19 @@ class Harness:
                 launch = launches[-1]
                 rec = FaultRecord(kind, at_step)
                 records.append(rec)
-                if kind == "kill_in_save":
-                    if launch.wait_step(at_step, after_t, deadline) is None:
-                        rec.note = f"the run ended before step {at_step}"
-                        continue
+                if launch.wait_step(at_step, after_t, deadline) is None:
+                    rec.note = f"the run ended before step {at_step}"
+                    continue
+                if kind == "kill_in_save":  # armed from this step on: strikes when the next save begins
                     kill_in_save(launch, rec, rng, setup.world, ckpt, t0, deadline)
-                else:
-                    if launch.wait_step(at_step, after_t, deadline) is None:
-                        rec.note = f"the run ended before step {at_step}"
-                        continue
-                    if kind == "worker_kill":
-                        worker_kill(launch, rec, rng, setup.world, t0)
-                    elif kind == "launcher_kill":
-                        launcher_kill(launch, rec, t0)
-                    elif kind == "sigterm":
-                        launcher_sigterm(launch, rec, t0, timeout_s=max(5.0, deadline - time.monotonic()))
-                    elif kind == "link_cut":
-                        link_cut(launch, rec, prefix or "", 1, self.cut_s, t0)
+                elif kind == "worker_kill":
+                    worker_kill(launch, rec, rng, setup.world, t0)
+                elif kind == "launcher_kill":
+                    launcher_kill(launch, rec, t0)
+                elif kind == "sigterm":
+                    launcher_sigterm(launch, rec, t0, timeout_s=max(5.0, deadline - time.monotonic()))
+                elif kind == "link_cut":
+                    link_cut(launch, rec, prefix or "", 1, self.cut_s, t0)
                 if rec.injected:
                     after_t = rec.t_mono
                 if rec.injected and kind in RELAUNCHING:
