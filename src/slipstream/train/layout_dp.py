@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from ..fault import progress
 from ..parallel.activation_checkpointing import apply_activation_checkpointing
 from ..runtime import Runtime
+from .bucket_order import fix_bucket_order
 from .layout import Pipeline
 from .microsteps import ForwardContext, count_inputs
 from .optimizer_build import OptimizerArg, build_optimizer
@@ -87,6 +88,9 @@ class DataParallelLayout:
             find_unused_parameters=config.sync.find_unused_parameters,
             static_graph=config.sync.static_graph,
         )
+        # Before the strategy's comm hook: the same bucket layout at every step of
+        # every run, so a resumed run sums gradients in the order the run did.
+        fix_bucket_order(self.model)
         strategy = config.sync.strategy
         try:
             self.sync: sync.SyncHandle | None = sync.apply(strategy, self.model, **config.sync.options)
