@@ -153,6 +153,20 @@ def test_the_heartbeat_notices_a_takeover_and_release_leaves_the_new_holder(tmp_
     assert _on_disk(tmp_path)["run_id"] == "job-thief"
 
 
+def test_an_unreadable_record_is_replaced_and_a_deleted_directory_stops_the_heartbeat(tmp_path, caplog):
+    (tmp_path / LEASE_FILE).write_text("{not json")
+    lease = Lease(str(tmp_path), **FAST)
+    with caplog.at_level(logging.WARNING, logger="slipstream.checkpoint"):
+        lease.acquire()
+        assert _on_disk(tmp_path)["run_id"] == lease.holder.run_id
+        os.unlink(tmp_path / LEASE_FILE)
+        os.rmdir(tmp_path)  # a test's tmp_path removed under a manager never closed
+        lease._thread.join(timeout=5)
+    assert not lease._thread.is_alive()
+    assert any("is gone; its lease heartbeat stops" in r.getMessage() for r in caplog.records)
+    lease.release()
+
+
 def test_an_object_store_directory(s3):  # noqa: F811 - the fixture imported above
     url, opts, client = s3
     directory = f"{url}/ckpt"

@@ -73,6 +73,7 @@ def test_checkpoint_groups_carry_the_run_timeout(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(torch.distributed, "new_group", lambda *a, **kw: calls.append(kw) or object())
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda *a, **kw: None)  # the lease's outcome
     _manager(tmp_path, async_save=True)
     assert [c.get("timeout") for c in calls] == [datetime.timedelta(seconds=17)] * 2
     assert all(c.get("backend") == "gloo" for c in calls)

@@ -96,7 +96,7 @@ def test_a_full_file_system_is_named_and_the_policy_followed():
             assert "free there; one checkpoint is 5" in line and "from step_00000010's marker" in line
             assert "step_00000010 is intact" in line and "retries at the next save" in line
             assert "\n" not in line
-            assert sorted(os.listdir(mount)) == ["filler", "step_00000010"]  # no .partial debris
+            assert sorted(os.listdir(mount)) == [".lease.json", "filler", "step_00000010"]  # no .partial debris; the writer lease
         with pytest.raises(storage.CheckpointSaveFailed, match="giving up after 3 failed saves in a row") as err:
             mgr.save(40)
         assert err.value.exit_code == 1 and "no space left on device" in str(err.value)

@@ -151,7 +151,7 @@ def this_holder(env: Mapping[str, str] | None = None) -> Holder:
     if elastic_id is not None and elastic_id.strip().lower() not in NOT_A_RUN_ID:
         run_id = elastic_id
     else:
-        run_id = f"{host}-{pid}-{start or uuid.uuid4().hex[:8]}"
+        run_id = f"{host}-{pid}-{start}" if start else f"{host}-{pid}"
     try:
         attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
     except ValueError:
@@ -202,12 +202,14 @@ class Lease:
             self.path = root.rstrip("/") + "/" + LEASE_FILE
         else:
             self.path = os.path.join(directory, LEASE_FILE)
+        self._unreadable = False  # the last read found a record it could not parse
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # --- storage ---------------------------------------------------------------------
     def read(self) -> Holder | None:
         """The current record, or None when there is none (or it is unreadable: logged)."""
+        self._unreadable = False
         try:
             if self._fs is not None:
                 data = self._fs.cat_file(self.path)
@@ -219,6 +221,7 @@ class Lease:
         try:
             return Holder.parse(data)
         except (ValueError, KeyError, TypeError) as exc:
+            self._unreadable = True
             log.warning("checkpoint_dir %s: lease record %s is unreadable (%s); treating the directory as free", self.directory, self.path, exc)
             return None
 
@@ -277,7 +280,7 @@ class Lease:
         for _ in range(3):  # a job that wrote between our read and our exclusive write: decide again
             current = self.read()
             if current is None:
-                if not self._write(exclusive=True):
+                if not self._write(exclusive=not self._unreadable):
                     continue
             elif self._mine(current):
                 self._write(exclusive=False)
@@ -315,6 +318,9 @@ class Lease:
 
     def beat(self) -> bool:
         """Refresh the heartbeat; False (and :attr:`lost`) when another job holds the record now."""
+        if self._fs is None and not os.path.isdir(self.directory):
+            log.warning("checkpoint_dir %s is gone; its lease heartbeat stops", self.directory)
+            return False
         current = self.read()
         if current is not None and not self._mine(current):
             self.lost = True
