@@ -30,6 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..errors import SlipstreamError
+from . import reach
 
 _PREFIX = "slipstream/progress/"
 
@@ -143,6 +144,11 @@ class ProgressReporter:
         self._path = os.path.join(progress_dir, f"rank{rank}.json") if progress_dir else None
         if self._path is not None:
             os.makedirs(progress_dir, exist_ok=True)  # type: ignore[arg-type]
+        # Where this rank lives, for the report of a peer that stops hearing from it:
+        # the node (the launcher's group rank) and the address on the route to the store.
+        store_host = os.environ.get("MASTER_ADDR")
+        self._node = os.environ.get("GROUP_RANK")
+        self._addr = reach.local_address_toward(store_host) if store_host else None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if self._store is not None or self._path is not None:
@@ -160,7 +166,8 @@ class ProgressReporter:
 
     def _publish(self) -> None:
         record = json.dumps(
-            {"step": self.step, "phase": self.phase, "since": self._since, "t": time.time(), "pid": os.getpid()}
+            {"step": self.step, "phase": self.phase, "since": self._since, "t": time.time(), "pid": os.getpid(),
+             "node": self._node, "addr": self._addr}
         )
         if self._path is not None:
             try:
@@ -205,6 +212,39 @@ class ProgressReporter:
         return out
 
 
+def _own_record(reporter: ProgressReporter, now: float) -> dict:
+    return {"step": reporter.step, "phase": reporter.phase, "since": reporter._since, "t": now,
+            "node": reporter._node, "addr": reporter._addr}
+
+
+def _node_text(record: dict | None) -> str:
+    """" (node 1, 198.18.0.2)" from a progress record; "" where it says nothing."""
+    parts = [f"node {record['node']}" if record and record.get("node") is not None else "",
+             record.get("addr") or "" if record else ""]
+    parts = [p for p in parts if p]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def _why_silent(record: dict | None) -> str:
+    """Why a peer's heartbeat stopped, as far as a probe of its address can tell."""
+    addr = record.get("addr") if record else None
+    if addr:
+        answered = reach.answers(addr, int(os.environ.get("MASTER_PORT", "29500")))
+        if answered is False:
+            return f"its address {addr} does not answer: its node is cut off from the network, or down"
+        if answered:
+            return f"its address {addr} answers: the process is gone or frozen"
+    return "process gone or frozen"
+
+
+def _store_unreachable() -> str | None:
+    """"HOST:PORT" of the rendezvous store when this rank cannot reach it, else None."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port or not port.isdigit():
+        return None
+    return f"{host}:{port}" if reach.answers(host, int(port)) is False else None
+
+
 def _default_store() -> Any:
     if not dist.is_initialized():
         return None
@@ -236,24 +276,31 @@ def diagnose_hang(
     the rank furthest behind stalled first.
     """
     reporter.close()
+    me = reporter.rank
+    cut_off = _store_unreachable()
+    if cut_off is not None:
+        # This rank's node cannot reach the store: reading it would block for the
+        # store's own timeout, and every peer would look gone. Say what is known.
+        return _report(reporter, error, timeout_s, run_dir, {me: _own_record(reporter, time.time())}, [],
+                       f"rank {me}{_node_text(_own_record(reporter, 0.0))} cannot reach the rendezvous store at "
+                       f"{cut_off} (no answer in {reach.PROBE_TIMEOUT_S:g} s): this rank's node is cut off from "
+                       f"the others (a link, switch or route failure), not a slow or dead rank")
     first = reporter.read_all()
     time.sleep(1.5 * reporter.interval_s)
     records = reporter.read_all()
     now = time.time()
-    me = reporter.rank
-    records[me] = {"step": reporter.step, "phase": reporter.phase, "since": reporter._since, "t": now}
+    records[me] = _own_record(reporter, now)
     gone = [
         r for r in records
         if r != me and (records[r] is None or (first.get(r) is not None and records[r]["t"] <= first[r]["t"]))
     ]
     live = {r: rec for r, rec in records.items() if r not in gone and rec is not None}
     behind = sorted(live.items(), key=lambda kv: (kv[1]["step"], kv[1]["phase"] != USER, kv[1]["since"]))
-    mine = f"{reporter.phase} of step {reporter.step + 1}"
     if gone:
         r = gone[0]
         last = records[r]
         seen = f"; its last heartbeat: {_where(last, now)}" if last else ""
-        culprit = f"rank {r} failed first: its heartbeat stopped (process gone or frozen){seen}"
+        culprit = f"rank {r}{_node_text(last)} failed first: its heartbeat stopped ({_why_silent(last)}){seen}"
     elif behind and behind[0][0] != me:
         r, rec = behind[0]
         culprit = f"rank {r} stalled first: last seen in {_where(rec, now)}"
@@ -261,6 +308,14 @@ def diagnose_hang(
             culprit += f" (it never reached the {reporter.phase} of step {reporter.step + 1})"
     else:
         culprit = "no rank is behind the others: the collective itself hung (network or backend)"
+    return _report(reporter, error, timeout_s, run_dir, records, gone, culprit)
+
+
+def _report(reporter: ProgressReporter, error: BaseException, timeout_s: float, run_dir: str | None,
+            records: dict[int, dict | None], gone: list[int], culprit: str) -> CollectiveTimeout:
+    now = time.time()
+    me = reporter.rank
+    mine = f"{reporter.phase} of step {reporter.step + 1}"
     lines = [
         f"collective failed on rank {me} in {mine} (timeout {timeout_s:g} s): "
         f"{str(error).strip().splitlines()[0][:200]}",
