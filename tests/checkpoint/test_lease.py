@@ -238,3 +238,20 @@ def test_a_second_job_on_the_same_directory_exits_2_with_one_line(tmp_path):
         first.stdin.close()
         assert first.wait(timeout=30) == 0
     assert not os.path.exists(os.path.join(directory, LEASE_FILE))  # the first job released it
+
+
+def test_a_job_whose_lease_was_taken_over_writes_no_more_checkpoints(tmp_path):
+    from slipstream.checkpoint.states import RNGState
+
+    manager = CheckpointManager(str(tmp_path), handle_sigterm=False, lease_interval_s=0.05)
+    manager.register("rng", RNGState(), per_rank=True)
+    assert manager.save(1)
+    _record(tmp_path, run_id="job-thief", host="node-elsewhere")  # another job took the directory over
+    deadline = time.monotonic() + 5
+    while not manager.lease.lost and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(CheckpointDirInUse, match="another job took over its writer lease"):
+        manager.save(2)
+    manager.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LEASE_FILE, "step_00000001"]
+    assert _on_disk(tmp_path)["run_id"] == "job-thief"  # close() left the new holder's record alone

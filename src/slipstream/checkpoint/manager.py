@@ -198,6 +198,7 @@ class CheckpointManager:
         """
         started = time.perf_counter()
         self.wait()
+        self._check_lease()
         partial = layout.step_dir(self.directory, step, partial=True)
         final = layout.step_dir(self.directory, step)
         error: BaseException | None = None
@@ -250,6 +251,18 @@ class CheckpointManager:
             self._commit_error = exc
         finally:
             self._committed.set()
+
+    def _check_lease(self) -> None:
+        """Every rank stops writing once rank 0's heartbeat found its lease taken over
+        (another job writes here now): one small all-reduce per save."""
+        lost = torch.tensor([int(self.lease is not None and self.lease.lost)], dtype=torch.int32)
+        if self.group is not None and self.world_size > 1:
+            dist.all_reduce(lost, op=dist.ReduceOp.MAX, group=self.group)
+        if lost.item():
+            raise lease.CheckpointDirInUse(
+                f"checkpoint_dir {self.directory}: another job took over its writer lease (rank 0's log names it); "
+                "this job writes no more checkpoints there"
+            )
 
     def _commit(self, partial: str, final: str, info: dict) -> None:
         # Rank 0 reads every file back for its checksum (about 2 GB/s from the page cache:
