@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.distributed
 def test_short_preset_every_trial_is_bitwise_equal(tmp_path):
     out = tmp_path / "chaos.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks.chaos", "--preset", "short", "--out", str(out)],
