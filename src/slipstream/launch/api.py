@@ -51,7 +51,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE
@@ -261,7 +261,7 @@ def launch(opts: LaunchOptions) -> int:
     agent_log.addHandler(history)
     try:
         with _no_restart_on_usage_error():
-            elastic_launch(config, entrypoint)(*cmd_args)
+            _launch_rejoining(opts, endpoint, lambda: elastic_launch(config, entrypoint)(*cmd_args))
     except ChildFailedError as exc:
         failures = getattr(exc, "failures", {})
         if any(f.exitcode == EXIT_USAGE for f in failures.values()):
@@ -289,6 +289,43 @@ def launch(opts: LaunchOptions) -> int:
         agent_log.removeHandler(history)
         os.environ.pop(ENV_AGENT_PID, None)
     return EXIT_OK
+
+
+REJOIN_PAUSE_S = 3.0
+"""Pause between two attempts of a node cut off from the rendezvous store to join again."""
+
+
+def _launch_rejoining(opts: LaunchOptions, endpoint: str, run_agent: Callable[[], object]) -> None:
+    """Run the agent; a node that is not the rendezvous host and loses the store (a
+    link cut, a switch failure) tries again to join, for up to ``join_timeout_s``,
+    instead of leaving the job for good.
+
+    Torch's agent gives up at the first RendezvousConnectionError. An elastic job
+    (``--nnodes MIN:MAX``) goes on without this node meanwhile (at the smaller size,
+    from its last checkpoint) and takes it back in at its next rendezvous round once
+    the link is back; in a fixed-size job the other nodes wait for it in their
+    rendezvous (for up to their join timeout).
+    """
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    first_error: float | None = None
+    while True:
+        try:
+            run_agent()
+            return
+        except RendezvousConnectionError as exc:
+            if opts.is_rdzv_host is True or opts.rdzv_backend != "c10d":
+                raise
+            now = time.monotonic()
+            first_error = first_error if first_error is not None else now
+            if now - first_error > opts.join_timeout_s:
+                raise
+            log.info(
+                f"slipstream run: this node lost the rendezvous store at {endpoint} ({exc}); trying to join again "
+                f"for up to {opts.join_timeout_s - (now - first_error):.0f} s more (join timeout)",
+                extra=CONSOLE,
+            )
+            time.sleep(REJOIN_PAUSE_S)
 
 
 def agent_config(opts: LaunchOptions) -> "tuple[LaunchConfig, str, list[str]]":

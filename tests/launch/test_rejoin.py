@@ -1,0 +1,47 @@
+"""A node cut off from the rendezvous store tries to join again, for up to its join timeout."""
+
+from __future__ import annotations
+
+import pytest
+from slipstream.launch import api
+from slipstream.launch.api import LaunchOptions
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+
+def _agent(failures: int):
+    calls = []
+
+    def run() -> None:
+        calls.append(1)
+        if len(calls) <= failures:
+            raise RendezvousConnectionError("The connection to the C10d store has failed.")
+
+    return run, calls
+
+
+def _opts(**kw) -> LaunchOptions:
+    return LaunchOptions("train.py", min_nodes=1, max_nodes=2, rdzv_endpoint="10.0.0.1:29400", **kw)
+
+
+def test_a_joining_node_tries_again_until_the_store_answers(monkeypatch, caplog):
+    monkeypatch.setattr(api, "REJOIN_PAUSE_S", 0.0)
+    run, calls = _agent(failures=2)
+    api._launch_rejoining(_opts(node_rank=1), "10.0.0.1:29400", run)
+    assert len(calls) == 3
+    assert "lost the rendezvous store at 10.0.0.1:29400" in caplog.text
+
+
+def test_it_gives_up_after_the_join_timeout(monkeypatch):
+    monkeypatch.setattr(api, "REJOIN_PAUSE_S", 0.02)
+    run, calls = _agent(failures=10**6)
+    with pytest.raises(RendezvousConnectionError):
+        api._launch_rejoining(_opts(node_rank=1, join_timeout_s=0.1), "10.0.0.1:29400", run)
+    assert 2 <= len(calls) < 100
+
+
+def test_the_rendezvous_host_does_not_retry(monkeypatch):
+    monkeypatch.setattr(api, "REJOIN_PAUSE_S", 0.0)
+    run, calls = _agent(failures=1)
+    with pytest.raises(RendezvousConnectionError):
+        api._launch_rejoining(_opts(node_rank=0), "10.0.0.1:29400", run)
+    assert len(calls) == 1
