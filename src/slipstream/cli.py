@@ -26,6 +26,7 @@ _COMMANDS = {
     "report": "slipstream.report.cli",
     "bench": "slipstream.bench.cli",
     "plan": "slipstream.plan.cli",
+    "export": "slipstream.export.cli",
 }
 _COMMAND_MODULES = tuple(dict.fromkeys(_COMMANDS.values()))
 

@@ -1,0 +1,47 @@
+"""``slipstream export CHECKPOINT --out PATH``: a checkpoint's model weights as one plain file."""
+
+from __future__ import annotations
+
+import argparse
+
+EXAMPLES = """examples:
+  slipstream export ckpt --out gpt.safetensors                  newest complete checkpoint under ckpt/
+  slipstream export ckpt/step_00000200 --format torch --out gpt.pt
+
+then, in plain PyTorch (no process group, any layout the run used):
+  from safetensors.torch import load_file
+  model.load_state_dict(load_file("gpt.safetensors"), strict=True)
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="write a checkpoint's model weights as one safetensors or torch file",
+        description="Write the model weights of a checkpoint written by any layout (DDP, FSDP2, TP, PP)\n"
+        "under their original parameter names, as full tensors, without the optimizer state:\n"
+        "the file loads into the plain model with load_state_dict(strict=True).\n\n"
+        "CHECKPOINT: a checkpoint directory (its newest complete step) or one step_N directory.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT")
+    p.add_argument("--out", required=True, metavar="PATH", help="file to write")
+    # Checked by the export itself (one line, exit 2), not by argparse's choices.
+    p.add_argument("--format", dest="fmt", default="safetensors", metavar="FORMAT",
+                   help="safetensors (default) or torch (a torch.save of the state dict)")
+    p.add_argument("--force", action="store_true", help="replace PATH if it exists")
+    p.add_argument("--verify", default="full", metavar="MODE",
+                   help="check the checkpoint's files against its marker first: full (sizes and checksums, "
+                   "default), size, off")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..checkpoint.export import ExportRequest, export_checkpoint
+
+    result = export_checkpoint(ExportRequest(args.checkpoint, args.out, args.fmt, force=args.force,
+                                             verify=args.verify))
+    print(f"exported {result.tensors} tensors ({result.bytes / 2**20:.1f} MiB) of {result.source} "
+          f"(step {result.step}) to {result.out}")
+    return 0
