@@ -225,19 +225,28 @@ def test_fetch_ahead_downloads_the_coming_shards(tmp_path, remote, fetch_ahead):
     loader.close()
 
 
-def test_fetch_ahead_stays_within_half_the_cache_limit(tmp_path, remote):
+@pytest.mark.parametrize("shuffle", ["shards", "global"])
+def test_fetch_ahead_stays_within_the_cache_limit(tmp_path, remote, shuffle):
+    # "shards": the shards held (in use or fetched ahead) stay within the cache and
+    # are released as windows finish, so every shard is fetched ahead over the epoch.
+    # "global": nothing is released before the epoch ends, so half the cache, once.
     ds_url, opts, _, idx = remote
     size = max(s.size_bytes for s in idx.shards)
     cache = ShardCache(tmp_path / "cache", max_bytes=6 * size)
     ds = ShardedDataset(ds_url, cache=cache, storage_options=opts)
-    loader = SlipstreamLoader(ds, batch_size=2, seed=9, rank=0, world_size=1, prefetch_batches=0, fetch_ahead=2)
-    it = iter(loader)
-    first = next(it)
-    assert loader._fetcher.planned == 3  # half of a six-shard cache
-    for f in loader._fetcher.futures:
-        f.result(timeout=30)
-    assert cache.used_bytes() <= cache.max_bytes
-    assert sorted(int(r[0]) for b in [first, *it] for r in b) == list(range(N))
+    loader = SlipstreamLoader(ds, batch_size=2, seed=9, shuffle=shuffle, rank=0, world_size=1, prefetch_batches=0, fetch_ahead=2)
+    rows = []
+    for b in loader:
+        rows += [int(r[0]) for r in b]
+        assert cache.used_bytes() <= cache.max_bytes
+    assert sorted(rows) == list(range(N))
+    fetcher = loader._fetcher
+    want = 3 if shuffle == "global" else len(idx.shards)
+    deadline = time.monotonic() + 30
+    while fetcher.planned < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fetcher.planned == want and fetcher.failed == 0
+    assert fetcher.held_bytes_max <= fetcher.budget_bytes == (6 * size if shuffle == "shards" else 3 * size)
     assert cache.used_bytes() <= cache.max_bytes
     loader.close()
 

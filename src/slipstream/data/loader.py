@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -35,13 +36,12 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import numpy as np
 import torch.utils.data
 from torch.utils.data import default_collate
 
 from ..errors import ConfigError
 from .dataset import ShardedDataset, SkippedSample
-from .sampler import ResumableSampler
+from .sampler import DEFAULT_WINDOW_SHARDS, ResumableSampler
 
 _KEEP_ERRORS = 8
 
@@ -78,16 +78,23 @@ class SlipstreamLoader:
 
     Arguments not listed below go to ``torch.utils.data.DataLoader``.
 
-    * ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``: the
-      sampler (see ResumableSampler; rank/world size default to torch.distributed).
+    * ``seed``, ``shuffle``, ``drop_last``, ``rank``, ``world_size``,
+      ``window_shards``: the sampler (see ResumableSampler; rank/world size
+      default to torch.distributed). For a ShardedDataset, ``shuffle=True``
+      is the block shuffle ("shards"): shard order per epoch, samples mixed
+      within windows of ``window_shards`` shards, each rank on its own shards;
+      ``shuffle="global"`` is one permutation of all samples (small data).
     * ``prefetch_batches``: finished batches the background thread keeps
       ready (0: no thread, read on demand).
     * ``on_skip``: called with each skipped sample's error text when the
       dataset was opened with ``on_error="skip"``; batches then hold fewer samples.
     * ``fetch_ahead``: for a ShardedDataset read from a URL through a cache,
       threads that download the shards this rank will read, in order of first
-      use, while training runs (0: off). With a cache limit, at most half of
-      it is fetched ahead, so fetching ahead cannot evict what is being read.
+      use, while training runs (0: off). With a cache limit and the "shards"
+      order, the shards in use plus those fetched ahead stay within this
+      rank's share of the cache (``max_bytes / LOCAL_WORLD_SIZE``); the fetcher
+      moves on as windows are finished. In the "global" order every shard stays
+      in use all epoch, so at most half the cache is fetched ahead, once.
 
     Example::
 
@@ -104,7 +111,8 @@ class SlipstreamLoader:
         batch_size: int,
         *,
         seed: int = 0,
-        shuffle: bool = True,
+        shuffle: bool | str = True,
+        window_shards: int = DEFAULT_WINDOW_SHARDS,
         drop_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
@@ -130,8 +138,10 @@ class SlipstreamLoader:
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.prefetch_batches = int(prefetch_batches)
+        shard_sizes = [info.num_samples for info in dataset.index.shards] if isinstance(dataset, ShardedDataset) else None
         self.sampler = ResumableSampler(
-            len(dataset), seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size
+            len(dataset), seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size,
+            shard_sizes=shard_sizes, window_shards=window_shards,
         )
         extra: dict[str, Any] = {}
         if num_workers > 0:
@@ -209,10 +219,7 @@ class SlipstreamLoader:
     # ------------------------------------------------------------- state
     def state_dict(self) -> dict:
         """(epoch, global position) of what the training loop consumed, plus the seed and sizes."""
-        s = self.sampler.state_dict()
-        if self.sampler.epoch_done:
-            s["epoch"], s["position"] = s["epoch"] + 1, 0
-        return s
+        return self.sampler.state_dict(roll_over=True)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at a saved (epoch, position); the world size may differ (see ResumableSampler)."""
@@ -246,38 +253,79 @@ class SlipstreamLoader:
 class _FetchAhead:
     """Downloads the shards this rank reads next into the node cache, in order of first use.
 
+    A planner thread walks the sampler's ``shard_schedule()`` (lazy: one
+    window at a time) and hands downloads to ``workers`` threads. It holds a
+    shard from when it is planned until the training loop has consumed past
+    its last use; it plans the next shard only while the shards it holds fit in
+    the budget: this rank's share of the cache (``max_bytes`` over
+    ``LOCAL_WORLD_SIZE``, torchrun's count of ranks on the node), or half of it
+    in the "global" order, where nothing is released before the epoch ends.
+    Shards already cached count but are not downloaded. One shard is always
+    allowed, so a shard larger than the budget does not stall the plan.
+
     Runs in the training process; data-loader workers that need a shard being
     fetched wait on its file lock and then find it cached. Failures are only
     counted here: the reader's own fetch raises (or skips) with the full story.
     """
 
     def __init__(self, ds: ShardedDataset, sampler: ResumableSampler, workers: int):
-        cache, index = ds.cache, ds.index
-        samples = sampler.order()[sampler.positions() % sampler.num_samples]
-        shards = np.searchsorted(index.starts(), samples, side="right") - 1
-        _, first = np.unique(shards, return_index=True)
-        budget = cache.max_bytes // 2 if cache.max_bytes else None
-        plan, total = [], 0
-        for s in shards[np.sort(first)].tolist():
-            info = index.shards[s]
-            if cache.contains(info):
-                continue
-            if budget is not None and total + info.size_bytes > budget:
-                break
-            plan.append(info)
-            total += info.size_bytes
-        self.planned = len(plan)
+        self.planned = 0
         self.failed = 0
+        self.futures: list = []
+        self.held_bytes_max = 0
+        budget = None
+        if ds.cache.max_bytes:
+            budget = ds.cache.max_bytes // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            if not sampler.blocked:
+                budget //= 2
+        self.budget_bytes = budget
+        self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="slipstream-fetch-ahead")
-        self.futures = [self._pool.submit(self._fetch, cache, ds.source, info) for info in plan]
+        base, world = sampler.start, sampler.world_size
+        schedule = sampler.shard_schedule()
+        self._thread = threading.Thread(
+            target=self._plan, args=(ds, sampler, schedule, base, world), name="slipstream-fetch-plan", daemon=True
+        )
+        self._thread.start()
+
+    def _plan(self, ds: ShardedDataset, sampler: ResumableSampler, schedule, base: int, world: int) -> None:
+        cache, index = ds.cache, ds.index
+        held: dict[int, int] = {}  # shard -> local offset of its last use
+        try:
+            for shard, _first, last in schedule:
+                if self._stop.is_set():
+                    return
+                if shard in held:
+                    held[shard] = max(held[shard], last)
+                    continue
+                info = index.shards[shard]
+                while self.budget_bytes is not None:
+                    consumed = (sampler.start - base) // world  # this rank's samples the loop has taken
+                    for s in [s for s, end in held.items() if end < consumed]:
+                        del held[s]
+                    used = sum(index.shards[s].size_bytes for s in held)
+                    if not held or used + info.size_bytes <= self.budget_bytes:
+                        break
+                    if self._stop.wait(0.02):
+                        return
+                held[shard] = last
+                self.held_bytes_max = max(self.held_bytes_max, sum(index.shards[s].size_bytes for s in held))
+                self.planned += 1
+                if not cache.contains(info):
+                    self.futures.append(self._pool.submit(self._fetch, cache, ds.source, info))
+        except Exception:  # noqa: BLE001 - the reader meets the same problem and reports it
+            self.failed += 1
 
     def _fetch(self, cache, source, info) -> None:
+        if self._stop.is_set():
+            return
         try:
             cache.fetch(source, info)
         except Exception:  # noqa: BLE001 - reported by the reader that needs the shard
             self.failed += 1
 
     def close(self) -> None:
+        self._stop.set()
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
