@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -40,6 +39,7 @@ import torch.utils.data
 from torch.utils.data import default_collate
 
 from ..errors import ConfigError
+from ..runtime import detect_launch_env
 from .dataset import ShardedDataset, SkippedSample
 from .sampler import DEFAULT_WINDOW_SHARDS, ResumableSampler
 
@@ -92,7 +92,7 @@ class SlipstreamLoader:
       threads that download the shards this rank will read, in order of first
       use, while training runs (0: off). With a cache limit and the "shards"
       order, the shards in use plus those fetched ahead stay within this
-      rank's share of the cache (``max_bytes / LOCAL_WORLD_SIZE``); the fetcher
+      rank's share of the cache (``max_bytes`` / ranks on the node); the fetcher
       moves on as windows are finished. In the "global" order every shard stays
       in use all epoch, so at most half the cache is fetched ahead, once.
 
@@ -257,8 +257,8 @@ class _FetchAhead:
     window at a time) and hands downloads to ``workers`` threads. It holds a
     shard from when it is planned until the training loop has consumed past
     its last use; it plans the next shard only while the shards it holds fit in
-    the budget: this rank's share of the cache (``max_bytes`` over
-    ``LOCAL_WORLD_SIZE``, torchrun's count of ranks on the node), or half of it
+    the budget: this rank's share of the cache (``max_bytes`` over the ranks
+    on this node, from the launch environment; 1 without one), or half of it
     in the "global" order, where nothing is released before the epoch ends.
     Shards already cached count but are not downloaded. One shard is always
     allowed, so a shard larger than the budget does not stall the plan.
@@ -275,7 +275,7 @@ class _FetchAhead:
         self.held_bytes_max = 0
         budget = None
         if ds.cache.max_bytes:
-            budget = ds.cache.max_bytes // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+            budget = ds.cache.max_bytes // max(1, detect_launch_env().local_world_size)
             if not sampler.blocked:
                 budget //= 2
         self.budget_bytes = budget
@@ -312,7 +312,11 @@ class _FetchAhead:
                 self.held_bytes_max = max(self.held_bytes_max, sum(index.shards[s].size_bytes for s in held))
                 self.planned += 1
                 if not cache.contains(info):
+                    if self._stop.is_set():
+                        return
                     self.futures.append(self._pool.submit(self._fetch, cache, ds.source, info))
+        except RuntimeError:  # the pool was shut down by close() between the check and the submit
+            return
         except Exception:  # noqa: BLE001 - the reader meets the same problem and reports it
             self.failed += 1
 
