@@ -36,15 +36,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     pk = sub.add_parser(
         "pack",
-        help="pack a directory of files, a text corpus or numpy arrays into shards",
-        description="INPUT: a directory (one sample per file, or --kind text for one token stream), "
-        "a text file (byte-level tokens), or a .npy/.npz file (rows). OUT: a directory or an fsspec URL.",
+        help="pack files, text, JSON Lines, Parquet or numpy arrays into shards",
+        description="INPUT: a directory (one sample per file, or --kind text|jsonl|parquet for the files in it), "
+        "a text file (byte-level tokens), a .jsonl file (the text of --field), a .parquet file (a text or binary "
+        "column named by --field), or a .npy/.npz file (rows). OUT: a directory or an fsspec URL.",
     )
     pk.add_argument("input", metavar="INPUT")
     pk.add_argument("out", metavar="OUT")
-    pk.add_argument("--kind", choices=("auto", "files", "text", "arrays"), default="auto", help="what INPUT holds (default: guess)")
+    pk.add_argument("--kind", choices=("auto", "files", "text", "arrays", "jsonl", "parquet"), default="auto", help="what INPUT holds (default: guess)")
     pk.add_argument("--shard-size-mb", type=_positive(float), default=64.0, metavar="MB", help="shard size in MiB (default 64)")
-    pk.add_argument("--tokens-per-sample", type=_positive(int), default=None, metavar="N", help="text: tokens per sample (default 1025)")
+    pk.add_argument("--tokens-per-sample", type=_positive(int), default=None, metavar="N", help="text, jsonl, parquet: tokens per sample (default 1025)")
+    pk.add_argument("--field", default=None, metavar="NAME", help="jsonl: the text field; parquet: the column (default text)")
+    pk.add_argument(
+        "--tokenizer", default=None, metavar="MODULE:CALLABLE",
+        help="jsonl, parquet: a callable str -> list of token ids (default: byte-level tokens)",
+    )
+    pk.add_argument("--eot-token", type=int, default=None, metavar="ID", help="with --tokenizer: the id put after each document")
     pk.add_argument("--max-mb", type=_positive(float), default=None, metavar="MB", help="text: stop after this much text")
     pk.add_argument("--exclude-dir", action="append", default=[], metavar="NAME", help="skip directories with this name (repeatable)")
     pk.add_argument("--overwrite", action="store_true", help="replace an existing dataset at OUT")
@@ -101,6 +108,14 @@ def main_pack(args: argparse.Namespace) -> int:
         kw["max_bytes"] = int(args.max_mb * 1e6)
     if args.exclude_dir:
         kw["exclude_dirs"] = tuple(args.exclude_dir)
+    if args.eot_token is not None and args.tokenizer is None:
+        raise ConfigError("--eot-token goes with --tokenizer (byte-level tokens end documents with 256)")
+    if args.tokenizer is not None:
+        from .ingest import load_callable
+
+        kw["tokenizer"], kw["tokenizer_name"], kw["eot_token"] = load_callable(args.tokenizer), args.tokenizer, args.eot_token
+    if args.field is not None:
+        kw["field"] = args.field
     index = pack(
         args.input,
         args.out,

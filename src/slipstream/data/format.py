@@ -35,14 +35,19 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import struct
+import tempfile
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
 from ..errors import ConfigError, SlipstreamError, UsageError
+
+if TYPE_CHECKING:
+    from .source import Source
 
 FORMAT_NAME = "slipstream-shards"
 FORMAT_VERSION = 1
@@ -218,7 +223,12 @@ class ShardWriter:
 
     ``out`` is a local directory or an fsspec URL (shards are built in a local
     staging directory and uploaded as each one is sealed; the index goes last,
-    so a reader never sees an index that names a missing shard). A shard is
+    so a reader never sees an index that names a missing shard). In a local
+    directory the shards wait in a hidden staging directory inside ``out``
+    (``.pack-*``) and are renamed into place by ``close()``, just before the
+    index: a writer that fails or is killed leaves an existing dataset as it
+    was and never a shard set that looks complete. Overwriting a dataset at a
+    URL deletes its old index before the first new shard is uploaded. A shard is
     sealed before it would grow past ``shard_size_bytes``; a single sample
     larger than that gets a shard of its own.
 
@@ -255,9 +265,13 @@ class ShardWriter:
         self._keys: list[str] | None = [] if with_keys else None
         self._meta = dict(meta or {})
         self._shards: list[ShardInfo] = []
-        self._staging = self.source.staging_dir()
-        if self.source.exists(INDEX_NAME) and not overwrite:
+        self._replaces = self.source.exists(INDEX_NAME)
+        if self._replaces and not overwrite:
             raise ConfigError(f"{self.source.join(INDEX_NAME)} already exists; pass overwrite=True to replace the dataset")
+        self._staging = self.source.staging_dir()
+        if self.source.is_local:
+            # Same file system as the dataset, so close() publishes each shard with one rename.
+            self._staging = tempfile.mkdtemp(prefix=".pack-", dir=self._staging)
         self._fh = None
         self._closed = False
         self.index: Index | None = None
@@ -287,7 +301,11 @@ class ShardWriter:
         self._fh = None
         size = os.path.getsize(self._path)
         info = ShardInfo(os.path.basename(self._path), len(self._table), size, file_sha256(self._path))
-        self.source.upload(self._path, info.file)
+        if not self.source.is_local:
+            if self._replaces:  # the old index must not name shards this writer is replacing
+                _store_delete(self.source, INDEX_NAME)
+                self._replaces = False
+            self.source.upload(self._path, info.file)
         self._shards.append(info)
 
     def _encode(self, sample: Any) -> memoryview:
@@ -345,16 +363,47 @@ class ShardWriter:
         if self._fh is not None:
             self._seal_shard()
         self.index = Index(self._shards, self.fields, self.shard_size_bytes, self._keys, self._meta)
+        if self.source.is_local:
+            self._publish_local()
+        elif self._replaces:  # an empty dataset replacing an old one
+            _store_delete(self.source, INDEX_NAME)
         self.source.put_bytes(INDEX_NAME, self.index.dumps())
-        self.source.cleanup_staging(self._staging)
+        self._cleanup()
         self._closed = True
         return self.index
 
+    def _publish_local(self) -> None:
+        """Rename the staged shards into the dataset directory; the index follows (in close)."""
+        index_path = self.source.local_path(INDEX_NAME)
+        old: list[str] = []
+        if os.path.exists(index_path):
+            try:
+                old = [s.file for s in Index.loads(self.source.read_bytes(INDEX_NAME), index_path).shards]
+            except DataIntegrityError:
+                old = []
+            os.remove(index_path)  # from here on no index names a shard that is being replaced
+        for info in self._shards:
+            os.replace(os.path.join(self._staging, info.file), self.source.local_path(info.file))
+        new = {s.file for s in self._shards}
+        for name in old:
+            if name not in new:
+                try:
+                    os.remove(self.source.local_path(name))
+                except FileNotFoundError:
+                    pass
+
+    def _cleanup(self) -> None:
+        if self.source.is_local:
+            shutil.rmtree(self._staging, ignore_errors=True)
+        else:
+            self.source.cleanup_staging(self._staging)
+
     def abort(self) -> None:
+        """Drop what was written: nothing of it is published (see the class docstring)."""
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-        self.source.cleanup_staging(self._staging)
+        self._cleanup()
         self._closed = True
 
     def __enter__(self) -> "ShardWriter":
@@ -365,6 +414,14 @@ class ShardWriter:
             self.close()
         else:
             self.abort()
+
+
+def _store_delete(source: "Source", name: str) -> None:
+    """Remove one object of a dataset at a URL (missing is fine)."""
+    try:
+        source.fs.rm_file(source.join(name))
+    except FileNotFoundError:
+        pass
 
 
 def _check_cast(a: np.ndarray, target: np.dtype, name: str) -> None:

@@ -8,6 +8,8 @@
   prediction). The tail shorter than one sample is dropped.
 * ``pack_arrays``: rows of a ``.npy`` array (one field) or of the arrays of an
   ``.npz`` sharing their first dimension (one field each).
+* ``pack_jsonl`` / ``pack_parquet`` (in ``ingest.py``): a text field of JSON
+  Lines, a text or binary column of Parquet, optionally through a tokenizer.
 
 Example::
 
@@ -23,27 +25,9 @@ import numpy as np
 
 from ..errors import ConfigError
 from .format import DEFAULT_SHARD_SIZE_BYTES, Index, ShardWriter
+from .ingest import EOT_TOKEN, JSONL_SUFFIXES, PARQUET_SUFFIXES, TEXT_VOCAB_SIZE, pack_jsonl, pack_parquet, walk_files
 
-EOT_TOKEN = 256
-TEXT_VOCAB_SIZE = 257
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".csv", ".html", ".xml", ".c", ".h")
-
-
-def _walk(root: str, suffixes: Sequence[str] | None = None, exclude_dirs: Sequence[str] = ()) -> list[str]:
-    """Regular files under root, sorted by relative path (so packing is deterministic).
-
-    Directories whose name is in ``exclude_dirs`` are not entered.
-    """
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in set(exclude_dirs))
-        for name in sorted(filenames):
-            if suffixes is not None and not name.endswith(tuple(suffixes)):
-                continue
-            p = os.path.join(dirpath, name)
-            if os.path.isfile(p) and not os.path.islink(p):
-                out.append(p)
-    return sorted(out, key=lambda p: os.path.relpath(p, root))
 
 
 def pack_files(
@@ -63,7 +47,7 @@ def pack_files(
     """
     if not os.path.isdir(input_dir):
         raise ConfigError(f"{input_dir} is not a directory")
-    files = _walk(input_dir, suffixes, exclude_dirs)
+    files = walk_files(input_dir, suffixes, exclude_dirs)
     if not files:
         raise ConfigError(f"{input_dir}: no files to pack")
     with ShardWriter(out, shard_size_bytes=shard_size_bytes, with_keys=True, meta={"kind": "files"}, **writer_kw) as w:
@@ -111,7 +95,7 @@ def pack_text(
     if tokens_per_sample < 2:
         raise ConfigError(f"tokens_per_sample must be at least 2, got {tokens_per_sample}")
     if os.path.isdir(input_path):
-        paths = _walk(input_path, suffixes, exclude_dirs)
+        paths = walk_files(input_path, suffixes, exclude_dirs)
     elif os.path.isfile(input_path):
         paths = [input_path]
     else:
@@ -166,28 +150,51 @@ def pack_arrays(input_path: str, out: str, *, shard_size_bytes: int = DEFAULT_SH
     return w.index
 
 
-def pack(input_path: str, out: str, *, kind: str = "auto", **kw) -> Index:
-    """Pick the packer: ``.npy``/``.npz`` -> arrays, a directory -> files, a file -> text.
+def _guess_kind(input_path: str) -> str:
+    if input_path.endswith((".npy", ".npz")):
+        return "arrays"
+    if input_path.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if input_path.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    if os.path.isdir(input_path):
+        return "files"
+    if os.path.isfile(input_path):
+        return "text"
+    raise ConfigError(f"{input_path} does not exist")
 
-    ``kind`` ("files", "text", "arrays") overrides the guess, e.g. a directory
-    of text files packs as one token stream with ``kind="text"``.
+
+_OPTIONS = {  # kind -> the options it takes besides shard_size_bytes and the writer's
+    "files": {"suffixes", "exclude_dirs"},
+    "text": {"tokens_per_sample", "suffixes", "exclude_dirs", "max_bytes"},
+    "arrays": set(),
+    "jsonl": {"field", "tokens_per_sample", "tokenizer", "tokenizer_name", "eot_token"},
+    "parquet": {"field", "tokens_per_sample", "tokenizer", "tokenizer_name", "eot_token"},
+}
+_WRITER_OPTIONS = {"shard_size_bytes", "overwrite", "storage_options"}
+
+
+def pack(input_path: str, out: str, *, kind: str = "auto", **kw) -> Index:
+    """Pick the packer from INPUT: ``.npy``/``.npz`` -> arrays, ``.jsonl``/``.ndjson`` -> jsonl,
+    ``.parquet``/``.pq`` -> parquet, a directory -> files, another file -> text.
+
+    ``kind`` ("files", "text", "arrays", "jsonl", "parquet") overrides the guess,
+    e.g. a directory of text files packs as one token stream with ``kind="text"``
+    and a directory of ``.jsonl`` files with ``kind="jsonl"``. Options that are
+    ``None`` are left at the packer's default.
+
+    Example::
+
+        pack("train.jsonl", "/data/train", field="body", tokens_per_sample=513)
     """
     if kind == "auto":
-        if input_path.endswith((".npy", ".npz")):
-            kind = "arrays"
-        elif os.path.isdir(input_path):
-            kind = "files"
-        elif os.path.isfile(input_path):
-            kind = "text"
-        else:
-            raise ConfigError(f"{input_path} does not exist")
-    packers = {"files": pack_files, "text": pack_text, "arrays": pack_arrays}
+        kind = _guess_kind(input_path)
+    packers = {"files": pack_files, "text": pack_text, "arrays": pack_arrays, "jsonl": pack_jsonl, "parquet": pack_parquet}
     if kind not in packers:
         raise ConfigError(f"kind must be one of auto, {', '.join(packers)}; got {kind!r}")
-    if kind != "text":
-        if kind == "arrays" and kw.pop("exclude_dirs", None):
-            raise ConfigError("exclude_dirs applies to directories (kind 'files' or 'text')")
-        for k in ("tokens_per_sample", "max_bytes"):
-            if kw.pop(k, None) is not None:
-                raise ConfigError(f"{k} applies to kind='text' only")
+    kw = {k: v for k, v in kw.items() if v is not None and v != ()}
+    for k in kw:
+        if k not in _OPTIONS[kind] | _WRITER_OPTIONS:
+            takers = [name for name, opts in _OPTIONS.items() if k in opts]
+            raise ConfigError(f"{k} applies to kind {' or '.join(map(repr, takers)) or '(none)'}, not {kind!r}")
     return packers[kind](input_path, out, **kw)
