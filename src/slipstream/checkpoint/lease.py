@@ -354,7 +354,7 @@ class Lease:
 
 
 def take_for_job(directory: str, *, rank: int, world_size: int, group: Any, interval_s: float,
-                 stale_after_s: float | None = None) -> Lease | None:
+                 stale_after_s: float | None = None, storage_options: Mapping[str, Any] | None = None) -> Lease | None:
     """Rank 0 takes the lease of ``directory``; every rank learns the outcome.
 
     Returns the lease on rank 0 (None elsewhere). A refusal, or a lease that
@@ -366,7 +366,7 @@ def take_for_job(directory: str, *, rank: int, world_size: int, group: Any, inte
     lease = None
     if rank == 0:
         try:
-            lease = Lease(directory, interval_s=interval_s, stale_after_s=stale_after_s)
+            lease = Lease(directory, interval_s=interval_s, stale_after_s=stale_after_s, storage_options=storage_options)
             lease.acquire()
         except CheckpointDirInUse as exc:
             outcome[0] = ("in use", str(exc))

@@ -102,8 +102,10 @@ def restore_location(device: torch.device | Callable[[], torch.device]) -> Calla
     return location
 
 
-def load_rank_file(path: str, device: torch.device | Callable[[], torch.device] | None = None) -> dict[str, Any]:
+def load_rank_file(path: str, device: torch.device | Callable[[], torch.device] | None = None,
+                   data: bytes | None = None) -> dict[str, Any]:
     """A per-rank checkpoint file as plain data; refuses pickled objects with :class:`CheckpointRefused`.
+    ``data``: the file's bytes, already read (an object store's); ``path`` then only names it.
 
     Files written before the RNG state stopped holding numpy arrays load too:
     numpy's ndarray reconstruction is the only extra type they may use.
@@ -114,16 +116,17 @@ def load_rank_file(path: str, device: torch.device | Callable[[], torch.device] 
         per_rank["rng"]["torch"]   # a CPU ByteTensor
     """
     where = restore_location(device if device is not None else default_device)
+    source: Callable[[], Any] = (lambda: path) if data is None else (lambda: io.BytesIO(data))
     try:
-        return _load(path, where)
+        return _load(source(), path, where)
     except CheckpointRefused:
         raise
     except pickle.UnpicklingError as exc:
-        unsafe = _unsafe_globals(path)
+        unsafe = _unsafe_globals(source())
         if unsafe and set(unsafe) <= _legacy_numpy_names():
             log.info("%s: per-rank state in the earlier format (numpy RNG state as an ndarray)", path)
             with torch.serialization.safe_globals(_legacy_numpy_globals()):
-                return _load(path, where)
+                return _load(source(), path, where)
         what = (f"pickled Python objects ({', '.join(unsafe)})" if unsafe
                 else f"data that is not a plain tensor checkpoint ({_unpickler_reason(exc)})")
         raise CheckpointRefused(
@@ -135,16 +138,16 @@ def load_rank_file(path: str, device: torch.device | Callable[[], torch.device] 
         raise CheckpointRefused(f"checkpoint file {path} cannot be read: {_first_line(exc)}") from None
 
 
-def _load(path: str, where: Callable[[Any, str], Any]) -> dict[str, Any]:
-    state = torch.load(path, map_location=where, weights_only=True)
+def _load(source: Any, path: str, where: Callable[[Any, str], Any]) -> dict[str, Any]:
+    state = torch.load(source, map_location=where, weights_only=True)
     if not isinstance(state, dict):
         raise CheckpointRefused(f"checkpoint file {path} holds a {type(state).__name__}, not a dict of per-rank state")
     return state
 
 
-def _unsafe_globals(path: str) -> list[str]:
+def _unsafe_globals(source: Any) -> list[str]:
     try:
-        return list(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
     except Exception:  # noqa: BLE001 - not a zip checkpoint (a raw pickle): nothing to list
         return []
 
@@ -198,18 +201,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint metadata type")
 
 
-def dcp_load(state: dict[str, Any], checkpoint_dir: str, process_group: Any = None) -> None:
+def dcp_load(state: dict[str, Any], checkpoint_dir: str, process_group: Any = None,
+             storage_reader: Any = None, fs: Any = None) -> None:
     """``dcp.load`` of ``state`` from ``checkpoint_dir`` as plain data: the metadata is
     checked first, non-tensor values load weights_only, and a refusal on any rank is
     raised as :class:`CheckpointRefused` (not inside DCP's CheckpointException).
+    In an object store, ``storage_reader`` is DCP's fsspec reader and ``fs`` the filesystem.
 
     Example::
 
         dcp_load({"model": model}, "ckpt/step_100")
     """
-    check_dcp_metadata(checkpoint_dir)
+    check_dcp_metadata(checkpoint_dir, fs)
+    where = {"checkpoint_id": checkpoint_dir} if storage_reader is None else {"storage_reader": storage_reader}
     try:
-        dcp.load(state, checkpoint_id=checkpoint_dir, process_group=process_group, planner=WeightsOnlyLoadPlanner())
+        dcp.load(state, **where, process_group=process_group, planner=WeightsOnlyLoadPlanner())
     except CheckpointException as exc:
         refused = [failure[0] for failure in exc.failures.values() if isinstance(failure[0], CheckpointRefused)]
         if refused:
@@ -217,7 +223,7 @@ def dcp_load(state: dict[str, Any], checkpoint_dir: str, process_group: Any = No
         raise
 
 
-def check_dcp_metadata(checkpoint_dir: str) -> None:
+def check_dcp_metadata(checkpoint_dir: str, fs: Any = None) -> None:
     """Refuse a DCP checkpoint whose ``.metadata`` names anything but DCP's metadata
     types (torch unpickles that file unrestricted); :class:`CheckpointRefused` names the file.
 
@@ -227,7 +233,7 @@ def check_dcp_metadata(checkpoint_dir: str) -> None:
     """
     path = os.path.join(checkpoint_dir, ".metadata")
     try:
-        with open(path, "rb") as f:
+        with open(path, "rb") if fs is None else fs.open(path, "rb") as f:
             _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as exc:
         raise CheckpointRefused(

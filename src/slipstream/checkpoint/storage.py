@@ -28,6 +28,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import EXIT_TRAINING_FAILED, SlipstreamError
+from . import remote
 from .layout import list_complete
 
 SAVE_ERRORS = (Exception, CheckpointException)  # DCP's CheckpointException is a BaseException
@@ -81,7 +82,10 @@ def failing_rank(exc: BaseException) -> int | None:
 
 
 def free_bytes(path: str) -> int | None:
-    """Free bytes on the file system holding ``path`` (its nearest existing parent)."""
+    """Free bytes on the file system holding ``path`` (its nearest existing parent);
+    None for an object store's URL (no such notion there)."""
+    if remote.is_url(path):
+        return None
     probe = os.path.abspath(path)
     while not os.path.exists(probe) and os.path.dirname(probe) != probe:
         probe = os.path.dirname(probe)
@@ -141,6 +145,8 @@ def describe_failure(exc: BaseException, path: str, one_checkpoint_bytes: int | 
     size = f"one checkpoint is {human(one_checkpoint_bytes)}{size_source}"
     rank = failing_rank(exc)
     who = f"rank {rank}: " if rank else ""  # DCP raises a peer's failure here too: name the peer
+    if remote.is_url(path):  # an object store: no free space to report
+        return f"{who}{what} writing {where} ({size})"
     return f"{who}{what} writing {where} ({human(free)} free there; {size})"
 
 

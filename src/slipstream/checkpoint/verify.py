@@ -17,6 +17,12 @@ world size: a marker that does not belong to the files beside it (copied from
 another run, or from another world size) fails. Markers written before file
 lists existed still load; their files can only be matched to the world size.
 
+In an object store (a URL ``checkpoint_dir``, :mod:`.remote`) the same checks
+run on the objects: sizes from one listing, checksums by reading each object
+back (``full``: a download of the checkpoint at save and again at load; use
+``size`` where that costs too much). A checkpoint moved aside there is copied
+to ``step_N.corrupt-<time>/`` and then deleted, marker first.
+
 Example::
 
     problem = check(layout.find_latest("ckpt"), "full")
@@ -31,8 +37,10 @@ import re
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Any
 
 from ..config import CHECKPOINT_VERIFY_MODES as VERIFY_MODES
+from . import remote
 from .layout import MARKER, CheckpointDir, list_complete
 
 log = logging.getLogger("slipstream.checkpoint")
@@ -52,13 +60,19 @@ class Verdict:
         return self.reason is not None
 
 
-def file_crc32(path: str) -> int:
-    """CRC-32 of a file's bytes, read in large chunks.
+def file_crc32(path: str, fs: Any = None) -> int:
+    """CRC-32 of a file's bytes (an object's, with an fsspec ``fs``), read in large chunks.
 
     Example::
 
         file_crc32("ckpt/step_00000100/__0_0.distcp")   # 3735928559
     """
+    if fs is not None:
+        crc = 0
+        with fs.open(path, "rb", block_size=_CHUNK_BYTES) as f:
+            while chunk := f.read(_CHUNK_BYTES):
+                crc = zlib.crc32(chunk, crc)
+        return crc
     buffer = bytearray(_CHUNK_BYTES)  # one buffer, refilled: no allocation per chunk
     view, crc = memoryview(buffer), 0
     with open(path, "rb", buffering=0) as f:
@@ -67,8 +81,9 @@ def file_crc32(path: str) -> int:
     return crc
 
 
-def describe_files(directory: str, checksums: bool = True) -> dict[str, dict]:
-    """Every file under ``directory`` (the marker aside) as ``{relative path: {"bytes", "crc32"}}``.
+def describe_files(directory: str, checksums: bool = True, fs: Any = None) -> dict[str, dict]:
+    """Every file under ``directory`` (the marker aside) as ``{relative path: {"bytes", "crc32"}}``;
+    with an fsspec ``fs``, every object under the prefix ``directory``.
 
     Example::
 
@@ -76,6 +91,13 @@ def describe_files(directory: str, checksums: bool = True) -> dict[str, dict]:
         # {".metadata": {"bytes": 1234, "crc32": "9a0c3f11"}, "__0_0.distcp": {...}, "rank0.pt": {...}}
     """
     out: dict[str, dict] = {}
+    if fs is not None:
+        for rel, size in remote.objects(fs, directory).items():
+            if rel not in (MARKER, MARKER + ".tmp"):
+                out[rel] = {"bytes": size}
+                if checksums:
+                    out[rel]["crc32"] = f"{file_crc32(remote.join(directory, rel), fs):08x}"
+        return dict(sorted(out.items()))
     for root, _dirs, names in os.walk(directory):
         for name in names:
             path = os.path.join(root, name)
@@ -114,7 +136,8 @@ def check(ckpt: CheckpointDir, mode: str = "full") -> Verdict:
     if not isinstance(info, dict) or not isinstance(info.get("world_size"), int):
         return Verdict(f"{MARKER} does not hold a world size")
     files = info.get("files")
-    reason = _rank_files_problem(ckpt.path, info["world_size"], files)
+    sizes = remote.objects(ckpt.fs, ckpt.path) if ckpt.fs is not None else None  # one listing of the prefix
+    reason = _rank_files_problem(ckpt.path, info["world_size"], files, sizes)
     if reason or mode == "off":
         return Verdict(reason)
     if not isinstance(files, dict):
@@ -124,15 +147,15 @@ def check(ckpt: CheckpointDir, mode: str = "full") -> Verdict:
             return Verdict(f"{MARKER}: the entry of {rel} is malformed ({entry!r})")
         path = os.path.join(ckpt.path, rel)
         try:
-            found = os.path.getsize(path)
-        except OSError:
+            found = os.path.getsize(path) if sizes is None else sizes[rel]
+        except (OSError, KeyError):
             return Verdict(f"{rel}: missing (the marker recorded {entry['bytes']} bytes)")
         if found != entry["bytes"]:
             how = "truncated" if found < entry["bytes"] else "longer than written"
             return Verdict(f"{rel}: {found} bytes, the marker recorded {entry['bytes']} ({how})")
         if mode == "full" and "crc32" in entry:
             try:
-                crc = f"{file_crc32(path):08x}"
+                crc = f"{file_crc32(path, ckpt.fs):08x}"
             except OSError as exc:  # an I/O error: the same verdict as a bad checksum
                 return Verdict(f"{rel}: cannot be read ({exc})")
             if crc != entry["crc32"]:
@@ -140,18 +163,21 @@ def check(ckpt: CheckpointDir, mode: str = "full") -> Verdict:
     return Verdict(None)
 
 
-def choose_newest(root: str, mode: str) -> tuple[str, int, int] | str | None:
+def choose_newest(root: str, mode: str, fs: Any = None) -> tuple[str, int, int] | str | None:
     """The newest checkpoint under ``root`` that passes :func:`check`, as (path, step,
     world size). Each one that fails is logged (which file, how) and moved aside.
     Returns a message instead when checkpoints existed and none verifies (or only
-    moved-aside ones are left), and None when there never were any.
+    moved-aside ones are left), and None when there never were any. ``fs``: the
+    fsspec filesystem of an object-store ``root``.
 
     Example::
 
         choose_newest("ckpt", "full")   # ("ckpt/step_00000020", 20, 2) when step 30 is damaged
     """
+    if fs is None and remote.is_url(root):
+        fs = remote.filesystem(root)
     failed = []
-    for ckpt in reversed(list_complete(root)):
+    for ckpt in reversed(list_complete(root, fs)):
         verdict = check(ckpt, mode)
         if not verdict.failed:
             if verdict.unrecorded:
@@ -160,12 +186,12 @@ def choose_newest(root: str, mode: str) -> tuple[str, int, int] | str | None:
             return ckpt.path, ckpt.step, ckpt.info["world_size"]
         failed.append(os.path.basename(ckpt.path))
         try:
-            moved = "moved aside to " + os.path.basename(move_aside(ckpt.path))
+            moved = "moved aside to " + os.path.basename(move_aside(ckpt.path, fs))
         except OSError as exc:
             moved = f"could not be moved aside ({exc}), skipped"
         log.error("checkpoint %s failed verification (checkpoint_verify=%s): %s; %s, trying the previous one",
                   ckpt.path, mode, verdict.reason, moved)
-    aside = moved_aside(root)
+    aside = moved_aside(root, fs)
     unmoved = [name for name in failed if not any(a.startswith(name + ".corrupt-") for a in aside)]
     if failed or aside:
         return (f"checkpoint_dir {root} holds no checkpoint that verifies (failed: {', '.join(aside + unmoved)}); "
@@ -174,10 +200,12 @@ def choose_newest(root: str, mode: str) -> tuple[str, int, int] | str | None:
     return None
 
 
-def _rank_files_problem(path: str, world_size: int, files: dict | None) -> str | None:
+def _rank_files_problem(path: str, world_size: int, files: dict | None, objects: dict | None = None) -> str | None:
     """Per-rank files must be rank0.pt .. rank<W-1>.pt for the marker's world size W
-    (or absent altogether: a run with no per-rank state writes none)."""
-    present = {int(m.group(1)) for name in os.listdir(path) if (m := _RANK_FILE.match(name))}
+    (or absent altogether: a run with no per-rank state writes none). ``objects``:
+    an object store's listing of the checkpoint instead of the directory's."""
+    names = os.listdir(path) if objects is None else list(objects)
+    present = {int(m.group(1)) for name in names if (m := _RANK_FILE.match(name))}
     expected = set(range(world_size))
     if isinstance(files, dict):
         listed = {int(m.group(1)) for rel in files if (m := _RANK_FILE.match(rel))}
@@ -199,9 +227,11 @@ def _ranks(ranks: set[int]) -> str:
     return ", ".join(str(r) for r in sorted(ranks))
 
 
-def move_aside(path: str) -> str:
+def move_aside(path: str, fs: Any = None) -> str:
     """Rename a checkpoint that failed verification to ``<path>.corrupt-<UTC time>``
     (never deleted: it may hold the only copy of a long run's work). Returns the new path.
+    In an object store (``fs``): every object is copied there first, then the
+    original is deleted, marker first (a cut between the two leaves both).
 
     Example::
 
@@ -209,15 +239,25 @@ def move_aside(path: str) -> str:
     """
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     target, n = f"{path}.corrupt-{stamp}", 1
-    while os.path.exists(target):
+    exists = os.path.exists if fs is None else (lambda p: bool(remote.objects(fs, p)))
+    while exists(target):
         n += 1
         target = f"{path}.corrupt-{stamp}-{n}"
-    os.replace(path, target)
+    if fs is None:
+        os.replace(path, target)
+        return target
+    for rel in remote.objects(fs, path):
+        fs.copy(remote.join(path, rel), remote.join(target, rel))
+    remote.remove(fs, path, first=MARKER)
     return target
 
 
-def moved_aside(root: str) -> list[str]:
+def moved_aside(root: str, fs: Any = None) -> list[str]:
     """Checkpoints moved aside by earlier runs (names ``step_<N>.corrupt-<time>``)."""
-    if not os.path.isdir(root):
+    if fs is not None:
+        names = {rel.partition("/")[0] for rel in remote.objects(fs, root)}
+    elif not os.path.isdir(root):
         return []
-    return sorted(n for n in os.listdir(root) if re.match(r"^step_\d{8,}\.corrupt-", n))
+    else:
+        names = set(os.listdir(root))
+    return sorted(n for n in names if re.match(r"^step_\d{8,}\.corrupt-", n))
