@@ -192,3 +192,17 @@ def test_a_writer_killed_midway_publishes_nothing(tmp_path):
     assert _published(tmp_path / "ds") == []
     w.abort()
     assert os.listdir(tmp_path / "ds") == []
+
+
+def test_an_overwrite_at_a_url_never_leaves_an_index_naming_replaced_shards(tmp_path, s3):
+    url, opts, client = s3
+    good = tmp_path / "good.jsonl"
+    _write_jsonl(good, DOCS)
+    pack(str(good), f"{url}/ds", tokens_per_sample=9, shard_size_bytes=1024, storage_options=opts)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good.read_text() + "not json\n")
+    with pytest.raises(ConfigError, match=r"bad.jsonl:41: not valid JSON"):
+        pack(str(bad), f"{url}/ds", tokens_per_sample=5, shard_size_bytes=512, storage_options=opts, overwrite=True)
+    assert not Source(f"{url}/ds", opts).exists("index.json")  # new shards were uploaded: the old index is gone
+    idx = pack(str(good), f"{url}/ds", tokens_per_sample=9, storage_options=opts, overwrite=True)
+    assert load_index(Source(f"{url}/ds", opts)).num_samples == idx.num_samples
