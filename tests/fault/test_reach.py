@@ -55,6 +55,7 @@ def test_a_silent_peer_is_named_cut_off_and_a_refusing_one_gone(monkeypatch):
     assert "answers: the process is gone or frozen" in progress._why_silent(record)
     assert progress._node_text(record) == " (node 1, 198.18.0.2)"
     assert progress._why_silent(None) == "process gone or frozen"
+    assert progress._node_text({"node": "0", "addr": "127.0.0.1"}) == " (node 0)"  # one machine: no address
 
 
 def test_a_rank_that_cannot_reach_the_store_says_its_node_is_cut_off(monkeypatch, tmp_path):

@@ -218,9 +218,11 @@ def _own_record(reporter: ProgressReporter, now: float) -> dict:
 
 
 def _node_text(record: dict | None) -> str:
-    """" (node 1, 198.18.0.2)" from a progress record; "" where it says nothing."""
+    """" (node 1, 198.18.0.2)" from a progress record; "" where it says nothing (a loopback
+    address, one machine, names no node)."""
+    addr = record.get("addr") if record else None
     parts = [f"node {record['node']}" if record and record.get("node") is not None else "",
-             record.get("addr") or "" if record else ""]
+             addr if addr and not addr.startswith("127.") else ""]
     parts = [p for p in parts if p]
     return f" ({', '.join(parts)})" if parts else ""
 
@@ -300,7 +302,7 @@ def diagnose_hang(
         r = gone[0]
         last = records[r]
         seen = f"; its last heartbeat: {_where(last, now)}" if last else ""
-        culprit = f"rank {r}{_node_text(last)} failed first: its heartbeat stopped ({_why_silent(last)}){seen}"
+        culprit = f"rank {r} failed first{_node_text(last)}: its heartbeat stopped ({_why_silent(last)}){seen}"
     elif behind and behind[0][0] != me:
         r, rec = behind[0]
         culprit = f"rank {r} stalled first: last seen in {_where(rec, now)}"
