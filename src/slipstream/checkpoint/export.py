@@ -31,17 +31,20 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from ..config import CHECKPOINT_VERIFY_MODES
 from ..errors import UsageError
 from .layout import MARKER, CheckpointDir, find_latest
-from .safe_load import check_dcp_metadata, dcp_load
+from .safe_load import CheckpointRefused, WeightsOnlyLoadPlanner, check_dcp_metadata
 from .verify import check
 
 log = logging.getLogger("slipstream.checkpoint")
@@ -113,8 +116,8 @@ def _marker_step(path: str) -> int:
 
 def read_model_state(step_dir: str) -> dict[str, Any]:
     """The model's entries of the checkpoint in ``step_dir``, as ``{original name: value}``:
-    full tensors on the CPU (shards put together), no optimizer state. Runs in one process
-    (no process group needed).
+    full tensors on the CPU (shards put together), no optimizer state. Reads in this process
+    alone, also in one that has a process group (no collective).
 
     Example::
 
@@ -136,10 +139,16 @@ def read_model_state(step_dir: str) -> dict[str, Any]:
     if not model:
         raise ExportError(f"{step_dir} is not a slipstream training checkpoint: its DCP metadata holds no "
                           f"{'.'.join(MODEL_PATH)} entries")
-    state: dict[str, Any] = {}
-    for part in reversed(MODEL_PATH):  # {"model_optimizer": {"model": {...}}}, as it was saved
-        state = {part: state or model}
-    dcp_load(state, step_dir)
+    state = {MODEL_PATH[0]: {MODEL_PATH[1]: model}}  # nested as it was saved
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            dcp.load(state, checkpoint_id=step_dir, planner=WeightsOnlyLoadPlanner(), no_dist=True)
+        except CheckpointException as exc:  # as safe_load.dcp_load: a refusal is raised as itself
+            refused = [f[0] for f in exc.failures.values() if isinstance(f[0], CheckpointRefused)]
+            if refused:
+                raise refused[0] from None
+            raise
     return strip_wrapper_prefixes(state[MODEL_PATH[0]][MODEL_PATH[1]])
 
 
