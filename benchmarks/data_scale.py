@@ -20,7 +20,11 @@ for one epoch by 2 ranks, each a "node" with its own ShardCache limited to
 Reported per rank: bytes downloaded against its share (dataset / 2), shards
 downloaded, evictions, and the epoch's wall time. The ranks run one after the
 other in this process (the figures are per node, so this changes nothing but
-the wall time).
+the wall time). With num_workers=0 the one reading process keeps every shard
+it opened mapped, so a shard evicted from the cache's disk is not downloaded
+again by that process; the global order's bytes are the whole dataset per
+node even so. (With worker processes, each maps shards itself, and the cache's
+counters are per process: not measured here.)
 """
 
 from __future__ import annotations
