@@ -1,5 +1,5 @@
 """The commands that need no torch do not import it (issue #15 item 4): `slipstream --help`,
-`validate`, `render`, `plan --help`, `job schema`, `data --help`. benchmarks/cli_startup.py
+`validate`, `render`, `plan --help`, `job schema`, `data --help`, `export --help`. benchmarks/cli_startup.py
 times them."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ COMMANDS = [
     ["plan", "--help"],
     ["job", "schema"],
     ["data", "--help"],
+    ["export", "--help"],
 ]
 
 # Runs each command's main() in one fresh interpreter and reports, per command, its exit code
