@@ -1,7 +1,13 @@
 """Train a small GPT on the Python standard library's own source code.
 
 Every machine with Python has this corpus, so the example needs no download.
-Tokens are bytes (vocabulary 256), which keeps the example free of a tokenizer.
+Tokens are bytes (and an end-of-text token between files: vocabulary 257),
+which keeps the example free of a tokenizer. The first run packs the corpus
+into token shards under ~/.cache/slipstream/gpt_corpus (once; later runs and
+the other ranks read them), and training reads them through slipstream.data:
+a resumable sampler whose position is saved in every checkpoint, a prefetch
+thread, and the data wait in the metrics. `--data DIR|URL` trains on another
+packed dataset (`slipstream data pack ... --tokens-per-sample CONTEXT+1`).
 
     python examples/train_gpt.py --steps 50                 # one process
     slipstream run -n 2 examples/train_gpt.py --steps 200   # two, data parallel
@@ -15,9 +21,13 @@ The changes that make a plain script a Slipstream one are marked "# slipstream".
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
+import shutil
+import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -26,10 +36,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slipstream  # slipstream
+from slipstream.data import ShardedDataset, SlipstreamLoader, pack_text  # slipstream
 
 
 def load_corpus(max_bytes: int) -> torch.Tensor:
-    """The stdlib's .py files, sorted by path so every rank and run sees the same bytes."""
+    """The stdlib's .py files as one byte tensor, sorted by path (for benchmarks that train in one process)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):
@@ -128,6 +139,62 @@ def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
 
 
+def stdlib_corpus_shards(cache_dir: str, corpus_mb: float, context: int, local_rank: int) -> str:
+    """The stdlib's .py files as packed token shards of context + 1 tokens, made once per cache.
+
+    Local rank 0 packs (the caller's barrier holds the others back). It packs into a
+    temporary directory beside the final one and renames it into place, so two jobs
+    packing at once both end with one complete dataset, and a pack that dies leaves
+    nothing that looks finished.
+    """
+    key = f"py{sys.version_info.major}.{sys.version_info.minor}-{corpus_mb:g}mb-{context + 1}tok"
+    path = os.path.join(cache_dir, "gpt_corpus", key)
+    if local_rank != 0 or os.path.exists(os.path.join(path, "index.json")):
+        return path
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{key}.", dir=os.path.dirname(path))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep a shared cache from other users
+        pack_text(sysconfig.get_paths()["stdlib"], tmp, tokens_per_sample=context + 1, suffixes=(".py",),
+                  exclude_dirs=("site-packages", "test", "tests"), max_bytes=int(corpus_mb * 2**20))
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another job renamed its copy first: use that one
+            if not os.path.exists(os.path.join(path, "index.json")):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+class DataPosition:
+    """The loader's place in the data, as checkpoint state (``extra_state``).
+
+    accelerate() restores a checkpoint before the loader exists (the loader's rank
+    split comes from the layout accelerate builds), so a restored state waits here
+    until ``attach``. Before that, ``state_dict`` is a fresh loader's: the shape the
+    checkpoint is read into.
+    """
+
+    def __init__(self, template: dict) -> None:
+        self.loader: SlipstreamLoader | None = None
+        self.restored: dict | None = None
+        self.template = template
+
+    def attach(self, loader: SlipstreamLoader) -> None:
+        self.loader = loader
+        if self.restored is not None:
+            loader.load_state_dict(self.restored)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict() if self.loader is not None else dict(self.restored or self.template)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.restored = dict(state)
+        if self.loader is not None:
+            self.loader.load_state_dict(self.restored)
+
+
 def batch_for(step: int, rank: int, corpus: torch.Tensor, batch: int, context: int, seed: int):
     """Random windows, a pure function of (seed, step, rank): a resumed run sees the same data."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
@@ -146,7 +213,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--corpus-mb", type=float, default=4.0)
+    p.add_argument("--corpus-mb", type=float, default=4.0, help="MiB of the stdlib corpus to pack (without --data)")
+    p.add_argument("--data", default=None, metavar="DIR|URL",
+                   help="a packed token dataset (slipstream data pack) to train on instead of the stdlib corpus")
+    p.add_argument("--data-cache", default=os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "slipstream"),
+                   metavar="DIR", help="where the packed stdlib corpus and shards read from URLs are kept")
     p.add_argument("--out", default=None, help="directory for the final model's state_dict")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest complete one")
     p.add_argument("--checkpoint-every", type=int, default=None, help="save every N optimizer steps")
@@ -160,8 +231,20 @@ def main() -> None:
 
     rt = slipstream.init()  # slipstream: process group, device (NCCL on GPUs, gloo on CPUs)
     torch.manual_seed(args.seed)  # same initial weights on every rank
-    corpus = load_corpus(int(args.corpus_mb * 2**20))
-    model = GPT(dim=args.dim, layers=args.layers, context=args.context)
+    data = args.data or stdlib_corpus_shards(args.data_cache, args.corpus_mb, args.context, rt.local_rank)
+    if rt.world_size > 1:
+        torch.distributed.barrier()  # the other ranks wait for local rank 0's first pack
+    # slipstream: a URL is read through a node-local cache of verified shards; a local directory in place.
+    dataset = ShardedDataset(data, cache=None if "://" not in data else os.path.join(args.data_cache, "shards"))
+    (field,) = dataset.index.fields or (None,)
+    vocab = dataset.index.meta.get("vocab_size")
+    if field is None or len(field.shape) != 1 or field.shape[0] < args.context + 1 or vocab is None:
+        raise slipstream.ConfigError(f"--data {data}: needs token samples of at least context + 1 = {args.context + 1} "
+                                     f"tokens and meta.vocab_size in its index (fields {dataset.index.fields}, "
+                                     f"vocab_size {vocab}); pack with --tokens-per-sample {args.context + 1}")
+    loader_options = dict(batch_size=args.batch_size, seed=args.seed, drop_last=True)
+    position = DataPosition(SlipstreamLoader(dataset, rank=0, world_size=1, prefetch_batches=0, **loader_options).state_dict())
+    model = GPT(vocab=int(vocab), dim=args.dim, layers=args.layers, context=args.context)
     params = sum(p.numel() for p in model.parameters())
     warmup = max(1, args.steps // 20)
     # Factories rather than objects: sharded, tensor-parallel and pipeline layouts
@@ -174,36 +257,45 @@ def main() -> None:
         ),
         total_steps=args.steps, checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every,
         dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, tp_plan=TP_PLAN,
+        # The data position is saved with the model, so a resumed run reads the batches it would have read.
+        extra_state={"data": position} if args.checkpoint_dir else None,
     )
+    # Ranks of one tensor-parallel group or one pipeline read the same batch: split the data by run.dp_rank.
+    loader = SlipstreamLoader(dataset, rank=run.dp_rank, world_size=run.dp_size, **loader_options)  # slipstream
+    position.attach(loader)
+    run.recorder.sources.append(loader.stats)  # data_wait_s_total, data_batches_total in every metrics record
     if rt.is_main:
         c = run.config
-        print(f"GPT: {params / 1e6:.2f}M parameters, corpus {corpus.numel() / 2**20:.1f} MiB, "
+        print(f"GPT: {params / 1e6:.2f}M parameters, data {data} ({len(dataset)} samples of {field.shape[0]} tokens), "
               f"{rt.world_size} rank(s) on {rt.device}, precision {c.numerics.precision}, sync {c.sync.strategy}, "
               f"layout {run.describe_layout()}")
 
     started = time.perf_counter()
-    # run.step_count and run.micro_step_count come back from a checkpoint on
-    # resume, so the loop and the data continue where they stopped.
-    # Ranks of one tensor-parallel group or one pipeline read the same batch: index by run.dp_rank.
+    # run.step_count comes back from a checkpoint on resume, and the loader's position
+    # with it, so the loop and the data continue where they stopped.
+    batches = (batch for _epoch in itertools.count() for batch in loader)  # each pass is one epoch
     while run.step_count < args.steps:
-        x, y = batch_for(run.micro_step_count, run.dp_rank, corpus, args.batch_size, args.context, args.seed)
-        x, y = x.to(rt.device), y.to(rt.device)
+        tokens = next(batches)[:, : args.context + 1].long()  # the wait here is the step's data_wait_s
+        x, y = tokens[:, :-1].to(rt.device), tokens[:, 1:].to(rt.device)
         # slipstream (was: loss = loss_fn(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()).
         # Without pipeline stages, run.model(x) / run.backward(loss) / run.step() work as well.
         run.train_step(x, y, loss_fn)
         if run.stop_requested:  # SIGTERM (preemption): the checkpoint of this step is written
             break
     step = run.step_count
+    data_wait_s = loader.wait_s_total
 
-    summary = run.finish()
+    summary = run.finish()  # may save a last checkpoint, the loader's position with it
+    loader.close()
     if run.stop_requested:  # exit 143: the launcher (and Kubernetes) count it as a preemption, not a failure
         slipstream.shutdown(exit_code=slipstream.EXIT_PREEMPTED)
     # Gathering a sharded model is a collective: every rank asks, the first one writes.
     state = run.unwrapped_state_dict() if args.out else None
     if rt.is_main:
         elapsed = time.perf_counter() - started
-        print(f"done: {step} steps in {elapsed:.1f} s, final loss {summary['final_loss']:.4f} "
-              f"(uniform guess: {math.log(256):.4f}), {summary['tokens_per_s'] or 0:.0f} tokens/s on {rt.world_size} rank(s)")
+        print(f"done: {step} steps in {elapsed:.1f} s, final loss {summary['final_loss'] or math.nan:.4f} "
+              f"(uniform guess: {math.log(int(vocab)):.4f}), {summary['tokens_per_s'] or 0:.0f} tokens/s on {rt.world_size} rank(s), "
+              f"data wait {data_wait_s:.2f} s ({data_wait_s / max(elapsed, 1e-9) * 100:.1f}%)")
         if args.out:
             os.makedirs(args.out, exist_ok=True)
             torch.save(state, os.path.join(args.out, "model.pt"))

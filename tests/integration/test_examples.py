@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -43,6 +44,19 @@ def test_examples_run_as_a_single_process_without_a_launcher(tmp_path):
         assert "done: 6 steps" in proc.stdout
         state = torch.load(out / "model.pt")
         assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+
+
+def test_gpt_trains_on_a_packed_dataset_given_by_data(tmp_path):
+    """--data: a dataset packed from JSON Lines is read instead of the stdlib corpus (nothing is packed)."""
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        for i in range(200):
+            f.write(json.dumps({"text": f"def f{i}(x):\n    return x * {i}\n"}) + "\n")
+    ds, cache = tmp_path / "ds", tmp_path / "cache"
+    run([sys.executable, "-m", "slipstream", "data", "pack", str(tmp_path / "docs.jsonl"), str(ds), "--tokens-per-sample", "17"])
+    proc = run([sys.executable, "examples/train_gpt.py", "--steps", "4", "--batch-size", "4", "--layers", "1", "--dim", "32",
+                "--context", "16", "--data", str(ds), "--data-cache", str(cache)])
+    assert f"data {ds} (" in proc.stdout and "samples of 17 tokens" in proc.stdout and "done: 4 steps" in proc.stdout
+    assert not cache.exists()
 
 
 def test_resnet_learns_the_generated_classes(tmp_path):
