@@ -28,7 +28,7 @@ def test_a_joining_node_tries_again_until_the_store_answers(monkeypatch, caplog)
     run, calls = _agent(failures=2)
     api._launch_rejoining(_opts(node_rank=1), "10.0.0.1:29400", run)
     assert len(calls) == 3
-    assert "lost the rendezvous store at 10.0.0.1:29400" in caplog.text
+    assert "cannot reach the rendezvous store at 10.0.0.1:29400" in caplog.text and "check --rdzv-endpoint" in caplog.text
 
 
 def test_it_gives_up_after_the_join_timeout(monkeypatch):
@@ -45,3 +45,13 @@ def test_the_rendezvous_host_does_not_retry(monkeypatch):
     with pytest.raises(RendezvousConnectionError):
         api._launch_rejoining(_opts(node_rank=0), "10.0.0.1:29400", run)
     assert len(calls) == 1
+
+
+def test_the_retry_window_is_capped_whatever_the_join_timeout(monkeypatch):
+    """A lost rendezvous host takes the c10d store with it: the others must still fail within minutes."""
+    monkeypatch.setattr(api, "REJOIN_PAUSE_S", 0.02)
+    monkeypatch.setattr(api, "REJOIN_WINDOW_S", 0.1)
+    run, calls = _agent(failures=10**6)
+    with pytest.raises(RendezvousConnectionError):
+        api._launch_rejoining(_opts(node_rank=1, join_timeout_s=600), "10.0.0.1:29400", run)
+    assert 2 <= len(calls) < 100

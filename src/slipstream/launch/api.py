@@ -293,14 +293,20 @@ def launch(opts: LaunchOptions) -> int:
 
 REJOIN_PAUSE_S = 3.0
 """Pause between two attempts of a node cut off from the rendezvous store to join again."""
+REJOIN_WINDOW_S = 180.0
+"""How long such a node keeps trying (or the join timeout, if shorter): long enough for a
+link that comes back, short enough that a lost rendezvous host (the c10d store dies
+with it) still fails the job within minutes, for the orchestrator to restart."""
 
 
 def _launch_rejoining(opts: LaunchOptions, endpoint: str, run_agent: Callable[[], object]) -> None:
     """Run the agent; a node that is not the rendezvous host and loses the store (a
-    link cut, a switch failure) tries again to join, for up to ``join_timeout_s``,
-    instead of leaving the job for good.
+    link cut, a switch failure) tries again to join, for up to :data:`REJOIN_WINDOW_S`
+    (or ``join_timeout_s`` if shorter), instead of leaving the job for good.
 
-    Torch's agent gives up at the first RendezvousConnectionError. An elastic job
+    Torch's agent gives up at the first RendezvousConnectionError. The same retry
+    serves a node that starts before the rendezvous host is up (pods start in any
+    order); a wrong endpoint is named in every retry line. An elastic job
     (``--nnodes MIN:MAX``) goes on without this node meanwhile (at the smaller size,
     from its last checkpoint) and takes it back in at its next rendezvous round once
     the link is back; in a fixed-size job the other nodes wait for it in their
@@ -318,11 +324,12 @@ def _launch_rejoining(opts: LaunchOptions, endpoint: str, run_agent: Callable[[]
                 raise
             now = time.monotonic()
             first_error = first_error if first_error is not None else now
-            if now - first_error > opts.join_timeout_s:
+            window = min(opts.join_timeout_s, REJOIN_WINDOW_S)
+            if now - first_error > window:
                 raise
             log.info(
-                f"slipstream run: this node lost the rendezvous store at {endpoint} ({exc}); trying to join again "
-                f"for up to {opts.join_timeout_s - (now - first_error):.0f} s more (join timeout)",
+                f"slipstream run: cannot reach the rendezvous store at {endpoint} ({exc}); trying to join again "
+                f"for up to {window - (now - first_error):.0f} s more (if this node never joined, check --rdzv-endpoint)",
                 extra=CONSOLE,
             )
             time.sleep(REJOIN_PAUSE_S)
