@@ -15,7 +15,8 @@ import pytest
 
 from slipstream.checkpoint import CheckpointDirInUse, CheckpointManager
 from slipstream.checkpoint import lease as lease_mod
-from slipstream.checkpoint.lease import LEASE_FILE, Holder, Lease, pid_alive, this_holder
+from slipstream.checkpoint.lease import LEASE_FILE, Holder, Lease, this_holder
+from slipstream.pids import alive as pid_alive, start_time
 from slipstream.errors import ConfigError
 
 from ..data.conftest import s3, s3_endpoint  # noqa: F401 - the moto S3 server fixtures
@@ -45,7 +46,7 @@ def _on_disk(directory) -> dict:
 
 
 def test_a_second_live_holder_is_refused_in_one_line(tmp_path, sleeper):
-    first = Lease(str(tmp_path), holder=Holder("job-a", HOST, sleeper.pid, pid_start=lease_mod._pid_start(sleeper.pid)), **FAST)
+    first = Lease(str(tmp_path), holder=Holder("job-a", HOST, sleeper.pid, pid_start=start_time(sleeper.pid)), **FAST)
     first.acquire()
     try:
         with pytest.raises(CheckpointDirInUse) as info:
@@ -78,7 +79,7 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path, caplog):
 
 
 def test_a_reused_pid_does_not_keep_a_dead_holder_alive(sleeper):
-    assert pid_alive(sleeper.pid, lease_mod._pid_start(sleeper.pid))
+    assert pid_alive(sleeper.pid, start_time(sleeper.pid))
     assert not pid_alive(sleeper.pid, "1")  # same pid, another start time: another process
 
 

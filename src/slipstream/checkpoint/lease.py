@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..pids import alive, start_time
 
 log = logging.getLogger("slipstream.checkpoint")
 
@@ -64,44 +65,6 @@ NOT_A_RUN_ID = ("", "none")  # torchrun's default id: shared by unrelated jobs
 
 class CheckpointDirInUse(ConfigError):
     """Another live job holds the checkpoint directory's writer lease (exit 2)."""
-
-
-def _pid_start(pid: int) -> str | None:
-    """The start time of ``pid`` in clock ticks since boot (Linux), or None: with the pid
-    it names one process, so a pid reused by another process is not taken for the holder."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()
-    return fields[19] if len(fields) > 19 else None  # field 22 of proc(5); fields[0] is field 3
-
-
-def pid_alive(pid: int, start: str | None = None) -> bool:
-    """Whether process ``pid`` (started at ``start``, when given) runs on this host.
-
-    A zombie counts as gone; a process we may not signal (EPERM) as alive.
-    """
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # it exists, under another user
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            if f.read().rsplit(")", 1)[-1].split()[0] == "Z":
-                return False
-    except (OSError, IndexError):
-        pass
-    if start is not None:
-        now = _pid_start(pid)
-        if now is not None and now != start:
-            return False  # the pid was reused by another process
-    return True
 
 
 @dataclass(frozen=True)
@@ -147,7 +110,7 @@ def this_holder(env: Mapping[str, str] | None = None) -> Holder:
         pid = os.getppid()  # the elastic agent: workers are its direct children
     else:
         pid = os.getpid()
-    start = _pid_start(pid)
+    start = start_time(pid)
     if elastic_id is not None and elastic_id.strip().lower() not in NOT_A_RUN_ID:
         run_id = elastic_id
     else:
@@ -268,7 +231,7 @@ class Lease:
 
     def _gone(self, other: Holder, now: float) -> str | None:
         """Why ``other`` may be taken over, or None when it holds the directory."""
-        if other.host == self.holder.host and not pid_alive(other.pid, other.pid_start):
+        if other.host == self.holder.host and not alive(other.pid, other.pid_start):
             return "its process is gone (same host)"
         silent = now - other.heartbeat_unix_s
         if silent > self.stale_after_s:

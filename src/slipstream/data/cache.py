@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping
 from filelock import FileLock
 
 from ..errors import ConfigError
+from ..pids import alive
 from .format import INDEX_NAME, DataIntegrityError, Index, ShardInfo, ShardReader, file_sha256
 from .source import Source, SourceUnavailable
 
@@ -276,7 +277,7 @@ class ShardCache:
             except (IndexError, ValueError):
                 pid, host = -1, ""
             if host == _HOST_ID and pid > 0:
-                if pid != os.getpid() and not _pid_alive(pid):
+                if pid != os.getpid() and not alive(pid):
                     _remove(path)
                 continue
             try:
@@ -437,11 +438,4 @@ def _remove(path: str) -> None:
         pass
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

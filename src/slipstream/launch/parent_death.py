@@ -53,6 +53,8 @@ import signal
 import sys
 from collections.abc import MutableMapping
 
+from ..pids import alive
+
 ENV_AGENT_PID = "SLIPSTREAM_AGENT_PID"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -66,24 +68,6 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):  # no libc symbol table (static builds, unusual loaders)
         return False
-
-
-def is_alive(pid: int) -> bool:
-    """Whether ``pid`` is a running process (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except (OSError, IndexError):  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
 
 
 def die_with_agent(environ: MutableMapping[str, str] | None = None) -> bool:
@@ -108,6 +92,6 @@ def die_with_agent(environ: MutableMapping[str, str] | None = None) -> bool:
     armed = set_parent_death_signal(signal.SIGKILL)
     if os.getppid() == agent:  # read after arming: a parent that dies from here on kills us
         return armed
-    if is_alive(agent):
+    if alive(agent):
         return False  # a wrapper process between the agent and us; see the module docstring
     sys.exit(f"slipstream worker: the launcher (pid {agent}) is gone; exiting")
