@@ -63,6 +63,11 @@ GPUS: dict[str, GpuSpec] = {
     # (The Horovod paper's 512-GPU runs: 128 servers of 4 Pascal GPUs.)
     "P100": GpuSpec("P100", 9.3 * TERA, 18.7 * TERA, None, 16 * GIB, 732e9, 12e9, 5e-6, 4, 1.46,
                     "NVIDIA Tesla P100 PCIe datasheet"),
+    # Tesla P100 SXM2 16 GB datasheet: 10.6 TFLOPS fp32, 21.2 TFLOPS fp16, 732 GB/s HBM2, NVLink 4 links x
+    # 20 GB/s per direction (DGX-1 / Big Basin hybrid cube mesh; IBM S822LC "Minsky"): a ring over them is
+    # taken at 40 GB/s per direction (two links' worth). Pascal: no bf16.
+    "P100-SXM2": GpuSpec("P100-SXM2", 10.6 * TERA, 21.2 * TERA, None, 16 * GIB, 732e9, 40e9, 3e-6, 8, 1.46,
+                         "NVIDIA Tesla P100 SXM2 datasheet"),
     # Tesla V100 SXM2 32 GB datasheet: 15.7 TFLOPS fp32, 125 TFLOPS tensor (fp16), 900 GB/s HBM2,
     # NVLink 300 GB/s total (6 links x 25 GB/s each direction) -> 150 GB/s per direction. No bf16.
     "V100": GpuSpec("V100", 15.7 * TERA, 125 * TERA, None, 32 * GIB, 900e9, 150e9, 3e-6, 8, 3.06,
