@@ -45,6 +45,8 @@ _RESOURCE_PATTERN = (
 )
 _PVC_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 _HTTP_PATH_PATTERN = r"^/[!-~]*$"
+_SLURM_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
+_SLURM_TIME_PATTERN = r"^([0-9]+-[0-9]+(:[0-9]+){0,2}|[0-9]+(:[0-9]+){0,2})$"
 _PYTHON_RE = re.compile(r"^(.*/)?python(3(\.[0-9]+)?)?$")
 DNS_LABEL_RULE = ("a DNS-1123 label (lower-case letters, digits and '-', starting with a letter and ending "
                   "with a letter or digit)")
@@ -191,6 +193,27 @@ class Network:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Slurm:
+    """Options of the Slurm target only (``slipstream render/submit --target slurm``); other targets ignore them."""
+
+    partition: str | None = string(pattern=_SLURM_NAME_PATTERN, rule="a Slurm partition name", max_len=128,
+                                   doc="sbatch --partition; none: the cluster's default partition.")
+    account: str | None = string(pattern=_SLURM_NAME_PATTERN, rule="a Slurm account name", max_len=128,
+                                 doc="sbatch --account; none: the user's default account.")
+    qos: str | None = string(pattern=_SLURM_NAME_PATTERN, rule="a Slurm QOS name", max_len=128,
+                             doc="sbatch --qos; none: the association's default QOS.")
+    time: str | None = string(
+        pattern=_SLURM_TIME_PATTERN, rule="a Slurm time limit (MINUTES, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS)",
+        max_len=32, doc="Time limit (sbatch --time); none: the partition's.")
+    signal_grace_s: int = integer(
+        120, minimum=10, maximum=86400,
+        doc="SIGTERM reaches the agents this many seconds before the time limit (sbatch --signal=TERM@N): time "
+            "for the emergency checkpoint, after which the job requeues itself.")
+    requeue: bool = boolean(True, doc="A preempted job (exit 143 after its emergency checkpoint) is requeued "
+                                      "(sbatch --requeue, scontrol requeue) and resumes from the checkpoint.")
+
+
+@dataclass(frozen=True, kw_only=True)
 class Serve:
     port: int = integer(8000, minimum=1, maximum=65535,
                         doc=f"Container port of the service (not {RDZV_PORT}, the training rendezvous).")
@@ -261,6 +284,7 @@ class JobSpec:
         pattern=NAME_PATTERN, rule=DNS_LABEL_RULE + " naming a PriorityClass", max_len=63,
         doc="PriorityClass of the pods.")
     network: Network = section(Network, doc="Opt-in network hints.")
+    slurm: Slurm = section(Slurm, only_for="training", doc="Options of the Slurm target (--target slurm).")
     shm_size: str | None = quantity(doc="Size of /dev/shm (a memory-backed emptyDir, <= memory).")
     serve: Serve | None = section(Serve, optional=True, only_for="inference", doc="The service of kind inference.")
     source_path: str | None = field(default=None, compare=False)  # not a key: the file the spec came from
@@ -408,7 +432,7 @@ def parse_entrypoint(command: list[str]) -> Entrypoint:
 
 
 __all__ = [
-    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Parallel", "Network", "Serve",
+    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Parallel", "Network", "Slurm", "Serve",
     "Entrypoint", "parse_entrypoint", "config_values", "train_config", "sync_strategies", "KINDS", "RDZV_PORT", "NAME_MAX_CHARS", "TIME_SLICED_RESOURCE",
     "GENERATED_ENV_PREFIXES",
 ]

@@ -31,7 +31,7 @@ from ..errors import ConfigError, UsageError
 from .fields import rules
 from .model import (
     GENERATED_ENV_PREFIXES, KINDS, NAME_MAX_CHARS, RDZV_PORT, TIME_SLICED_RESOURCE, Checkpoint, Data, Elastic,
-    Entrypoint, GpuSlice, JobSpec, Network, Parallel, Restarts, Serve, Sync, parse_entrypoint, train_config,
+    Entrypoint, GpuSlice, JobSpec, Network, Parallel, Restarts, Serve, Slurm, Sync, parse_entrypoint, train_config,
 )
 from .quantity import parse_quantity
 from .reader import Errors, read_section, type_name
@@ -250,7 +250,7 @@ def is_job_file(path: str) -> bool:
 
 
 __all__ = [
-    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Parallel", "Network", "Serve",
+    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Parallel", "Network", "Slurm", "Serve",
     "Entrypoint", "parse_spec", "load_spec", "load_spec_text", "parse_entrypoint", "is_job_file",
     "RDZV_PORT", "KINDS", "NAME_MAX_CHARS", "TIME_SLICED_RESOURCE", "GENERATED_ENV_PREFIXES", "CHECKS",
 ]
