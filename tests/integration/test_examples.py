@@ -60,7 +60,10 @@ def test_gpt_trains_on_a_packed_dataset_given_by_data(tmp_path):
 
 
 def test_resnet_learns_the_generated_classes(tmp_path):
-    proc = run([sys.executable, "-m", "slipstream", "run", "-n", "2", "--precision", "bf16",
+    # fp32: a bf16 convolution on a CPU without native bf16 costs ~2.5x the step here (35 s
+    # against 13 s). The bf16 ResNet trains, checkpoints and resumes bitwise in
+    # tests/integration/test_gpu_acceptance.py (example/resnet/bf16), and on GPUs.
+    proc = run([sys.executable, "-m", "slipstream", "run", "-n", "2",
                 "examples/train_resnet.py", "--steps", "40", "--width", "8"])
     seen = losses(proc.stdout + proc.stderr)
     assert seen[-1] < 0.6 * math.log(10), seen
