@@ -1,0 +1,58 @@
+"""``slipstream status | logs | cancel JOB``: the parsers; the work is :mod:`.lifecycle`'s."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .lifecycle import TARGETS, Action, LifecycleRequest, run_lifecycle
+
+_JOB_HELP = ("job name or id from `slipstream submit` (its record says where it runs); "
+             "without a record, a Slurm job id with --target slurm or a job name with --target kubernetes")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", metavar="JOB", help=_JOB_HELP)
+    p.add_argument("--target", choices=TARGETS, default=None,
+                   help="where the job runs (default: from the submission record); kubernetes means indexed-job")
+    p.add_argument("--kubectl", default="kubectl", metavar="PATH", help="kubectl to use (default: kubectl on PATH)")
+    p.add_argument("--namespace", "-n", default=None, metavar="NS",
+                   help="Kubernetes namespace (default: the record's, else kubectl's current one)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "status", help="state, nodes, restarts, elapsed time and progress of a submitted job",
+        description="Show a submitted job: state (Slurm's words, on Kubernetes too), nodes, requeues/restarts, "
+        "elapsed time, and the last step and loss from the run's metrics when its run directory is reachable.",
+    )
+    _common(p)
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="read the last step and loss from DIR/metrics (default: the record's run directory)")
+    p.set_defaults(func=main, action=Action.STATUS)
+
+    p = subparsers.add_parser(
+        "logs", help="print (or follow) a submitted job's output",
+        description="Print the job's output: its Slurm output file, or every pod's log on Kubernetes.",
+    )
+    _common(p)
+    p.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="only lines tagged with rank R ([rankR]:, [defaultR]: or srun --label's 'R: ')")
+    p.set_defaults(func=main, action=Action.LOGS)
+
+    p = subparsers.add_parser(
+        "cancel", help="cancel a submitted job (scancel, or kubectl delete)",
+        description="Cancel the job: scancel on Slurm (and wait to see it CANCELLED); on Kubernetes, "
+        "delete its objects by label (the pods go with them).",
+    )
+    _common(p)
+    p.set_defaults(func=main, action=Action.CANCEL)
+
+
+def main(args: argparse.Namespace) -> int:
+    req = LifecycleRequest(
+        action=args.action, job=args.job, target=args.target, kubectl=args.kubectl, namespace=args.namespace,
+        follow=getattr(args, "follow", False), rank=getattr(args, "rank", None), run_dir=getattr(args, "run_dir", None),
+    )
+    return run_lifecycle(req, sys.stdout)
