@@ -1,0 +1,134 @@
+"""The Slurm target: an sbatch script from a :class:`~slipstream.job.spec.JobSpec`.
+
+One ``slipstream run`` agent per node (``--ntasks-per-node=1``), started by one
+``srun``; the agents meet at a c10d rendezvous on the allocation's first node
+(the one running the batch script, ``SLURM_NODEID`` 0), on a port derived from
+the job id so that jobs sharing a node do not collide. Each agent publishes its
+node's ``NodeAddr`` (``--local-addr``), as a pod publishes its IP.
+
+Preemption: SIGTERM reaches the agents (``scancel --signal=TERM``, the time
+limit through ``--signal=TERM@signal_grace_s``, or a preempting job), the
+workers write the emergency checkpoint and the agents exit 143
+(``EXIT_PREEMPTED``); ``srun`` returns it and the batch script requeues the job
+(``scontrol requeue``), which resumes from the checkpoint. A signal to the batch
+shell alone (``scancel -b``) is passed on to ``srun``, which forwards it to the agents.
+
+The spec's ``image`` is not used: the job runs in the nodes' own software
+environment (``slipstream`` and the script must be installed there). Kubernetes-only
+keys (``namespace``, ``queue``, ``priority_class``, ``network``, ``shm_size``,
+``checkpoint.volume_claim``) are ignored.
+
+Example::
+
+    from slipstream.job import load_spec
+    from slipstream.job.slurm import render_sbatch
+    print(render_sbatch(load_spec("examples/jobs/local-2x1.yaml")))   # #!/bin/bash, #SBATCH --nodes=2, ...
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from decimal import Decimal
+
+from ..errors import EXIT_PREEMPTED
+from .commands import entry_argv, launcher_flags, prewarm_command
+from .quantity import parse_quantity
+from .spec import RDZV_PORT, JobSpec
+
+TARGET = "slurm"
+PORT_SPAN = 20000
+"""The rendezvous port is ``RDZV_PORT + SLURM_JOB_ID % PORT_SPAN`` (29400..49399)."""
+NODE_ADDR = "$(scontrol show node \"$SLURMD_NODENAME\" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')"
+"""Shell expression: the NodeAddr of the node a task runs on."""
+
+
+def output_pattern(spec: JobSpec) -> str:
+    """The batch script's ``--output``: ``slipstream-<name>-%j.out`` in the submission directory."""
+    return f"slipstream-{spec.name}-%j.out"
+
+
+def output_path(spec: JobSpec, job_id: str) -> str:
+    """The output file of job ``job_id`` (relative to the submission directory)."""
+    return output_pattern(spec).replace("%j", job_id)
+
+
+def sbatch_options(spec: JobSpec) -> list[str]:
+    """The ``#SBATCH`` options, in the order written (``--nodes=2``, ``--ntasks-per-node=1``, ...)."""
+    nodes = str(spec.replicas) if spec.min_replicas == spec.max_replicas else f"{spec.min_replicas}-{spec.max_replicas}"
+    opts = [f"--job-name={spec.name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
+    if spec.cpu:
+        opts.append(f"--cpus-per-task={max(1, math.ceil(parse_quantity(spec.cpu)))}")
+    if spec.memory:
+        opts.append(f"--mem={max(1, math.ceil(parse_quantity(spec.memory) / Decimal(2**20)))}M")
+    if spec.gpu_count:
+        if spec.gpu_slice.mig:  # Slurm's MIG gres type is the profile without "mig-" (gres.conf AutoDetect=nvml)
+            opts.append(f"--gres=gpu:{spec.gpu_slice.mig.removeprefix('mig-')}:{spec.gpu_count}")
+        elif spec.gpu_slice.time_sliced:  # GRES sharding (Slurm >= 22.05)
+            opts.append(f"--gres=shard:{spec.gpu_count}")
+        else:
+            opts.append(f"--gpus-per-node={spec.gpu_count}")
+    s = spec.slurm
+    opts += [f"--{key}={value}" for key, value in
+             (("time", s.time), ("partition", s.partition), ("account", s.account), ("qos", s.qos)) if value]
+    opts.append("--requeue" if s.requeue else "--no-requeue")
+    # SIGTERM to the job steps (the agents) before the time limit: the emergency checkpoint's time.
+    opts.append(f"--signal=TERM@{s.signal_grace_s}")
+    # A requeued job appends to the same file: one log per job id, every attempt in it.
+    opts += [f"--output={output_pattern(spec)}", "--open-mode=append"]
+    return opts
+
+
+def _shell(argv: list[str]) -> str:
+    """``argv`` as shell words; words starting with ``$`` stay expandable (in double quotes)."""
+    return " ".join(f'"{a}"' if a.startswith("$") else shlex.quote(a) for a in argv)
+
+
+def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
+    """The sbatch script of a training spec (``source``: the spec's path, for the header comment)."""
+    flags = launcher_flags(spec, spec.nnodes, "$RDZV_HOST:$RDZV_PORT", "$SLURM_NODEID", "$SLURM_JOB_ID",
+                           local_addr=NODE_ADDR)
+    agent = _shell(["slipstream", "run", *flags, *entry_argv(spec)])
+    lines = ["#!/bin/bash", f"# Rendered by `slipstream render --target slurm`{f' from {source}' if source else ''}: "
+             f"{spec.replicas} node(s), one `slipstream run` agent per node, {spec.procs_per_replica} worker(s) each.",
+             f"# image {spec.image} is not used on Slurm: the nodes' own environment runs the job."]
+    lines += [f"#SBATCH {o}" for o in sbatch_options(spec)]
+    lines += ["", "set -u"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in spec.worker_env().items()]
+    lines += [
+        "",
+        "# The rendezvous: the allocation's first node (it runs this script, SLURM_NODEID 0).",
+        'RDZV_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        "RDZV_HOST=\"$(scontrol show node \"$RDZV_NODE\" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')\"",
+        f"RDZV_PORT=$(({RDZV_PORT} + SLURM_JOB_ID % {PORT_SPAN}))",
+        'export RDZV_HOST RDZV_PORT',
+        'echo "slipstream: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST, '
+        'rendezvous $RDZV_HOST:$RDZV_PORT"',
+    ]
+    prewarm = prewarm_command(spec)
+    if prewarm is not None:
+        lines += ["", "# Fill each node's data cache before training.",
+                  f"srun --ntasks-per-node=1 {_shell(prewarm + ['--no-progress'])} || exit $?"]
+    lines += [
+        "",
+        "# srun in the background, so a SIGTERM to this shell runs the trap at once (a foreground",
+        "# command would defer it); srun forwards the signal to the agents.",
+        f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {shlex.quote('exec ' + agent)} &",
+        "SRUN_PID=$!",
+        "trap 'kill -TERM \"$SRUN_PID\" 2>/dev/null' TERM",
+        'wait "$SRUN_PID"; rc=$?',
+        'while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; rc=$?; done',
+    ]
+    if spec.slurm.requeue:
+        lines += [
+            f"if [ \"$rc\" -eq {EXIT_PREEMPTED} ]; then",
+            "    # Preempted: the emergency checkpoint is written; the requeued job resumes from it.",
+            '    echo "slipstream: job $SLURM_JOB_ID preempted (exit 143): requeueing it" >&2',
+            '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+            "fi",
+        ]
+    lines += ['exit "$rc"', ""]
+    return "\n".join(lines)
+
+
+__all__ = ["TARGET", "PORT_SPAN", "render_sbatch", "sbatch_options", "output_pattern", "output_path"]
