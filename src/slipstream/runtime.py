@@ -101,13 +101,15 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
         )
+    # Open MPI before Slurm: mpirun inside an allocation starts its daemons with srun,
+    # and the ranks inherit the daemon's SLURM_PROCID (the node index), not their own.
+    if "OMPI_COMM_WORLD_RANK" in env and "OMPI_COMM_WORLD_SIZE" in env:
+        return _mpi_env(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
         per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         local_world = int(per_node) if per_node.isdigit() else world
-        job_id = env.get("SLURM_JOB_ID", "0")
-        # A port derived from the job id, so concurrent jobs on shared nodes differ.
-        default_port = 20000 + int(hashlib.sha1(job_id.encode()).hexdigest(), 16) % 20000
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         rank = _int(env, "SLURM_PROCID")
         return LaunchEnv(
@@ -117,31 +119,66 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
             local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else rank % max(1, local_world),
             local_world_size=local_world,
             master_addr=addr,
-            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else default_port,
+            master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else port_for_job(env.get("SLURM_JOB_ID", "0")),
         )
-    for rank_key, size_key, lrank_key, lsize_key in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ):
-        if rank_key in env and size_key in env:
-            world = _int(env, size_key)
-            local_world = _int(env, lsize_key) if lsize_key in env else world
-            if "MASTER_ADDR" not in env and local_world != world:
-                raise ConfigError(
-                    f"started by mpirun across nodes ({world} ranks, {local_world} per node): "
-                    "set MASTER_ADDR (and MASTER_PORT) to the address of rank 0's node"
-                )
-            rank = _int(env, rank_key)
-            return LaunchEnv(
-                launcher="mpi",
-                rank=rank,
-                world_size=world,
-                local_rank=_int(env, lrank_key) if lrank_key in env else rank % max(1, local_world),
-                local_world_size=local_world,
-                master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                master_port=_int(env, "MASTER_PORT") if "MASTER_PORT" in env else DEFAULT_PORT,
-            )
+    # After Slurm: srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE too, and the Slurm branch knows the nodes.
+    if "PMI_RANK" in env and "PMI_SIZE" in env:
+        return _mpi_env(env, "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
     return LaunchEnv("single", 0, 1, 0, 1, "127.0.0.1", 0)
+
+
+# Where an MPI launcher names its job: Open MPI 4 (ORTE), PMIx (Open MPI 5, MPICH with PMIx),
+# and the Slurm job an mpirun may run inside. The same value on every rank of one launch.
+_MPI_JOB_KEYS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID", "SLURM_JOB_ID")
+
+
+def port_for_job(job_id: str) -> int:
+    """A rendezvous port in [20000, 40000) derived from a launcher's job id, the same on every rank.
+
+    Launchers that set no MASTER_PORT (srun, mpirun) need one port all ranks agree on
+    without talking; a fixed one (29500) makes two jobs on one node collide.
+
+    Example::
+
+        port_for_job("4242")   # the same number on every rank of Slurm job 4242
+    """
+    return 20000 + int(hashlib.sha1(job_id.encode()).hexdigest(), 16) % 20000
+
+
+def _mpi_env(env: Mapping[str, str], rank_key: str, size_key: str, lrank_key: str, lsize_key: str) -> LaunchEnv:
+    """Rank and world from mpirun's variables; the rendezvous from MASTER_ADDR/PORT, else derived.
+
+    mpirun sets no MASTER_ADDR/PORT. On one node rank 0 is on 127.0.0.1; across nodes
+    MASTER_ADDR must be given (mpirun -x MASTER_ADDR=host), unless the launch runs in a
+    Slurm allocation, whose first node holds rank 0 under mpirun's default mapping. The
+    port is derived from the MPI job id, so concurrent launches on a node do not collide.
+    """
+    world = _int(env, size_key)
+    local_world = _int(env, lsize_key) if lsize_key in env else world
+    addr = env.get("MASTER_ADDR")
+    if addr is None and local_world != world:
+        nodelist = env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise ConfigError(
+                f"started by mpirun across nodes ({world} ranks, {local_world} per node): "
+                "set MASTER_ADDR to the address of rank 0's node (mpirun -x MASTER_ADDR=HOST)"
+            )
+        addr = _first_slurm_host(nodelist)
+    rank = _int(env, rank_key)
+    job_key = next((env[k] for k in _MPI_JOB_KEYS if env.get(k)), None)
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    else:
+        port = port_for_job(job_key) if job_key is not None else DEFAULT_PORT
+    return LaunchEnv(
+        launcher="mpi",
+        rank=rank,
+        world_size=world,
+        local_rank=_int(env, lrank_key) if lrank_key in env else rank % max(1, local_world),
+        local_world_size=local_world,
+        master_addr=addr or "127.0.0.1",
+        master_port=port,
+    )
 
 
 @dataclass(frozen=True)
@@ -376,7 +413,11 @@ def exit_on_error(exc: SlipstreamError) -> NoReturn:
         except ConfigError as exc:
             runtime.exit_on_error(exc)   # "slipstream: error (rank 0): ...", exit 2
     """
-    line = f"slipstream: error (rank {os.environ.get('RANK', '0')}): {exc}"
+    env = os.environ
+    rank = (_RUNTIME.rank if _RUNTIME is not None else None) if "RANK" not in env else env["RANK"]
+    if rank is None:  # before init(), or under srun/mpirun, which set no RANK
+        rank = next((env[k] for k in ("OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK") if k in env), "0")
+    line = f"slipstream: error (rank {rank}): {exc}"
     sys.stdout.flush()
     # One write: ranks share the terminal, and print()'s separate newline interleaves their lines.
     sys.stderr.write(line + "\n")
