@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,75 @@ DP_SYNCS = ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign")
 # plus its matmuls. PowerSGD: 7 passes (the cache-blocked implementation) + 4 r numel FLOPs;
 # top-k: a selection costs ~ a sort's worth of passes; sign: pack + unpack + residual.
 CODEC_PASSES = {"allreduce": 0, "bf16": 2, "fp16": 2, "powersgd": 7, "topk": 16, "sign": 6}
+
+
+# -- what the published record pointed to (issue #19; docs/plan.md, "The published record") ---------
+@dataclass(frozen=True)
+class Framework:
+    """How a training framework hands gradients to the network: fusion-buffer sizes and the
+    background cycle a ready tensor waits for. ``ddp`` is PyTorch DDP (first bucket 1 MiB, then 25
+    MiB, launched the moment a bucket is full); ``horovod`` is Horovod as benchmarked in 2018: a
+    64 MiB fusion buffer (HOROVOD_FUSION_THRESHOLD) and a 5 ms cycle (HOROVOD_CYCLE_TIME) on
+    which ready tensors are negotiated and sent (Sergeev & Del Balso 2018, section "Tensor
+    Fusion"; Horovod's docs, "Tensor Fusion" and "Timeline")."""
+
+    name: str
+    first_bucket_bytes: float
+    bucket_bytes: float
+    cycle_s: float = 0.0
+    source: str = ""
+    algorithm: str = "ring"  # "ring": 2(n-1) latency steps; "halving-doubling": 2 log2(n) (Thakur et al. 2005)
+    hierarchical: bool = False  # reduce inside a node, then across nodes, then broadcast back
+
+    def allreduce_steps(self, n: int) -> int:
+        """Latency steps of an all-reduce over ``n`` ranks (the bandwidth term is the same for both).
+
+        >>> FRAMEWORKS["ddp"].allreduce_steps(512), FRAMEWORKS["caffe2-gloo"].allreduce_steps(32)
+        (1022, 10)
+        """
+        if self.algorithm == "halving-doubling" and n > 1:
+            return 2 * math.ceil(math.log2(n))
+        return allreduce_steps(n)
+
+
+FRAMEWORKS = {
+    "ddp": Framework("ddp", 1 * MIB, 25 * MIB, 0.0, "torch DDP defaults (bucket_cap_mb=25, first bucket 1 MiB)"),
+    "horovod": Framework("horovod", 64 * MIB, 64 * MIB, 5e-3,
+                         "Horovod 2018: 64 MiB fusion buffer, 5 ms cycle (Sergeev & Del Balso 2018)"),
+    # Goyal et al. 2017, section 4 ("Communication"): each parameter's gradient is all-reduced as soon as
+    # backward produced it, in three steps: summed over the 8 GPUs of a server, all-reduced between
+    # servers with recursive halving and doubling (Gloo), broadcast back to the 8 GPUs.
+    "caffe2-gloo": Framework("caffe2-gloo", 0.0, 0.0, 0.0, "Goyal et al. 2017, section 4",
+                             algorithm="halving-doubling", hierarchical=True),
+}
+
+# Stragglers: a synchronous step waits for the slowest of N ranks. With each rank's compute time
+# normal with coefficient of variation ``cv``, the step's compute is ``mu (1 + cv E[max of N
+# standard normals])`` (the expected maximum, by Blom's approximation; ~sqrt(2 ln N) for large N).
+# ``STRAGGLER_CV`` is the one constant of the model fitted to the published record's calibration
+# set (published.py, SPLIT, committed before it was fitted); the validation set then checks it.
+# The local CPU device (measured in the run it predicts) has no straggler term.
+STRAGGLER_CV = 0.017  # published.fit_straggler_cv(): calibration MAE 4.1 pts (0.000-0.080 by 0.001)
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (Blom 1958: ``Phi^-1((n - 0.375) / (n + 0.25))``).
+
+    >>> expected_max_normal(1), round(expected_max_normal(2), 2), round(expected_max_normal(512), 2)
+    (0.0, 0.59, 3.03)
+    """
+    if n <= 1:
+        return 0.0
+    from statistics import NormalDist
+
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def straggler_factor(world: int, gpu: GpuSpec, cv: float | None = None) -> float:
+    """Factor on a synchronous step's compute for waiting on the slowest of ``world`` ranks."""
+    if gpu.name == "CPU":
+        return 1.0
+    return 1.0 + (STRAGGLER_CV if cv is None else cv) * expected_max_normal(world)
 
 
 # -- the per-bucket simulator (as slipstream.sync.policy) -------------------------------------------
@@ -75,7 +145,7 @@ class DpStep:
 
 
 def simulate_dp_step(forward_s: float, backward_s: float, optimizer_s: float,
-                     buckets: Sequence[BucketTask]) -> DpStep:
+                     buckets: Sequence[BucketTask], cycle_s: float = 0.0) -> DpStep:
     """One data-parallel step: buckets become ready through backward and go out on one channel.
 
     ``core = backward + sum(codec compute) + sum(comm cpu)``;
@@ -84,6 +154,9 @@ def simulate_dp_step(forward_s: float, backward_s: float, optimizer_s: float,
     core per rank locally; on a GPU it shares the SMs with backward) while waits on the wire hide.
     ``cpu_s`` is the communication's own CPU work (gloo on one core: copies, the TCP stack, the
     reduction): it cannot hide behind backward on the same core. It is 0 for GPUs (NCCL).
+    ``cycle_s`` (Horovod): the background thread picks up ready tensors only on its cycle's ticks,
+    one fused collective at a time, so a bucket starts at the first tick after it is ready and the
+    previous one is done.
 
     >>> simulate_dp_step(0.1, 0.2, 0.01, [BucketTask(0.2, 0.0, 0.05)]).step_s
     0.36
@@ -91,7 +164,10 @@ def simulate_dp_step(forward_s: float, backward_s: float, optimizer_s: float,
     core = backward_s + sum(b.compute_s + b.cpu_s for b in buckets)
     chan = 0.0
     for b in buckets:
-        chan = max(b.ready_s, chan) + b.compute_s + max(b.comm_s, b.cpu_s)
+        start = max(b.ready_s, chan)
+        if cycle_s > 0:
+            start = math.ceil(start / cycle_s - 1e-9) * cycle_s
+        chan = start + b.compute_s + max(b.comm_s, b.cpu_s)
     end = max(core, chan)
     return DpStep(
         step_s=round(forward_s + end + optimizer_s, 12), forward_s=forward_s, backward_s=backward_s,
@@ -275,8 +351,13 @@ def param_bytes(model: ModelSpec, layout: Layout) -> dict[str, float]:
 
 
 def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gpus_per_node: int | None = None,
-            sync_options: dict | None = None) -> Prediction:
-    """Step time, memory and scaling efficiency of ``layout``; see the module docstring."""
+            sync_options: dict | None = None, framework: Framework | None = None,
+            straggler_cv: float | None = None) -> Prediction:
+    """Step time, memory and scaling efficiency of ``layout``; see the module docstring.
+
+    ``framework``: how gradients are bucketed and launched (default DDP, :data:`FRAMEWORKS`);
+    ``straggler_cv``: the per-rank compute jitter (default :data:`STRAGGLER_CV`)."""
+    fw = framework or FRAMEWORKS["ddp"]
     from ..sync.compress import Piece, make_codec
 
     g = gpus_per_node or gpu.gpus_per_node
@@ -292,7 +373,8 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
     eff = mfu(model, L.precision, L.micro_batch)
     layers_stage = model.layers / L.pp
     # compute per micro-batch, one stage, one tp shard
-    t_fwd = model.fwd_flops_per_sample * L.micro_batch / (L.tp * L.pp) / (peak * eff)
+    straggle = straggler_factor(L.world, gpu, straggler_cv)
+    t_fwd = model.fwd_flops_per_sample * L.micro_batch / (L.tp * L.pp) / (peak * eff) * straggle
     t_bwd = 2 * t_fwd + (t_fwd if L.activation_checkpointing else 0.0)
     act_bytes = 4 if L.precision == "fp32" else 2
     # tensor parallel: 2 all-reduces forward + 2 backward per layer (+2 in the recomputed forward)
@@ -378,10 +460,11 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
     elif L.dp_replicate > 1:
         link, nodes = group_link(L.dp_replicate, L.tp, g, gpu, network)
         base, *rest = L.sync.split("+")
-        hierarchical = base == "hierarchical"
+        hierarchical = base == "hierarchical" or fw.hierarchical
         codec_name = rest[0] if hierarchical and rest else ("allreduce" if hierarchical else L.sync)
         codec = make_codec(codec_name, **(sync_options or {}).get(codec_name, {}))
-        rows, cols = layer_matrix(model)
+        # the local layer's matrix view (a tp shard's, not the whole layer's: the bytes sent)
+        rows, cols = layer_matrix(model, layer_numel)
         n = L.dp_replicate
         local_g = max(1, n // nodes) if hierarchical else 1
         intra, _ = group_link(local_g, L.tp, g, gpu, network)
@@ -389,14 +472,14 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
         inter, _ = group_link(nodes, L.tp * local_g, g, gpu, network)
         # buckets over layers in backward order
         bucket_layers: list[int] = []
-        cap, size = DDP_FIRST_BUCKET_BYTES, 0.0
+        cap, size = fw.first_bucket_bytes, 0.0
         count = 0
         for _ in range(max(1, round(layers_stage))):
             size += layer_numel * 4
             count += 1
             if size >= cap:
                 bucket_layers.append(count)
-                cap, size, count = DDP_BUCKET_BYTES, 0.0, 0
+                cap, size, count = fw.bucket_bytes, 0.0, 0
         if count:
             bucket_layers.append(count)
         tasks = []
@@ -410,12 +493,12 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
                 shard = numel // local_g
                 sub = [Piece(0, shard, max(1, rows // local_g), cols)]
                 wb = codec.wire_bytes(shard, nodes, sub)
-                inter_s = inter.wire_s(wb, allreduce_steps(nodes) * codec.collectives_per_call) if nodes > 1 else 0.0
+                inter_s = inter.wire_s(wb, fw.allreduce_steps(nodes) * codec.collectives_per_call) if nodes > 1 else 0.0
                 comm = intra.reduce_scatter_s(numel * 4, local_g) + inter_s + intra.all_gather_s(numel * 4, local_g)
                 work = shard
             else:
                 wb = codec.wire_bytes(numel, n, layout)
-                comm = link.wire_s(wb, allreduce_steps(n) * codec.collectives_per_call)
+                comm = link.wire_s(wb, fw.allreduce_steps(n) * codec.collectives_per_call)
                 work = numel
             ccost = 0.0
             if codec.name != "allreduce":
@@ -424,7 +507,7 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
                 if codec.name == "powersgd":
                     ccost += 4 * getattr(codec, "rank", 4) * work / (gpu.fp32_flops * 0.5)
             tasks.append(BucketTask(ready_s=done * per_layer_bwd, compute_s=ccost, comm_s=comm))
-        sim = simulate_dp_step(0.0, last_bwd, 0.0, tasks)
+        sim = simulate_dp_step(0.0, last_bwd, 0.0, tasks, cycle_s=fw.cycle_s)
         exposed, dp_comm, codec_s = sim.exposed_comm_s, sim.comm_s, sim.codec_compute_s
         step = compute_total + codec_s + exposed + opt_s
     else:

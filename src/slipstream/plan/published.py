@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .costmodel import Layout, predict
+from .costmodel import FRAMEWORKS, MIB, STRAGGLER_CV, Framework, Layout, predict
 from .network import parse_network
-from .specs import ModelSpec, _gpt, get_gpu, get_model
+from .specs import ModelSpec, _gpt, get_gpu, get_model, with_measured_rate
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,17 @@ class Case:
     tp: int = 1
     baseline_gpus: int = 1  # efficiency relative to this many GPUs (Goyal et al.: one server of 8)
     baseline_model: str = ""  # weak scaling: the one-GPU run is of this (smaller) model
+    framework: str = "ddp"  # costmodel.FRAMEWORKS: how gradients are fused and launched
+    one_gpu_samples_per_s: float = 0.0  # a measured one-GPU training throughput, replacing the assumed MFU
+    one_gpu_source: str = ""
 
+
+# One-GPU training throughputs measured on a DGX-1's P100 (SXM2, 10.6 TFLOP/s) by the TensorFlow team;
+# Horovod's servers are taken as P100 PCIe (9.3 TFLOP/s), so the rates are scaled by the peak ratio.
+TF_P100 = "TensorFlow's benchmarks page (tensorflow/docs_src/performance/benchmarks.md, 'Details for NVIDIA DGX-1 (NVIDIA Tesla P100)', training synthetic data, batch 64, 1 GPU): "
+P100_PCIE_OVER_SXM2 = 9.3 / 10.6
+_R50, _R152 = 238 * 6 * 4.09e9, 95.6 * 6 * 11.56e9  # FLOP/s achieved (training = 3 x 2 x MACs)
+RATE101 = (_R50 + (_R152 - _R50) * (7.80 - 4.09) / (11.56 - 4.09)) / (6 * 7.80e9) * P100_PCIE_OVER_SXM2
 
 CASES = (
     # -- calibration ------------------------------------------------------------------------------
@@ -57,20 +67,26 @@ CASES = (
          "section 'Benchmarks' scaling figure (and the Horovod README): ~90% at 512 GPUs",
          "resnet101", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.90, "calibration",
          "figure and setup (128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE, TensorFlow) as recorded in issue #9 and "
-         "the brief; batch 64 per GPU is tf_cnn_benchmarks' default, assumed"),
+         "the brief; batch 64 per GPU is tf_cnn_benchmarks' default, assumed",
+         framework="horovod", one_gpu_samples_per_s=RATE101,
+         one_gpu_source=TF_P100 + "ResNet-50 238 and ResNet-152 95.6 img/s; ResNet-101 interpolated by FLOPs between them (6.23 TFLOP/s -> 133.2 img/s); x 9.3/10.6 for a PCIe P100"),
     Case("horovod-inception3", "Sergeev & Del Balso 2018, Horovod, arXiv:1802.05799",
          "same figure: ~90% at 512 GPUs", "inception_v3", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.90,
-         "calibration", "as horovod-resnet101"),
+         "calibration", "as horovod-resnet101",
+         framework="horovod", one_gpu_samples_per_s=142 * P100_PCIE_OVER_SXM2,
+         one_gpu_source=TF_P100 + "InceptionV3 142 img/s; x 9.3/10.6 for a PCIe P100"),
     Case("horovod-vgg16", "Sergeev & Del Balso 2018, Horovod, arXiv:1802.05799",
          "same figure: 68% at 512 GPUs", "vgg16", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.68,
-         "calibration", "as horovod-resnet101"),
+         "calibration", "as horovod-resnet101",
+         framework="horovod", one_gpu_samples_per_s=132 * P100_PCIE_OVER_SXM2,
+         one_gpu_source=TF_P100 + "VGG16 132 img/s (12.2 TFLOP/s of direct-convolution FLOPs: cuDNN's Winograd 3x3 convolutions do fewer); x 9.3/10.6 for a PCIe P100"),
     Case("goyal-resnet50", "Goyal et al. 2017, Accurate, Large Minibatch SGD, arXiv:1706.02677",
          "abstract and section 5.4 (Fig. 7): ~90% scaling efficiency from 8 to 256 GPUs",
          "resnet50", 256, "P100-SXM2", 8, "50gbit", "fp32", 32, 0.90, "calibration",
          "~90% from 8 to 256 GPUs: checked (abstract, via the search tool); 32 Big Basin servers of 8 P100 "
          "(NVLink), 50 Gbit/s Ethernet, Caffe2 + Gloo, 32 images per GPU: from memory of section 5; "
          "the fabric (RDMA or TCP) is not stated in what was checked: taken as plain TCP",
-         baseline_gpus=8),
+         baseline_gpus=8, framework="caffe2-gloo"),
     Case("megatron-v1-tp2", "NVIDIA ADLR 2019, 'MegatronLM's Supercharged V1.0' (nv-adlr.github.io/MegatronLMV1)",
          "Table 1 (weak model-parallel scaling, batch 8): 2.0B on 2 GPUs, 1424 ms, 90.7%",
          "megatron-2.5b", 2, "V100", 16, "8x100gbit-ib", "fp16", 8, 0.907, "calibration",
@@ -114,20 +130,27 @@ MEGATRON = {
 }
 
 
-def case_model(name: str) -> ModelSpec:
-    """A built-in model, or one of Megatron-LM's shapes (:data:`MEGATRON`)."""
+def case_model(name: str, case: Case | None = None) -> ModelSpec:
+    """A built-in model, or one of Megatron-LM's shapes (:data:`MEGATRON`); with the case's measured
+    one-GPU throughput in place of the assumed MFU where it has one."""
+    if case is not None and case.one_gpu_samples_per_s:
+        return with_measured_rate(case_model(name), get_gpu(case.gpu), case.precision, case.micro_batch,
+                                  case.one_gpu_samples_per_s)
     if name in MEGATRON:
         layers, d, heads = MEGATRON[name]
         return _gpt(name, layers, d, heads, global_batch=512, seq=1024, vocab=51200)
     return get_model(name)
 
 
-def _predict(model: ModelSpec, c: Case, gpus: int):
+def _predict(model: ModelSpec, c: Case, gpus: int, straggler_cv: float | None = None,
+             framework: Framework | None = None):
     layout = Layout(dp_replicate=max(1, gpus // c.tp), tp=c.tp, micro_batch=c.micro_batch, precision=c.precision)
-    return predict(model, get_gpu(c.gpu), parse_network(c.network), layout, gpus_per_node=min(gpus, c.gpus_per_node))
+    return predict(model, get_gpu(c.gpu), parse_network(c.network), layout, gpus_per_node=min(gpus, c.gpus_per_node),
+                   framework=framework or FRAMEWORKS[c.framework], straggler_cv=straggler_cv)
 
 
-def _efficiency(c: Case, p, model: ModelSpec) -> float:
+def _efficiency(c: Case, p, model: ModelSpec, straggler_cv: float | None = None,
+                framework: Framework | None = None) -> float:
     if c.baseline_model:  # weak scaling: FLOP rate per GPU against one GPU running the baseline model
         base = case_model(c.baseline_model)
         one = predict(base, get_gpu(c.gpu), parse_network(c.network),
@@ -136,25 +159,59 @@ def _efficiency(c: Case, p, model: ModelSpec) -> float:
         return per_gpu / (base.fwd_flops_per_sample * c.micro_batch / one.step_s)
     eff = p.scaling_efficiency
     if c.baseline_gpus > 1:
-        eff /= _predict(model, c, c.baseline_gpus).scaling_efficiency
+        eff /= _predict(model, c, c.baseline_gpus, straggler_cv, framework).scaling_efficiency
     return eff
 
 
-def evaluate(case: Case) -> dict:
-    """The model's scaling efficiency for ``case`` (as the source defines it) and its serial bound."""
-    model = case_model(case.model)
-    p = _predict(model, case, case.gpus)
+def evaluate(case: Case, straggler_cv: float | None = None, framework: Framework | None = None,
+             measured_compute: bool = True) -> dict:
+    """The model's scaling efficiency for ``case`` (as the source defines it) and its serial bound.
+
+    The keywords switch terms off, for :func:`attribution`: ``straggler_cv=0`` (no straggler term),
+    ``framework=FRAMEWORKS["ddp"]`` (DDP's buckets instead of the case's framework),
+    ``measured_compute=False`` (the assumed MFU instead of a published one-GPU throughput)."""
+    model = case_model(case.model, case if measured_compute else None)
+    p = _predict(model, case, case.gpus, straggler_cv, framework)
     serial_step = p.step_s - p.exposed_comm_s + p.dp_comm_s
-    eff = _efficiency(case, p, model)
+    eff = _efficiency(case, p, model, straggler_cv, framework)
     return {"case": case, "predicted": eff, "serial": eff * p.step_s / serial_step, "step_s": p.step_s,
             "comm_s": p.dp_comm_s, "exposed_s": p.exposed_comm_s, "compute_s": p.compute_s, "prediction": p}
 
 
-def errors(which: str) -> dict:
+def errors(which: str, straggler_cv: float | None = None) -> dict:
     """Mean absolute and largest error (points of scaling efficiency) over one set of the split."""
-    diffs = [(evaluate(c)["predicted"] - c.published) * 100 for c in CASES if c.set == which]
+    diffs = [(evaluate(c, straggler_cv)["predicted"] - c.published) * 100 for c in CASES if c.set == which]
     return {"n": len(diffs), "mae_pts": sum(abs(d) for d in diffs) / len(diffs),
             "max_pts": max(abs(d) for d in diffs), "bias_pts": sum(diffs) / len(diffs)}
+
+
+def attribution(case: Case) -> list[tuple[str, float]]:
+    """The prediction as each term is switched on in turn: [(term, predicted efficiency), ...].
+    The first row is the model before issue #19 (DDP buckets, assumed MFU, no stragglers)."""
+    import dataclasses
+
+    ddp = FRAMEWORKS["ddp"]
+    fw = FRAMEWORKS[case.framework]
+    rows = [("before (DDP buckets, assumed MFU, no stragglers)",
+             evaluate(case, 0.0, ddp, measured_compute=False)["predicted"])]
+    if case.one_gpu_samples_per_s:
+        rows.append(("+ measured one-GPU throughput", evaluate(case, 0.0, ddp)["predicted"]))
+    if fw.name != "ddp":
+        if fw.cycle_s:
+            rows.append((f"+ {fw.name} fusion buffer ({fw.bucket_bytes / MIB:.0f} MiB)",
+                         evaluate(case, 0.0, dataclasses.replace(fw, cycle_s=0.0))["predicted"]))
+            rows.append((f"+ {fw.name} cycle ({fw.cycle_s * 1e3:.0f} ms)", evaluate(case, 0.0, fw)["predicted"]))
+        else:
+            rows.append((f"+ {fw.name} ({fw.algorithm}{', hierarchical' if fw.hierarchical else ''})",
+                         evaluate(case, 0.0, fw)["predicted"]))
+    rows.append((f"+ stragglers (cv {STRAGGLER_CV:g})", evaluate(case)["predicted"]))
+    return rows
+
+
+def fit_straggler_cv(grid=tuple(i / 1000 for i in range(81))) -> float:
+    """The straggler term's one constant (costmodel.STRAGGLER_CV): the coefficient of variation of a
+    rank's step compute that minimises the mean absolute error on the calibration set (only)."""
+    return min(grid, key=lambda cv: (errors("calibration", cv)["mae_pts"], cv))
 
 
 def table() -> str:

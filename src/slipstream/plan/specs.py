@@ -224,6 +224,24 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+def with_measured_rate(model: ModelSpec, gpu: GpuSpec, precision: str, micro_batch: int,
+                       samples_per_s: float) -> ModelSpec:
+    """``model`` with its assumed MFU replaced by the one a measured one-GPU training throughput
+    implies (``samples_per_s`` at ``micro_batch``): what calibration does on the machine at hand,
+    from a published measurement instead.
+
+    Example::
+
+        with_measured_rate(get_model("vgg16"), get_gpu("P100"), "fp32", 64, 132).mfu_fp32   # > 1: Winograd
+    """
+    import dataclasses
+
+    achieved = samples_per_s * 3 * model.fwd_flops_per_sample / gpu.peak_flops(precision)
+    base = achieved * (micro_batch + model.half_batch) / micro_batch
+    field_name = "mfu_fp32" if precision == "fp32" else "mfu_16"
+    return dataclasses.replace(model, **{field_name: base})
+
+
 def get_model(name: str) -> ModelSpec:
     key = str(name).strip().lower().replace("_", "-")
     for k, v in MODELS.items():
@@ -232,11 +250,13 @@ def get_model(name: str) -> ModelSpec:
     raise ConfigError(f"--model: must be one of {', '.join(MODELS)}, got {name!r}")
 
 
-def layer_matrix(model: ModelSpec) -> tuple[int, int]:
-    """A (rows, cols) view of one layer's gradient, for codecs that use matrix structure."""
-    p = model.params_per_layer
+def layer_matrix(model: ModelSpec, numel: float | None = None) -> tuple[int, int]:
+    """A (rows, cols) view of one layer's gradient (``numel`` values, default the whole layer's),
+    for codecs that use matrix structure."""
+    p = model.params_per_layer if numel is None else numel
     rows = max(1, int(math.sqrt(p / model.matrix_aspect)))
     return rows, max(1, int(p // rows))
 
 
-__all__ = ["GIB", "GPUS", "MODELS", "GpuSpec", "ModelSpec", "field", "get_gpu", "get_model", "layer_matrix"]
+__all__ = ["GIB", "GPUS", "MODELS", "GpuSpec", "ModelSpec", "field", "get_gpu", "get_model", "layer_matrix",
+           "with_measured_rate"]
