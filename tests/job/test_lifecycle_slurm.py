@@ -1,0 +1,118 @@
+"""slipstream status|logs|cancel against a real Slurm cluster (scripts/slurm_cluster.sh: two
+slurmd nodes on this host, no accounting database, so finished jobs come from scontrol).
+
+Tiny `sbatch --wrap` jobs, no torch. Skipped without Slurm or root; under CI=true they must run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from slipstream.cli import main as slipstream_main
+from slipstream.job.submissions import record_submission
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_DIR = os.environ.get("SLIPSTREAM_SLURM_DIR", "/tmp/slipstream-slurm")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    missing = [t for t in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(t) is None]
+    why = f"Slurm is not installed ({', '.join(missing)} missing)" if missing else (
+        "needs root (slurmd runs jobs as their user)" if os.geteuid() != 0 else None)
+    if why:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{why}, and CI=true: the Slurm lifecycle tests must run in CI")
+        pytest.skip(why)
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_cluster.sh"), "start"], capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return {**os.environ, "SLURM_CONF": os.path.join(SLURM_DIR, "slurm.conf")}
+
+
+@pytest.fixture(autouse=True)
+def slurm_env(cluster, monkeypatch, tmp_path):
+    monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+    monkeypatch.setenv("SLIPSTREAM_STATE_DIR", str(tmp_path / "state"))
+
+
+def sbatch(env, tmp_path, script: str) -> str:
+    out = subprocess.run(["sbatch", "--parsable", "-J", "lc-test", "-o", str(tmp_path / "slurm-%j.out"),
+                          "--wrap", script], env=env, capture_output=True, text=True, timeout=30, check=True)
+    return out.stdout.strip().split(";")[0]
+
+
+def state_of(job_id: str, env) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True, timeout=30)
+    return next((f.split("=", 1)[1] for f in out.stdout.split() if f.startswith("JobState=")), "")
+
+
+def wait_state(job_id: str, env, states: set[str], timeout_s: float = 20) -> str:
+    deadline = time.monotonic() + timeout_s
+    state = ""
+    while time.monotonic() < deadline:
+        state = state_of(job_id, env)
+        if state in states:
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"job {job_id} still {state!r} after {timeout_s} s, wanted one of {states}")
+
+
+def run_cli(argv, capsys) -> tuple[int, str, str]:
+    rc = slipstream_main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def test_status_logs_follow_and_cancel(cluster, tmp_path, capsys):
+    env = cluster
+    # Both jobs start together: the budget is one scheduler pass, not two.
+    tagged = sbatch(env, tmp_path, "echo '[rank0]:start'; echo '[rank1]:other'; sleep 3; echo '[rank0]:end'")
+    victim = sbatch(env, tmp_path, "echo 'about to sleep'; sleep 120")
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics").mkdir(parents=True)
+    (run_dir / "metrics" / "rank0.jsonl").write_text('{"step": 7, "loss": 3.25, "time_s": 1.0}\n')
+    record_submission(name="tagged-job", target="slurm", engine_id=tagged, run_dir=str(run_dir))
+    wait_state(tagged, env, {"RUNNING"})
+
+    # A running job: state from squeue, with the node, requeues and the run's progress.
+    rc, out, err = run_cli(["status", "tagged-job"], capsys)
+    assert rc == 0, err
+    assert f"job:      tagged-job, {tagged} (slurm, squeue)" in out
+    assert "state:    RUNNING" in out and "nodes:    n" in out and "requeues: 0" in out
+    assert "progress: step 7, loss 3.2500" in out
+
+    # -f follows the output file until the job ends; --rank keeps rank 0's lines.
+    t0 = time.monotonic()
+    rc, out, err = run_cli(["logs", "tagged-job", "-f", "--rank", "0"], capsys)
+    assert rc == 0, err
+    assert out.splitlines() == ["[rank0]:start", "[rank0]:end"]
+    assert time.monotonic() - t0 < 15
+
+    # Finished: no accounting on this cluster, so scontrol says it (sacct cannot).
+    rc, out, err = run_cli(["status", tagged, "--target", "slurm"], capsys)
+    assert rc == 0, err
+    assert "state:    COMPLETED, exit code 0:0" in out and "scontrol; no accounting on this cluster" in out
+    rc, out, _ = run_cli(["logs", tagged, "--target", "slurm"], capsys)
+    assert out.splitlines() == ["[rank0]:start", "[rank1]:other", "[rank0]:end"]
+
+    # Cancel a running job and see it CANCELLED.
+    wait_state(victim, env, {"RUNNING"})
+    rc, out, err = run_cli(["cancel", victim, "--target", "slurm"], capsys)
+    assert rc == 0, err
+    assert out.strip() == f"cancelled Slurm job {victim}: CANCELLED"
+    rc, out, _ = run_cli(["status", victim, "--target", "slurm"], capsys)
+    assert "state:    CANCELLED" in out
+    rc, out, _ = run_cli(["cancel", victim, "--target", "slurm"], capsys)
+    assert rc == 0 and "already finished (CANCELLED)" in out
+
+
+def test_an_unknown_job_id_is_one_line_and_exit_2(cluster, capsys):
+    rc, out, err = run_cli(["status", "999999", "--target", "slurm"], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Slurm does not know job 999999" in err
