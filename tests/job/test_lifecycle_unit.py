@@ -68,7 +68,8 @@ def test_the_state_dir_follows_xdg(monkeypatch, tmp_path):
 def test_resolution_from_the_record_or_the_target(tmp_path):
     record_submission(name="gpt", target="jobset", engine_id="gpt", namespace="ml", run_dir=str(tmp_path))
     ref = resolve(LifecycleRequest(Action.STATUS, "gpt"))
-    assert ref == JobRef(Engine.KUBERNETES, "gpt", "gpt", flavour="jobset", namespace="ml", run_dir=str(tmp_path))
+    assert ref == JobRef(Engine.KUBERNETES, "gpt", "gpt", flavour="jobset", namespace="ml", run_dir=str(tmp_path),
+                         submitted_at=find_submission("gpt").submitted_at - 5)
     assert resolve(LifecycleRequest(Action.STATUS, "gpt", namespace="other")).namespace == "other"
     raw = resolve(LifecycleRequest(Action.STATUS, "1234", target="slurm"))
     assert (raw.engine, raw.job_id, raw.flavour) == (Engine.SLURM, "1234", "")
@@ -171,8 +172,21 @@ def test_the_last_step_and_loss_come_from_the_metrics_tail(tmp_path):
     recs = [{"step": s, "loss": 5.0 - s / 100, "time_s": s * 0.5} for s in range(1, 2001)]
     text = "".join(json.dumps(r) + "\n" for r in recs) + '{"step": 2001, "lo'  # a record half written
     (tmp_path / "metrics" / "rank0.jsonl").write_text(text)
-    assert last_metrics(str(tmp_path)) == LastMetrics(step=2000, loss=pytest.approx(-15.0), time_s=1000.0)
+    path = str(tmp_path / "metrics" / "rank0.jsonl")
+    assert last_metrics(str(tmp_path)) == LastMetrics(step=2000, loss=pytest.approx(-15.0), time_s=1000.0, path=path)
     assert last_metrics(str(tmp_path / "nowhere")) is None and last_metrics(None) is None
+
+
+def test_a_run_that_chose_its_own_directory_is_found_under_runs(tmp_path):
+    """Submitted from DIR, a run without --run-dir writes DIR/runs/<timestamp>/: the newest one
+    written since the submission is the job's; older ones are not."""
+    for name, step, age_s in (("20260101-000000", 3, 3600), ("20260101-010000", 9, 0)):
+        (tmp_path / "runs" / name / "metrics").mkdir(parents=True)
+        f = tmp_path / "runs" / name / "metrics" / "rank0.jsonl"
+        f.write_text(json.dumps({"step": step, "loss": 1.0}) + "\n")
+        os.utime(f, (time.time() - age_s, time.time() - age_s))
+    assert last_metrics(str(tmp_path), since=time.time() - 60).step == 9
+    assert last_metrics(str(tmp_path), since=time.time() + 60) is None
 
 
 def test_status_text_is_one_fact_per_line():

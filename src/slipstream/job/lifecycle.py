@@ -79,7 +79,8 @@ def resolve(req: LifecycleRequest) -> JobRef:
     if sub is not None and (req.target is None or _engine(req.target) is _engine(sub.target)):
         flavour = "" if sub.target == "slurm" else (req.target if req.target in K8S_FLAVOURS else sub.target)
         return JobRef(engine=_engine(sub.target), job_id=sub.engine_id, name=sub.name, flavour=flavour,
-                      namespace=req.namespace or sub.namespace, run_dir=req.run_dir or sub.run_dir)
+                      namespace=req.namespace or sub.namespace, run_dir=req.run_dir or sub.run_dir,
+                      submitted_at=None if req.run_dir else sub.submitted_at - 5)  # 5 s: clock and mtime rounding
     assert req.target is not None
     engine = _engine(req.target)
     if engine is Engine.SLURM and not req.job.replace("_", "").isdigit():

@@ -210,7 +210,8 @@ def summarize(ref: JobRef, objs: list[dict[str, Any]], pods: list[dict[str, Any]
                      f"on {p.get('spec', {}).get('nodeName') or '-'}, {restarts} restart(s)")
     return JobStatus(engine=Engine.KUBERNETES, job_id=ref.job_id, name=ref.name or ref.job_id, state=state,
                      nodes=nodes, restarts=_restarts(top, pods), elapsed_s=_elapsed_s(top, now), reason=reason,
-                     source=f"kubectl, {flavour(ref).resource}", pods=tuple(lines), metrics=last_metrics(ref.run_dir))
+                     source=f"kubectl, {flavour(ref).resource}", pods=tuple(lines),
+                     metrics=last_metrics(ref.run_dir, ref.submitted_at))
 
 
 def status(ref: JobRef, kubectl: str = "kubectl") -> JobStatus:

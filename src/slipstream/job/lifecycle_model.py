@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -51,6 +52,7 @@ class JobRef:
     flavour: str = ""
     namespace: str | None = None
     run_dir: str | None = None
+    submitted_at: float | None = None  # from the record: newer runs under run_dir/runs/ are this job's
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class LastMetrics:
     step: int
     loss: float | None
     time_s: float | None
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,29 @@ def format_duration(seconds: float) -> str:
 # ---------------------------------------------------------------------------- metrics
 
 
-def last_metrics(run_dir: str | None, rank: int = 0, tail_bytes: int = 65536) -> LastMetrics | None:
-    """The newest step record in ``RUN_DIR/metrics/rank<R>.jsonl``, or None when unreachable.
+def metrics_file(run_dir: str | None, since: float | None = None, rank: int = 0) -> str | None:
+    """``RUN_DIR/metrics/rank<R>.jsonl``; else, when RUN_DIR is where the job was submitted
+    from and the run picked its own directory (the default ``runs/<timestamp>``), the newest
+    ``RUN_DIR/runs/*/metrics/rank<R>.jsonl`` written since ``since``."""
+    if not run_dir:
+        return None
+    direct = os.path.join(run_dir, "metrics", f"rank{rank}.jsonl")
+    if os.path.isfile(direct):
+        return direct
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(run_dir), "runs", "*", "metrics", f"rank{rank}.jsonl")):
+        try:
+            mtime = os.path.getmtime(path)
+        except OSError:
+            continue
+        if since is None or mtime >= since:
+            found.append((mtime, path))
+    return max(found)[1] if found else None
+
+
+def last_metrics(run_dir: str | None, since: float | None = None, rank: int = 0,
+                 tail_bytes: int = 65536) -> LastMetrics | None:
+    """The newest step record of the run's metrics (see :func:`metrics_file`), or None when unreachable.
 
     Only the file's tail is read: a long run's file grows by a record per log step,
     and status needs the last one. (``slipstream.report.data.load_run`` reads whole
@@ -166,11 +190,11 @@ def last_metrics(run_dir: str | None, rank: int = 0, tail_bytes: int = 65536) ->
 
     Example::
 
-        last_metrics("runs/gpt")   # LastMetrics(step=300, loss=2.91, time_s=412.0)
+        last_metrics("runs/gpt")   # LastMetrics(step=300, loss=2.91, time_s=412.0, path='runs/gpt/metrics/rank0.jsonl')
     """
-    if not run_dir:
+    path = metrics_file(run_dir, since, rank)
+    if path is None:
         return None
-    path = os.path.join(run_dir, "metrics", f"rank{rank}.jsonl")
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)
@@ -188,7 +212,7 @@ def last_metrics(run_dir: str | None, rank: int = 0, tail_bytes: int = 65536) ->
             loss = rec.get("loss")
             t = rec.get("time_s")
             return LastMetrics(step=rec["step"], loss=float(loss) if isinstance(loss, (int, float)) else None,
-                               time_s=float(t) if isinstance(t, (int, float)) else None)
+                               time_s=float(t) if isinstance(t, (int, float)) else None, path=path)
     return None
 
 
@@ -225,7 +249,7 @@ def format_status(st: JobStatus) -> str:
     if st.metrics is not None:
         m = st.metrics
         loss = f", loss {m.loss:.4f}" if m.loss is not None else ""
-        lines.append(f"progress: step {m.step}{loss}")
+        lines.append(f"progress: step {m.step}{loss}" + (f" ({m.path})" if m.path else ""))
     if st.log_path:
         lines.append(f"log:      {st.log_path}")
     lines.extend(f"note:     {n}" for n in st.notes)

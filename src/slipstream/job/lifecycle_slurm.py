@@ -129,7 +129,7 @@ def status(ref: JobRef) -> JobStatus:
     detail = scontrol_job(job_id)
     restarts = _int(detail.get("Restarts")) if detail else None
     log_path = detail.get("StdOut") if detail else None
-    metrics = last_metrics(ref.run_dir)
+    metrics = last_metrics(ref.run_dir, ref.submitted_at)
     common = dict(engine=Engine.SLURM, job_id=job_id, restarts=restarts, log_path=log_path, metrics=metrics)
     if live is not None:
         return JobStatus(name=ref.name or live["name"], state=live["state"], nodes=_nodes(live["nodes"], live["num_nodes"]),
