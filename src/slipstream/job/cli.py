@@ -19,6 +19,10 @@ from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
 from .spec import JobSpec, load_spec
 
+SLURM = "slurm"
+ALL_TARGETS = (*TARGETS, SLURM)
+"""Kubernetes targets (manifests) and Slurm (an sbatch script, :mod:`slipstream.job.slurm`)."""
+
 
 class SubmitFailed(SlipstreamError):
     """kubectl reached the cluster and the cluster refused the manifests."""
@@ -30,32 +34,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "validate", help="check a job spec and the manifests it renders, offline",
         description="Check JOB.yaml, then render it for every target and check the manifests offline "
-        "(kubernetes-validate --strict for core kinds, strict JSON schema for the CRDs, and our own checks).",
+        "(kubernetes-validate --strict for core kinds, strict JSON schema for the CRDs, and our own checks; "
+        "bash -n for the Slurm script, and sbatch --test-only with --target slurm where a controller answers).",
     )
     p.add_argument("spec", metavar="JOB.yaml")
-    p.add_argument("--target", choices=TARGETS, default=None, help="check only this target (default: all)")
+    p.add_argument("--target", choices=ALL_TARGETS, default=None, help="check only this target (default: all, offline)")
     p.add_argument("--spec-only", action="store_true", help="check the spec file only, not the manifests")
     p.set_defaults(func=validate_main)
 
     p = subparsers.add_parser(
-        "render", help="write the Kubernetes manifests for a job spec",
-        description="Render JOB.yaml into Kubernetes manifests (checked offline before they are written).",
+        "render", help="write the Kubernetes manifests (or the Slurm batch script) for a job spec",
+        description="Render JOB.yaml into Kubernetes manifests, or an sbatch script with --target slurm "
+        "(checked offline before they are written).",
     )
     p.add_argument("spec", metavar="JOB.yaml")
-    p.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help=f"manifest flavour (default {DEFAULT_TARGET})")
-    p.add_argument("--out", metavar="DIR", default=None, help="write one file per object into DIR (default: stdout)")
+    p.add_argument("--target", choices=ALL_TARGETS, default=DEFAULT_TARGET,
+                   help=f"manifest flavour, or slurm (default {DEFAULT_TARGET})")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="write one file per object (slurm: NAME.sbatch) into DIR (default: stdout)")
     p.add_argument("--skip-validation", action="store_true", help="do not check the manifests (no kubernetes-validate needed)")
     p.set_defaults(func=render_main)
 
     p = subparsers.add_parser(
-        "submit", help="render a job spec and kubectl apply it",
-        description="Render JOB.yaml, check the manifests offline, and apply them with kubectl.",
+        "submit", help="render a job spec and kubectl apply it (or sbatch it with --target slurm)",
+        description="Render JOB.yaml, check the manifests offline, and apply them with kubectl; with --target "
+        "slurm, check the batch script and submit it with sbatch (from the current directory) and print the job id.",
     )
     p.add_argument("spec", metavar="JOB.yaml")
-    p.add_argument("--target", choices=TARGETS, default=DEFAULT_TARGET, help=f"manifest flavour (default {DEFAULT_TARGET})")
+    p.add_argument("--target", choices=ALL_TARGETS, default=DEFAULT_TARGET,
+                   help=f"manifest flavour, or slurm (default {DEFAULT_TARGET})")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the manifests and the kubectl command instead of running it (needs no kubectl or cluster)")
+                   help="print the manifests (or script) and the command instead of running it (needs no cluster)")
     p.add_argument("--kubectl", default="kubectl", metavar="PATH", help="kubectl to use (default: kubectl on PATH)")
+    p.add_argument("--sbatch", default="sbatch", metavar="PATH", help="sbatch to use with --target slurm (default: sbatch on PATH)")
     p.set_defaults(func=submit_main)
 
     job = subparsers.add_parser(
@@ -94,8 +105,11 @@ def validate_main(args: argparse.Namespace) -> int:
     print(f"{args.spec}: valid {_describe(spec)}")
     if args.spec_only:
         return 0
-    targets = [args.target] if args.target else (list(TARGETS) if spec.kind == "training" else [DEFAULT_TARGET])
+    targets = [args.target] if args.target else (list(ALL_TARGETS) if spec.kind == "training" else [DEFAULT_TARGET])
     for target in targets:
+        if target == SLURM:
+            _validate_slurm(spec, args.spec, online=args.target == SLURM)
+            continue
         try:
             objs = _checked(spec, target)
         except TargetUnsupported as exc:
@@ -111,12 +125,35 @@ def validate_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _validate_slurm(spec: JobSpec, path: str, online: bool) -> None:
+    """bash -n on the script; online (--target slurm): sbatch --test-only where sbatch and a controller answer."""
+    from . import slurm
+
+    script = slurm.render_sbatch(spec, path)
+    slurm.check_syntax(script)
+    if not online:
+        print(f"  {SLURM}: sbatch script: passes bash -n")
+        return
+    exe = slurm.find_sbatch()
+    if exe is None:
+        print(f"  {SLURM}: sbatch script: passes bash -n; sbatch --test-only skipped: sbatch is not installed")
+        return
+    try:
+        answer = slurm.sbatch_test_only(script, exe)
+    except UsageError as exc:
+        print(f"  {SLURM}: sbatch script: passes bash -n; sbatch --test-only skipped: {exc}")
+        return
+    print(f"  {SLURM}: sbatch script: passes bash -n and sbatch --test-only ({answer})")
+
+
 def _file_name(obj: dict) -> str:
     return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
 
 
 def render_main(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    if args.target == SLURM:
+        return _render_slurm(spec, args)
     objs = render(spec, args.target) if args.skip_validation else _checked(spec, args.target)
     if args.out is None:
         sys.stdout.write(to_yaml(objs))
@@ -133,6 +170,56 @@ def render_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _slurm_script(spec: JobSpec, path: str, check: bool = True) -> str:
+    from . import slurm
+
+    script = slurm.render_sbatch(spec, path)
+    if check:
+        slurm.check_syntax(script)
+    return script
+
+
+def _render_slurm(spec: JobSpec, args: argparse.Namespace) -> int:
+    script = _slurm_script(spec, args.spec, check=not args.skip_validation)
+    if args.out is None:
+        sys.stdout.write(script)
+        return 0
+    path = os.path.join(args.out, f"{spec.name}.sbatch")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(script)
+    except OSError as exc:
+        raise UsageError(f"--out: cannot write {path}: {exc.strerror}") from None
+    print(f"wrote {path}")
+    return 0
+
+
+def _submit_slurm(spec: JobSpec, args: argparse.Namespace) -> int:
+    """Render, bash -n, sbatch --parsable; print the job id and record the submission."""
+    from . import slurm
+    from .submissions import record_submission
+
+    script = _slurm_script(spec, args.spec)
+    if args.dry_run:
+        print(f"# would run: {args.sbatch} --parsable  (script below on its stdin, passes bash -n)")
+        sys.stdout.write(script)
+        return 0
+    exe = slurm.find_sbatch(args.sbatch)
+    if exe is None:
+        raise UsageError(
+            f"sbatch not found ({args.sbatch!r} is not on PATH): run this on a Slurm login node, or write the "
+            f"script with `slipstream render {args.spec} --target slurm --out DIR` and submit it yourself"
+        )
+    job_id = slurm.sbatch_submit(script, exe)
+    record_submission(name=spec.name, target=SLURM, engine_id=job_id, run_dir=os.getcwd(),
+                      spec_path=spec.source_path or args.spec)
+    print(job_id)
+    print(f"submitted {spec.name} as Slurm job {job_id}; output: {slurm.output_path(spec, job_id)}; "
+          f"follow it with: slipstream status {spec.name}", file=sys.stderr)
+    return 0
+
+
 _NO_CLUSTER_HINTS = (
     "connection refused", "was refused", "unable to connect to the server", "no configuration has been provided",
     "couldn't get current server api group list", "dial tcp", "i/o timeout", "no such host",
@@ -142,6 +229,8 @@ _NO_CLUSTER_HINTS = (
 
 def submit_main(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
+    if args.target == SLURM:
+        return _submit_slurm(spec, args)
     objs = _checked(spec, args.target)
     text = to_yaml(objs)
     cmd = [args.kubectl, "apply", "-f", "-"]

@@ -28,12 +28,16 @@ Example::
 from __future__ import annotations
 
 import math
+import os
 import shlex
+import shutil
+import subprocess
 from decimal import Decimal
 
-from ..errors import EXIT_PREEMPTED
+from ..errors import EXIT_PREEMPTED, ConfigError, SlipstreamError, UsageError
 from .commands import entry_argv, launcher_flags, prewarm_command
 from .quantity import parse_quantity
+from .render import TargetUnsupported
 from .spec import RDZV_PORT, JobSpec
 
 TARGET = "slurm"
@@ -86,6 +90,8 @@ def _shell(argv: list[str]) -> str:
 
 def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
     """The sbatch script of a training spec (``source``: the spec's path, for the header comment)."""
+    if spec.kind != "training":
+        raise TargetUnsupported(f"kind: the slurm target runs training jobs only, got {spec.kind!r}")
     flags = launcher_flags(spec, spec.nnodes, "$RDZV_HOST:$RDZV_PORT", "$SLURM_NODEID", "$SLURM_JOB_ID",
                            local_addr=NODE_ADDR)
     agent = _shell(["slipstream", "run", *flags, *entry_argv(spec)])
@@ -131,4 +137,63 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["TARGET", "PORT_SPAN", "render_sbatch", "sbatch_options", "output_pattern", "output_path"]
+# ---------------------------------------------------------------------------- checks and submission
+
+SBATCH_TIMEOUT_S = 60.0
+_UNREACHABLE = ("unable to contact slurm controller", "connect failure", "connection refused",
+                "could not establish a configuration source", "failed to fetch config",
+                "unable to establish controller", "unable to process configuration file")
+
+
+class SbatchRefused(SlipstreamError):
+    """sbatch reached the controller and the controller refused the script."""
+
+    exit_code = 1
+
+
+def check_syntax(script: str) -> None:
+    """``bash -n`` on the script; raises ConfigError with bash's message."""
+    proc = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise ConfigError(f"the rendered sbatch script is not valid shell: {proc.stderr.strip()}")
+
+
+def find_sbatch(sbatch: str = "sbatch") -> str | None:
+    """The sbatch executable, or None when it is not installed."""
+    return shutil.which(sbatch)
+
+
+def _sbatch(exe: str, options: list[str], script: str) -> subprocess.CompletedProcess:
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.exists(conf):  # sbatch would retry for 60 s before saying so
+        raise UsageError(f"no Slurm configuration: SLURM_CONF={conf} does not exist")
+    try:
+        proc = subprocess.run([exe, *options], input=script, capture_output=True, text=True,
+                              timeout=SBATCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise UsageError(f"sbatch did not answer within {SBATCH_TIMEOUT_S:.0f} s: is the Slurm controller "
+                         "reachable?") from None
+    err = (proc.stderr or proc.stdout).strip()
+    if proc.returncode != 0 and any(h in err.lower() for h in _UNREACHABLE):
+        raise UsageError(f"no Slurm controller reachable (check SLURM_CONF and that slurmctld runs); "
+                         f"sbatch said: {err.splitlines()[-1] if err else ''}")
+    if proc.returncode != 0:
+        raise SbatchRefused(f"sbatch refused the script (exit {proc.returncode}): {err}")
+    return proc
+
+
+def sbatch_test_only(script: str, exe: str) -> str:
+    """``sbatch --test-only``: the controller's answer ("Job ... to start at ..."); raises
+    UsageError when no controller answers and SbatchRefused when it refuses the script."""
+    proc = _sbatch(exe, ["--test-only"], script)
+    return ((proc.stderr or "") + (proc.stdout or "")).strip().splitlines()[-1]
+
+
+def sbatch_submit(script: str, exe: str) -> str:
+    """``sbatch --parsable``: the new job's id (the script's paths are relative to the current directory)."""
+    proc = _sbatch(exe, ["--parsable"], script)
+    return proc.stdout.strip().split(";")[0]
+
+
+__all__ = ["TARGET", "PORT_SPAN", "render_sbatch", "sbatch_options", "output_pattern", "output_path",
+           "check_syntax", "find_sbatch", "sbatch_test_only", "sbatch_submit", "SbatchRefused", "SBATCH_TIMEOUT_S"]
