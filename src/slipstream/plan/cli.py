@@ -36,6 +36,17 @@ def parse_count(text: str, flag: str) -> float:
     return value
 
 
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``3,32,32`` -> (3, 32, 32): one sample's input shape."""
+    try:
+        dims = tuple(int(x) for x in str(text).replace("x", ",").split(",") if x.strip())
+    except ValueError:
+        dims = ()
+    if not dims or any(d < 1 for d in dims):
+        raise ConfigError(f"--input-shape: expected positive integers such as 3,32,32, got {text!r}")
+    return dims
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "plan", help="rank parallel layouts by predicted time to train and cost",
@@ -44,7 +55,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "accumulation, activation checkpointing) of a model on a cluster; print the best as a table "
                     "and write the chosen config. Equations and validation: docs/plan.md.",
     )
-    p.add_argument("--model", required=True, metavar="SPEC", help=f"built-in model: {', '.join(MODELS)}")
+    p.add_argument("--model", required=True, metavar="SPEC",
+                   help=f"built-in model ({', '.join(MODELS)}), your own as PATH.py:FUNCTION (a function that "
+                        "builds the nn.Module; measured on the meta device) or a Hugging Face config.json "
+                        "(needs transformers)")
+    p.add_argument("--input-shape", metavar="DIMS",
+                   help="one sample's input shape for PATH.py:FUNCTION models, e.g. 3,32,32 (default: "
+                        "sample_input(model) in the file, else inferred from the first layer)")
+    p.add_argument("--explain", action="store_true",
+                   help="break the chosen layout's step and memory down term by term, each with its source")
     p.add_argument("--gpus", required=True, type=int, metavar="N", help="GPUs in all")
     p.add_argument("--gpu-type", required=True, metavar="T", help=f"GPU: {', '.join(GPUS)}")
     p.add_argument("--network", required=True, metavar="SPEC",
@@ -91,9 +110,12 @@ def run_flags(layout: Layout, nodes: int, gpus_per_node: int) -> list[str]:
     return flags
 
 
-def _ckpt_classes(model_kind: str) -> list[str]:
-    # TrainConfig.activation_checkpointing takes module class names; these are the usual block names.
-    return {"transformer": ["Block"], "cnn": ["Bottleneck"], "mlp": ["Linear"]}.get(model_kind, ["Block"])
+def _ckpt_classes(model) -> list[str]:
+    # TrainConfig.activation_checkpointing takes module class names: the user's model's own repeated
+    # block when it was measured, else the usual block names.
+    if model.block_class:
+        return [model.block_class]
+    return {"transformer": ["Block"], "cnn": ["Bottleneck"], "mlp": ["Linear"]}.get(model.kind, ["Block"])
 
 
 def layout_env(result: PlanResult, layout: Layout) -> dict[str, str]:
@@ -106,7 +128,7 @@ def layout_env(result: PlanResult, layout: Layout) -> dict[str, str]:
     if layout.dp_shard > 1:
         env["SLIPSTREAM_ZERO_STAGE"] = str(layout.zero_stage)
     if layout.activation_checkpointing:
-        env["SLIPSTREAM_ACTIVATION_CHECKPOINTING"] = ",".join(_ckpt_classes(result.model.kind))
+        env["SLIPSTREAM_ACTIVATION_CHECKPOINTING"] = ",".join(_ckpt_classes(result.model))
     return env
 
 
@@ -116,7 +138,7 @@ def config_doc(result: PlanResult, script: str) -> dict[str, Any]:
     flags = run_flags(L, result.nodes, min(result.gpus, result.gpus_per_node))
     return {
         "run": "slipstream run " + " ".join(shlex.quote(f) for f in [*flags, script]),
-        "train": L.train_fields(tuple(_ckpt_classes(result.model.kind))),
+        "train": L.train_fields(tuple(_ckpt_classes(result.model))),
         "micro_batch": L.micro_batch, "global_batch": L.global_batch,
         "cluster": {"gpus": result.gpus, "gpu_type": result.gpu.name, "gpus_per_node": result.gpus_per_node,
                     "nodes": result.nodes, "network": result.network.spec},
@@ -186,7 +208,16 @@ def main(args: argparse.Namespace) -> int:
 
         link = load_link(args.link_calibration, args.network)
         network = Network(spec=f"{args.network} (measured: {link.describe()})", link=link)
-    result = plan(args.model, gpus=args.gpus, gpu_type=args.gpu_type, network=network, price=args.price,
+    model: Any = args.model
+    from .usermodel import is_user_model
+
+    if is_user_model(args.model):
+        from .usermodel import load_user_model
+
+        model = load_user_model(args.model, parse_shape(args.input_shape) if args.input_shape else None)
+    elif args.input_shape:
+        raise ConfigError("--input-shape: only for --model PATH.py:FUNCTION")
+    result = plan(model, gpus=args.gpus, gpu_type=args.gpu_type, network=network, price=args.price,
                   samples=samples, tokens=tokens, global_batch=args.global_batch, precision=args.precision,
                   gpus_per_node=args.gpus_per_node)
     if args.probe_memory:
@@ -201,9 +232,16 @@ def main(args: argparse.Namespace) -> int:
                  "microbatches_per_step": c.layout.microbatches_per_step,
                  "activation_checkpointing": c.layout.activation_checkpointing, "step_s": c.prediction.step_s,
                  "time_to_train_s": c.time_to_train_s, "cost": c.cost,
-                 "memory_gib": c.prediction.memory_bytes / GIB, "scaling_efficiency": c.prediction.scaling_efficiency}
+                 "memory_gib": c.prediction.memory_bytes / GIB, "scaling_efficiency": c.prediction.scaling_efficiency,
+                 "step_range_s": result.uncertainty.step_range(c.prediction.step_s, c.prediction.scaling_efficiency),
+                 "scaling_efficiency_range": result.uncertainty.efficiency_range(c.prediction.scaling_efficiency)}
                 for c in result.candidates[: args.top]]
-        print(json.dumps({"chosen": doc, "ranking": rows}, indent=1))
+        out = {"chosen": doc, "ranking": rows, "uncertainty": result.uncertainty.source}
+        if args.explain:
+            from .explain import explain
+
+            out["explain"] = explain(result)
+        print(json.dumps(out, indent=1))
     else:
         console = Console(width=max(160, Console().width), soft_wrap=False)
         console.print(result.table(args.top))
@@ -214,6 +252,10 @@ def main(args: argparse.Namespace) -> int:
                       highlight=False)
         for note in result.notes:
             console.print(note, highlight=False, markup=False)
+        if args.explain:
+            from .explain import explain
+
+            console.print(explain(result), highlight=False, markup=False)
         console.print(doc["run"], highlight=False, markup=False)
         env = layout_env(result, b.layout)
         console.print("layout as environment: " + " ".join(f"{k}={v}" for k, v in env.items()), highlight=False,

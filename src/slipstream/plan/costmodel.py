@@ -320,6 +320,7 @@ class Prediction:
     samples_per_s: float
     scaling_efficiency: float
     notes: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # the terms behind the figures, for ``plan --explain``
 
     @property
     def memory_bytes(self) -> float:
@@ -363,6 +364,7 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
     g = gpus_per_node or gpu.gpus_per_node
     L = layout
     notes: list[str] = []
+    details: dict = {}
     if L.tp > 1 and model.kind != "transformer":
         raise ConfigError(f"layout: tensor parallel applies to transformers, not {model.name}")
     if L.pp > model.layers:
@@ -384,6 +386,8 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
         msg = L.micro_batch * model.seq_len * model.d_model * act_bytes
         per = tlink.allreduce_s(msg, L.tp)
         tp_s = layers_stage * per * (4 + (2 if L.activation_checkpointing else 0))
+        details["tp"] = {"count": layers_stage * (4 + (2 if L.activation_checkpointing else 0)), "bytes": msg,
+                         "each_s": per, "link": tlink.describe()}
     slot = t_fwd + t_bwd + tp_s
     # pipeline: (m + pp - 1) slots of one micro-batch, point-to-point transfer per slot
     m = L.pp_microbatches if L.pp > 1 else 1
@@ -395,6 +399,7 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
         if model.kind != "transformer":
             msg = L.micro_batch * model.act_bytes_per_sample(L.precision) / model.layers
         pp_s = 2 * plink.transfer_s(msg / L.tp)
+        details["pp"] = {"bytes": msg / L.tp, "link": plink.describe(), "bubble_fraction": bubble_fraction(L.pp, m)}
     per_optimizer_micro = m * L.accumulate_steps
     pipe_s = (m + L.pp - 1) * (slot + pp_s) if L.pp > 1 else slot
     bubble_s = (L.pp - 1) * (slot + pp_s) if L.pp > 1 else 0.0
@@ -453,6 +458,12 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
         fsdp_compute = k * (t_fwd + t_bwd)
         exposed = max(0.0, total - fsdp_compute)
         dp_comm = nl * k * (ag * (2 if L.zero_stage == 3 else 0) + rs) + nl * ar
+        details["dp"] = {"collective": "FSDP: per layer all-gather of parameters"
+                         + (" (forward and backward)" if L.zero_stage == 3 else " (first micro-batch)")
+                         + " and reduce-scatter of gradients" + (", all-reduce over replicas" if L.dp_replicate > 1
+                                                                 else ""),
+                         "bytes": n_local * grad_bytes, "ranks": L.dp_shard, "link": s_link.describe(),
+                         "calls": nl * k, "latency_steps": L.dp_shard - 1}
         compute_total = L.accumulate_steps * pipe_s + exposed
         step = compute_total + opt_s
         if L.zero_stage == 2:
@@ -508,6 +519,14 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
                     ccost += 4 * getattr(codec, "rank", 4) * work / (gpu.fp32_flops * 0.5)
             tasks.append(BucketTask(ready_s=done * per_layer_bwd, compute_s=ccost, comm_s=comm))
         sim = simulate_dp_step(0.0, last_bwd, 0.0, tasks, cycle_s=fw.cycle_s)
+        details["dp"] = {
+            "collective": ("hierarchical all-reduce (intra-node reduce-scatter, inter-node all-reduce, intra-node "
+                           "all-gather)" if hierarchical and local_g > 1 else "all-reduce")
+            + (f" with {codec.name}" if codec.name != "allreduce" else ""),
+            "bytes": n_local * 4, "ranks": n, "calls": len(tasks),
+            "link": (inter if hierarchical and local_g > 1 else link).describe(),
+            "latency_steps": fw.allreduce_steps(nodes if hierarchical and local_g > 1 else n),
+            "algorithm": fw.algorithm}
         exposed, dp_comm, codec_s = sim.exposed_comm_s, sim.comm_s, sim.codec_compute_s
         step = compute_total + codec_s + exposed + opt_s
     else:
@@ -531,12 +550,16 @@ def predict(model: ModelSpec, gpu: GpuSpec, network: Network, layout: Layout, gp
     sps = samples_step / step
     one = L.micro_batch / (model.fwd_flops_per_sample * L.micro_batch * 3 / (peak * eff))
     scaling = sps / (L.world * one)
+    details.update(forward_s=t_fwd, backward_s=t_bwd, micro_batches=per_optimizer_micro, mfu=eff, peak_flops=peak,
+                   straggle_factor=straggle, straggler_cv=STRAGGLER_CV if straggler_cv is None else straggler_cv,
+                   framework=fw, world=L.world, model_source=model.source, measured_model=model.measured,
+                   gpu_source=gpu.source, network=network.spec)
     return Prediction(
         layout=L, step_s=step, compute_s=L.accumulate_steps * m * (t_fwd + t_bwd), exposed_comm_s=exposed,
         bubble_s=L.accumulate_steps * bubble_s, tp_comm_s=tp_s * per_optimizer_micro,
         pp_comm_s=pp_s * per_optimizer_micro, dp_comm_s=dp_comm, codec_compute_s=codec_s, optimizer_s=opt_s,
         memory=mem, memory_limit_bytes=gpu.memory_bytes * MEMORY_USABLE_FRACTION, samples_per_s=sps,
-        scaling_efficiency=scaling, notes=notes,
+        scaling_efficiency=scaling, notes=notes, details=details,
     )
 
 

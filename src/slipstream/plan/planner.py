@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from .costmodel import Layout, Prediction, predict
 from .network import Network, parse_network
+from .published import Uncertainty, uncertainty
 from .specs import GIB, GpuSpec, ModelSpec, get_gpu, get_model
 
 MAX_MICRO_BATCH = 512
@@ -53,6 +54,7 @@ class PlanResult:
     rejected_memory: int = 0
     smallest_rejected_bytes: float | None = None
     notes: list[str] = field(default_factory=list)
+    uncertainty: Uncertainty = field(default_factory=Uncertainty)
 
     @property
     def best(self) -> Candidate:
@@ -77,11 +79,17 @@ class PlanResult:
         for i, c in enumerate(self.candidates[:top], 1):
             p, L = c.prediction, c.layout
             mb = f"{L.micro_batch} x {L.microbatches_per_step}"
+            u = self.uncertainty
+            lo, hi = u.step_range(p.step_s, p.scaling_efficiency)
+            spread = (hi - lo) / 2 / p.step_s
+            eff = (f"{p.scaling_efficiency:.0%} ±{u.eff_pts:.0f}" if u.eff_pts else
+                   f"{p.scaling_efficiency:.0%}" if not u.step_rel else f"{p.scaling_efficiency:.0%} ±{spread:.0%}")
             t.add_row(str(i), L.label(), L.sync if L.dp_shard == 1 and L.dp_replicate > 1 else "-", mb,
-                      "yes" if L.activation_checkpointing else "no", fmt_s(p.step_s), fmt_s(p.exposed_comm_s),
-                      fmt_s(p.bubble_s), fmt_s(c.time_to_train_s), f"${c.cost:,.0f}",
-                      f"{p.memory_bytes / GIB:.1f}/{p.memory_limit_bytes / GIB:.0f} GiB",
-                      f"{p.scaling_efficiency:.0%}")
+                      "yes" if L.activation_checkpointing else "no", f"{fmt_s(p.step_s)} ±{spread:.0%}",
+                      fmt_s(p.exposed_comm_s), fmt_s(p.bubble_s), fmt_s(c.time_to_train_s), f"${c.cost:,.0f}",
+                      f"{p.memory_bytes / GIB:.1f}/{p.memory_limit_bytes / GIB:.0f} GiB", eff)
+        if self.uncertainty.source:
+            t.caption = f"±: {self.uncertainty.source}"
         return t
 
 
@@ -234,7 +242,8 @@ def plan(model: str | ModelSpec, gpus: int, gpu_type: str | GpuSpec, network: st
             f"no layout of {m.name} fits in {gpu.name} memory ({gpu.memory_bytes / GIB:.0f} GiB): the smallest needs "
             f"{smallest / GIB:.1f} GiB per GPU; use more GPUs or a GPU with more memory")
     fitting.sort(key=lambda c: (c.time_to_train_s, c.cost, c.prediction.memory_bytes))
-    result = PlanResult(m, gpu, net, gpus, g, B, total, price_h, fitting, rejected, smallest)
+    result = PlanResult(m, gpu, net, gpus, g, B, total, price_h, fitting, rejected, smallest,
+                        uncertainty=uncertainty("cpu" if gpu.name == "CPU" else "gpu"))
     if refused:
         result.notes.append(f"{refused} layouts skipped: slipstream.config.TrainConfig refuses them")
     return result

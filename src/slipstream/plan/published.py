@@ -214,6 +214,52 @@ def fit_straggler_cv(grid=tuple(i / 1000 for i in range(81))) -> float:
     return min(grid, key=lambda cv: (errors("calibration", cv)["mae_pts"], cv))
 
 
+# The emulated cluster's worst step-time error of the final method (benchmarks/plan_validation.py,
+# run e, column B: PowerSGD unshaped, -13.2 %; docs/plan.md, "Validation"). The range for CPU plans.
+LOCAL_STEP_ERROR = 0.132
+
+
+@dataclass(frozen=True)
+class Uncertainty:
+    """How far to trust a prediction: +- ``eff_pts`` points of scaling efficiency (GPUs: the largest
+    error on the published record's validation set) or +- ``step_rel`` of the step time (this machine:
+    the emulated cluster's worst error), and where that figure comes from."""
+
+    eff_pts: float = 0.0
+    step_rel: float = 0.0
+    source: str = ""
+
+    def step_range(self, step_s: float, efficiency: float) -> tuple[float, float]:
+        """(fastest, slowest) step: step time scales as 1 / efficiency at a fixed compute."""
+        if self.step_rel:
+            return step_s * (1 - self.step_rel), step_s * (1 + self.step_rel)
+        d = self.eff_pts / 100
+        return step_s * efficiency / (efficiency + d), step_s * efficiency / max(efficiency - d, 1e-3)
+
+    def efficiency_range(self, efficiency: float) -> tuple[float, float]:
+        if self.step_rel:
+            return efficiency / (1 + self.step_rel), min(1.0, efficiency / (1 - self.step_rel))
+        d = self.eff_pts / 100
+        return max(0.0, efficiency - d), min(1.0, efficiency + d)
+
+
+_UNCERTAINTY: dict[str, Uncertainty] = {}
+
+
+def uncertainty(device: str = "gpu") -> Uncertainty:
+    """The range every prediction carries (computed once from the record: no figure is typed in)."""
+    if device == "cpu":
+        return Uncertainty(step_rel=LOCAL_STEP_ERROR, source="largest step-time error on the emulated cluster "
+                           "(benchmarks/plan_validation.py run e, docs/plan.md)")
+    if "gpu" not in _UNCERTAINTY:
+        v = errors("validation")
+        _UNCERTAINTY["gpu"] = Uncertainty(
+            eff_pts=round(v["max_pts"], 1),
+            source=f"largest error on the published record's validation set ({v['n']} cases, mean "
+                   f"{v['mae_pts']:.1f} pts; python -m slipstream.plan.published)")
+    return _UNCERTAINTY["gpu"]
+
+
 def table() -> str:
     lines = ["| case | source | model | GPUs | GPU x per node | network | prec | published | predicted | "
              "serial bound | error | set |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -142,6 +142,8 @@ class ModelSpec:
     vocab: int = 0
     source: str = ""
     default_global_batch: int | None = None  # transformers: a fixed global batch (samples)
+    block_class: str = ""  # the repeated block's class name (activation checkpointing wraps it)
+    measured: bool = False  # params, FLOPs and activations measured from the model (usermodel.py)
 
     @property
     def params_per_layer(self) -> float:
@@ -150,6 +152,11 @@ class ModelSpec:
     def act_bytes_per_sample(self, precision: str, tp: int = 1, checkpointing: bool = False) -> float:
         """Saved activations of all layers for one sample (Korthikanti et al. 2022 for transformers)."""
         scale = 2.0 if precision == "fp32" else 1.0
+        if self.measured:  # saved tensors measured at fp32 (usermodel.py); a tp shard holds ~1/tp
+            full = self.act_bytes_per_sample_16 / tp
+            if checkpointing:
+                return scale * (self.ckpt_bytes_per_sample_16 * self.layers / tp + full / self.layers)
+            return scale * full
         if self.kind == "transformer":
             s, h, a, L = self.seq_len, self.d_model, self.heads, self.layers
             if checkpointing:
