@@ -14,13 +14,13 @@ import pytest
 
 from slipstream.cli import main as slipstream_main
 from slipstream.errors import ConfigError
-from slipstream.job import lifecycle_k8s as k8s
+from slipstream.job.lifecycle import k8s
 from slipstream.job.lifecycle import Action, LifecycleRequest, resolve
-from slipstream.job.lifecycle_model import (
+from slipstream.job.lifecycle.model import (
     Engine, JobNotFound, JobRef, JobStatus, LastMetrics, filter_rank, format_status, last_metrics, line_rank,
     parse_duration_s,
 )
-from slipstream.job.lifecycle_slurm import parse_scontrol
+from slipstream.job.lifecycle.slurm import parse_scontrol
 from slipstream.job.submissions import (
     SubmissionNotFound, find_submission, list_submissions, record_submission, state_dir,
 )

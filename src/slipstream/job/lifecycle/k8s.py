@@ -23,13 +23,12 @@ import datetime
 import json
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from ..errors import SlipstreamError, UsageError
-from .lifecycle_model import (
-    RANK_PREFIX_HINT, Engine, JobNotFound, JobRef, JobStatus, call, filter_rank, last_metrics, line_rank,
+from ...errors import SlipstreamError, UsageError
+from .model import (
+    RANK_PREFIX_HINT, Engine, JobNotFound, JobRef, JobStatus, call, filter_rank, last_metrics, line_rank, note,
 )
 
 JOB_LABEL = "slipstream.dev/job"  # render.JOB_LABEL; repeated so this module needs no renderer (and no yaml)
@@ -252,7 +251,7 @@ def logs(ref: JobRef, out: TextIO, *, kubectl: str = "kubectl", follow: bool = F
 
 def _rank_note(rank: int | None, lines: list[str]) -> None:
     if rank is not None and not any(line_rank(ln) is not None for ln in lines):
-        print(f"slipstream logs: note: {RANK_PREFIX_HINT}", file=sys.stderr)
+        note(RANK_PREFIX_HINT)
 
 
 def cancel(ref: JobRef, kubectl: str = "kubectl") -> str:

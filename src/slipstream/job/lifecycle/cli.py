@@ -1,11 +1,11 @@
-"""``slipstream status | logs | cancel JOB``: the parsers; the work is :mod:`.lifecycle`'s."""
+"""``slipstream status | logs | cancel JOB``: the parsers; the work is :mod:`slipstream.job.lifecycle`'s."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from .lifecycle import TARGETS, Action, LifecycleRequest, run_lifecycle
+from . import TARGETS, Action, LifecycleRequest, cancel, format_status, logs, status
 
 _JOB_HELP = ("job name or id from `slipstream submit` (its record says where it runs); "
              "without a record, a Slurm job id with --target slurm or a job name with --target kubernetes")
@@ -55,4 +55,10 @@ def main(args: argparse.Namespace) -> int:
         action=args.action, job=args.job, target=args.target, kubectl=args.kubectl, namespace=args.namespace,
         follow=getattr(args, "follow", False), rank=getattr(args, "rank", None), run_dir=getattr(args, "run_dir", None),
     )
-    return run_lifecycle(req, sys.stdout)
+    if req.action is Action.STATUS:
+        print(format_status(status(req)))
+        return 0
+    if req.action is Action.LOGS:
+        return logs(req, sys.stdout)
+    print(cancel(req))
+    return 0

@@ -1,14 +1,16 @@
 """``slipstream status | logs | cancel JOB``: one request type, dispatched to Slurm or Kubernetes.
 
-JOB is a name or engine id from a submission record (:mod:`.submissions`, written by
+Modules: :mod:`.model` (types, pure helpers), :mod:`.slurm`, :mod:`.k8s`, :mod:`.cli` (the parsers).
+
+JOB is a name or engine id from a submission record (:mod:`slipstream.job.submissions`, written by
 ``slipstream submit``), which also says where the job runs. Without a record, the
 target says it: ``--target slurm`` with a Slurm job id, ``--target kubernetes`` (or a
 manifest flavour such as ``jobset``) with a job name.
 
 Example::
 
-    req = LifecycleRequest(action=Action.STATUS, job="gpt-small")
-    run_lifecycle(req, sys.stdout)   # prints state, nodes, requeues, elapsed, last step and loss
+    st = status(LifecycleRequest(action=Action.STATUS, job="gpt-small"))
+    print(format_status(st))   # state, nodes, requeues, elapsed, last step and loss
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TextIO
 
-from ..errors import ConfigError
-from . import lifecycle_k8s, lifecycle_slurm
-from .lifecycle_model import Engine, JobRef, format_status
-from .submissions import SubmissionNotFound, find_submission
+from ...errors import ConfigError
+from ..submissions import SubmissionNotFound, find_submission
+from . import k8s, slurm
+from .model import Engine, JobRef, JobStatus, format_status
 
-K8S_FLAVOURS = tuple(lifecycle_k8s.FLAVOURS)
+K8S_FLAVOURS = tuple(k8s.FLAVOURS)
 TARGETS = ("slurm", "kubernetes", *K8S_FLAVOURS)
 
 
@@ -90,18 +92,24 @@ def resolve(req: LifecycleRequest) -> JobRef:
                   namespace=req.namespace, run_dir=req.run_dir)
 
 
-def run_lifecycle(req: LifecycleRequest, out: TextIO) -> int:
-    """Carry out the request, printing to ``out``; returns the exit code (errors raise SlipstreamError)."""
+def status(req: LifecycleRequest) -> JobStatus:
+    """The job's state, nodes, restarts/requeues, elapsed time and the run's last step and loss."""
     ref = resolve(req)
-    slurm = ref.engine is Engine.SLURM
-    if req.action is Action.STATUS:
-        st = lifecycle_slurm.status(ref) if slurm else lifecycle_k8s.status(ref, req.kubectl)
-        print(format_status(st), file=out)
-        return 0
-    if req.action is Action.LOGS:
-        if slurm:
-            return lifecycle_slurm.logs(ref, out, follow=req.follow, rank=req.rank)
-        return lifecycle_k8s.logs(ref, out, kubectl=req.kubectl, follow=req.follow, rank=req.rank)
-    line = lifecycle_slurm.cancel(ref) if slurm else lifecycle_k8s.cancel(ref, req.kubectl)
-    print(line, file=out)
-    return 0
+    return slurm.status(ref) if ref.engine is Engine.SLURM else k8s.status(ref, req.kubectl)
+
+
+def logs(req: LifecycleRequest, out: TextIO) -> int:
+    """Write the job's output to ``out`` (``req.follow``: until the job ends); returns the exit code."""
+    ref = resolve(req)
+    if ref.engine is Engine.SLURM:
+        return slurm.logs(ref, out, follow=req.follow, rank=req.rank)
+    return k8s.logs(ref, out, kubectl=req.kubectl, follow=req.follow, rank=req.rank)
+
+
+def cancel(req: LifecycleRequest) -> str:
+    """Cancel the job; returns the line that says what happened."""
+    ref = resolve(req)
+    return slurm.cancel(ref) if ref.engine is Engine.SLURM else k8s.cancel(ref, req.kubectl)
+
+
+__all__ = ["Action", "LifecycleRequest", "TARGETS", "cancel", "format_status", "logs", "resolve", "status"]

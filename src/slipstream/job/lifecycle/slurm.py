@@ -12,7 +12,7 @@ Where the state comes from:
 Example::
 
     ref = JobRef(engine=Engine.SLURM, job_id="42", name="gpt")
-    print(format_status(status(ref)))
+    status(ref).state   # 'RUNNING'
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 from typing import TextIO
 
-from ..errors import SlipstreamError, UsageError
-from .lifecycle_model import (
+from ...errors import SlipstreamError, UsageError
+from .model import (
     RANK_PREFIX_HINT, Engine, JobNotFound, JobRef, JobStatus, call, filter_rank, first_line, last_metrics,
-    line_rank, parse_duration_s,
+    line_rank, note, parse_duration_s,
 )
 
 TIMEOUT_S = 30.0
@@ -170,7 +169,7 @@ def _live(job_id: str) -> bool:
 def logs(ref: JobRef, out: TextIO, *, follow: bool = False, rank: int | None = None, poll_s: float = 0.5) -> int:
     """Print the job's output file (``StdOut`` of ``scontrol show job``); with ``follow``, until the job ends.
 
-    ``rank``: only the lines tagged with that rank (see :func:`~.lifecycle_model.line_rank`).
+    ``rank``: only the lines tagged with that rank (see :func:`~.model.line_rank`).
     The file is read where this command runs: on a shared file system, or on the batch node.
     """
     path, detail = _log_file(ref)
@@ -178,7 +177,7 @@ def logs(ref: JobRef, out: TextIO, *, follow: bool = False, rank: int | None = N
     if not follow:
         if not os.path.exists(path):
             if state in LIVE_STATES:
-                print(f"(no output yet: job {ref.job_id} is {state}; {path} does not exist)", file=out)
+                note(f"no output yet: job {ref.job_id} is {state}; {path} does not exist")
                 return 0
             raise UsageError(f"output file {path} of job {ref.job_id} not found on this host "
                              f"(the job ran on {detail.get('BatchHost', '?')}: is the file system shared?)")
@@ -194,7 +193,7 @@ def _emit(lines: list[str], rank: int | None, out: TextIO) -> None:
         out.write(line + "\n")
     out.flush()
     if rank is not None and lines and not any(line_rank(ln) is not None for ln in lines):
-        print(f"slipstream logs: note: {RANK_PREFIX_HINT}", file=sys.stderr)
+        note(RANK_PREFIX_HINT)
 
 
 def _follow(job_id: str, path: str, out: TextIO, rank: int | None, poll_s: float) -> int:
@@ -223,7 +222,7 @@ def _follow(job_id: str, path: str, out: TextIO, rank: int | None, poll_s: float
             break
         time.sleep(poll_s)
     if rank is not None and not tagged:
-        print(f"slipstream logs: note: {RANK_PREFIX_HINT}", file=sys.stderr)
+        note(RANK_PREFIX_HINT)
     return 0
 
 

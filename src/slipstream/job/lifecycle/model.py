@@ -1,20 +1,21 @@
 """The types and pure helpers shared by ``slipstream status|logs|cancel`` and its two engines.
 
-:mod:`.lifecycle` turns a request into a :class:`JobRef` and dispatches to
-:mod:`.lifecycle_slurm` or :mod:`.lifecycle_k8s`; both return a :class:`JobStatus`
+:mod:`slipstream.job.lifecycle` turns a request into a :class:`JobRef` and dispatches to
+:mod:`.slurm` or :mod:`.k8s`; both return a :class:`JobStatus`
 and use :func:`call` to run the engine's command-line tools, so a missing tool or
 an unreachable cluster is the same one line (exit 2) everywhere.
 
 Example::
 
     st = JobStatus(engine=Engine.SLURM, job_id="42", name="gpt", state="RUNNING", nodes=("n1", "n2"))
-    print(format_status(st))
+    format_status(st).splitlines()[1]   # 'state:    RUNNING'
 """
 
 from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,7 +24,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Iterator, Sequence
 
-from ..errors import SlipstreamError, UsageError
+from ...errors import SlipstreamError, UsageError
+from ...log import CONSOLE
+
+log = logging.getLogger(__name__)
 
 
 class Engine(Enum):
@@ -283,6 +287,11 @@ def filter_rank(lines: Iterable[str], rank: int | None) -> Iterator[str]:
     for line in lines:
         if rank is None or line_rank(line) == rank:
             yield line
+
+
+def note(message: str) -> None:
+    """A line for the user on stderr beside the command's output (``slipstream logs: note: ...``)."""
+    log.info("slipstream logs: note: %s", message, extra=CONSOLE)
 
 
 RANK_PREFIX_HINT = (
