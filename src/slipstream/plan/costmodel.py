@@ -60,10 +60,11 @@ CODEC_PASSES = {"allreduce": 0, "bf16": 2, "fp16": 2, "powersgd": 7, "topk": 16,
 class Framework:
     """How a training framework hands gradients to the network: fusion-buffer sizes and the
     background cycle a ready tensor waits for. ``ddp`` is PyTorch DDP (first bucket 1 MiB, then 25
-    MiB, launched the moment a bucket is full); ``horovod`` is Horovod as benchmarked in 2018: a
-    64 MiB fusion buffer (HOROVOD_FUSION_THRESHOLD) and a 5 ms cycle (HOROVOD_CYCLE_TIME) on
-    which ready tensors are negotiated and sent (Sergeev & Del Balso 2018, section "Tensor
-    Fusion"; Horovod's docs, "Tensor Fusion" and "Timeline")."""
+    MiB, launched the moment a bucket is full); ``horovod`` is Horovod as of its 512-GPU benchmark
+    (April 2018): a 64 MiB fusion buffer (``tensor_fusion_threshold``, docs/tensor-fusion.md) and a
+    background loop that sleeps 5 ms, negotiates the ready tensors and enqueues their fused
+    all-reduces on one CUDA stream (horovod/common/operations.cc, ``BackgroundThreadLoop``), read
+    in the Horovod repository at its last commit before 2018-04-20."""
 
     name: str
     first_bucket_bytes: float
@@ -87,7 +88,7 @@ class Framework:
 FRAMEWORKS = {
     "ddp": Framework("ddp", 1 * MIB, 25 * MIB, 0.0, "torch DDP defaults (bucket_cap_mb=25, first bucket 1 MiB)"),
     "horovod": Framework("horovod", 64 * MIB, 64 * MIB, 5e-3,
-                         "Horovod 2018: 64 MiB fusion buffer, 5 ms cycle (Sergeev & Del Balso 2018)"),
+                         "Horovod, April 2018: 64 MiB fusion buffer, a 5 ms sleep per background cycle"),
     # Goyal et al. 2017, section 4 ("Communication"): each parameter's gradient is all-reduced as soon as
     # backward produced it, in three steps: summed over the 8 GPUs of a server, all-reduced between
     # servers with recursive halving and doubling (Gloo), broadcast back to the 8 GPUs.
@@ -154,9 +155,10 @@ def simulate_dp_step(forward_s: float, backward_s: float, optimizer_s: float,
     core per rank locally; on a GPU it shares the SMs with backward) while waits on the wire hide.
     ``cpu_s`` is the communication's own CPU work (gloo on one core: copies, the TCP stack, the
     reduction): it cannot hide behind backward on the same core. It is 0 for GPUs (NCCL).
-    ``cycle_s`` (Horovod): the background thread picks up ready tensors only on its cycle's ticks,
-    one fused collective at a time, so a bucket starts at the first tick after it is ready and the
-    previous one is done.
+    ``cycle_s`` (Horovod): the background thread wakes every cycle (a 5 ms sleep, then the
+    negotiation: horovod/common/operations.cc as of April 2018), fuses what is ready and enqueues it
+    on one CUDA stream; so a bucket is launched at the first wake after it is ready and runs when
+    the previous collective on the stream is done.
 
     >>> simulate_dp_step(0.1, 0.2, 0.01, [BucketTask(0.2, 0.0, 0.05)]).step_s
     0.36
@@ -164,10 +166,8 @@ def simulate_dp_step(forward_s: float, backward_s: float, optimizer_s: float,
     core = backward_s + sum(b.compute_s + b.cpu_s for b in buckets)
     chan = 0.0
     for b in buckets:
-        start = max(b.ready_s, chan)
-        if cycle_s > 0:
-            start = math.ceil(start / cycle_s - 1e-9) * cycle_s
-        chan = start + b.compute_s + max(b.comm_s, b.cpu_s)
+        ready = math.ceil(b.ready_s / cycle_s - 1e-9) * cycle_s if cycle_s > 0 else b.ready_s
+        chan = max(ready, chan) + b.compute_s + max(b.comm_s, b.cpu_s)
     end = max(core, chan)
     return DpStep(
         step_s=round(forward_s + end + optimizer_s, 12), forward_s=forward_s, backward_s=backward_s,

@@ -63,19 +63,20 @@ RATE101 = (_R50 + (_R152 - _R50) * (7.80 - 4.09) / (11.56 - 4.09)) / (6 * 7.80e9
 
 CASES = (
     # -- calibration ------------------------------------------------------------------------------
-    Case("horovod-resnet101", "Sergeev & Del Balso 2018, Horovod, arXiv:1802.05799",
-         "section 'Benchmarks' scaling figure (and the Horovod README): ~90% at 512 GPUs",
+    Case("horovod-resnet101", "Horovod docs/benchmarks.rst and README (2018; Sergeev & Del Balso, arXiv:1802.05799)",
+         "'512-GPU Benchmark' figure and text: 90% at 512 GPUs (the arXiv paper's own figures stop at 128 GPUs)",
          "resnet101", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.90, "calibration",
-         "figure and setup (128 servers x 4 Pascal GPUs, 25 Gbit/s RoCE, TensorFlow) as recorded in issue #9 and "
-         "the brief; batch 64 per GPU is tf_cnn_benchmarks' default, assumed",
+         "checked in the Horovod repository (docs/benchmarks.rst): '128 servers with 4 Pascal GPUs each connected "
+         "by a RoCE-capable 25 Gbit/s network', 90% / 90% / 68%, tf_cnn_benchmarks with --batch_size 64 "
+         "(the reproduction command; synthetic data); the Pascal part (PCIe or SXM2) is not stated: PCIe taken",
          framework="horovod", one_gpu_samples_per_s=RATE101,
          one_gpu_source=TF_P100 + "ResNet-50 238 and ResNet-152 95.6 img/s; ResNet-101 interpolated by FLOPs between them (6.23 TFLOP/s -> 133.2 img/s); x 9.3/10.6 for a PCIe P100"),
-    Case("horovod-inception3", "Sergeev & Del Balso 2018, Horovod, arXiv:1802.05799",
+    Case("horovod-inception3", "Horovod docs/benchmarks.rst and README (2018; Sergeev & Del Balso, arXiv:1802.05799)",
          "same figure: ~90% at 512 GPUs", "inception_v3", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.90,
          "calibration", "as horovod-resnet101",
          framework="horovod", one_gpu_samples_per_s=142 * P100_PCIE_OVER_SXM2,
          one_gpu_source=TF_P100 + "InceptionV3 142 img/s; x 9.3/10.6 for a PCIe P100"),
-    Case("horovod-vgg16", "Sergeev & Del Balso 2018, Horovod, arXiv:1802.05799",
+    Case("horovod-vgg16", "Horovod docs/benchmarks.rst and README (2018; Sergeev & Del Balso, arXiv:1802.05799)",
          "same figure: 68% at 512 GPUs", "vgg16", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.68,
          "calibration", "as horovod-resnet101",
          framework="horovod", one_gpu_samples_per_s=132 * P100_PCIE_OVER_SXM2,
