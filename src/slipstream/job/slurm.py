@@ -42,7 +42,7 @@ from .spec import RDZV_PORT, JobSpec
 
 TARGET = "slurm"
 PORT_SPAN = 20000
-"""The rendezvous port is ``RDZV_PORT + SLURM_JOB_ID % PORT_SPAN`` (29400..49399)."""
+"""The rendezvous port is ``RDZV_PORT + (7 * SLURM_JOB_ID + SLURM_RESTART_COUNT) % PORT_SPAN`` (29400..49399)."""
 NODE_ADDR = "$(scontrol show node \"$SLURMD_NODENAME\" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')"
 """Shell expression: the NodeAddr of the node a task runs on."""
 
@@ -106,7 +106,9 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
         "# The rendezvous: the allocation's first node (it runs this script, SLURM_NODEID 0).",
         'RDZV_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
         "RDZV_HOST=\"$(scontrol show node \"$RDZV_NODE\" -o | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')\"",
-        f"RDZV_PORT=$(({RDZV_PORT} + SLURM_JOB_ID % {PORT_SPAN}))",
+        "# A port per job and attempt: jobs may share a node, and a requeued attempt must not wait for",
+        "# the previous attempt's port to be released.",
+        f"RDZV_PORT=$(({RDZV_PORT} + (SLURM_JOB_ID * 7 + ${{SLURM_RESTART_COUNT:-0}}) % {PORT_SPAN}))",
         'export RDZV_HOST RDZV_PORT',
         'echo "slipstream: job $SLURM_JOB_ID attempt $((${SLURM_RESTART_COUNT:-0} + 1)) on $SLURM_JOB_NODELIST, '
         'rendezvous $RDZV_HOST:$RDZV_PORT"',
@@ -118,16 +120,20 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
     lines += [
         "",
         "# srun in the background, so a SIGTERM to this shell runs the trap at once (a foreground",
-        "# command would defer it); srun forwards the signal to the agents.",
+        "# command would defer it); srun forwards the signal to the agents. A SIGTERM to this shell",
+        "# means Slurm ends the whole job (scancel, or a preemption Slurm requeues itself): no requeue",
+        "# from here. SIGTERM to the steps only (scancel --signal=TERM, --signal=TERM@N before the time",
+        "# limit) leaves this shell running, and the agents' exit 143 requeues the job below.",
+        "JOB_ENDING=0",
         f"srun --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c {shlex.quote('exec ' + agent)} &",
         "SRUN_PID=$!",
-        "trap 'kill -TERM \"$SRUN_PID\" 2>/dev/null' TERM",
+        "trap 'JOB_ENDING=1; kill -TERM \"$SRUN_PID\" 2>/dev/null' TERM",
         'wait "$SRUN_PID"; rc=$?',
         'while kill -0 "$SRUN_PID" 2>/dev/null; do wait "$SRUN_PID"; rc=$?; done',
     ]
     if spec.slurm.requeue:
         lines += [
-            f"if [ \"$rc\" -eq {EXIT_PREEMPTED} ]; then",
+            f"if [ \"$rc\" -eq {EXIT_PREEMPTED} ] && [ \"$JOB_ENDING\" -eq 0 ]; then",
             "    # Preempted: the emergency checkpoint is written; the requeued job resumes from it.",
             '    echo "slipstream: job $SLURM_JOB_ID preempted (exit 143): requeueing it" >&2',
             '    scontrol requeue "$SLURM_JOB_ID" && exit 0',

@@ -1,0 +1,157 @@
+"""The Slurm target against the real two-node cluster (scripts/slurm_cluster.sh: n1 and n2 on this host).
+
+* the seed-shaped spec renders a script ``sbatch --test-only`` accepts;
+* examples/train_gpt.py as a 2-node job through ``slipstream submit --target slurm``: it
+  completes with the loss falling, seen through ``slipstream status`` and ``slipstream logs``;
+* the same job preempted (``scancel --signal=TERM``): emergency checkpoint, exit 143, the batch
+  script requeues it, the requeued job resumes from the checkpoint and ends with weights bitwise
+  equal to the uninterrupted run's (which the previous test made: one baseline, shared).
+
+A tiny GPT (dim 32, one layer) so the three cost about a minute, most of it process start-up and
+Slurm's requeue delay (cred_expire + 1 = 11 s on this cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_GPT = str(REPO / "examples" / "train_gpt.py")
+STEPS = 40
+"""The preemption lands after the first logged step (10): 30 more steps (1-8 s here) leave it time to arrive."""
+GPT_ARGS = ["--steps", str(STEPS), "--dim", "32", "--layers", "1", "--context", "32", "--batch-size", "4",
+            "--corpus-mb", "0.5"]
+JOB_TIMEOUT_S = 150.0
+
+
+def write_job(directory: Path, name: str) -> Path:
+    """A 2-node CPU training spec for train_gpt.py that checkpoints to and writes its weights into ``directory``."""
+    ckpt, out = directory / "ckpt", directory / "out"
+    spec = {
+        "name": name, "image": "ghcr.io/slipstream-ml/slipstream:0.1.0",
+        "command": ["python", TRAIN_GPT],
+        # train_gpt.py saves its data position only with --checkpoint-dir; the spec's dir is the same one.
+        "args": [*GPT_ARGS, "--checkpoint-dir", str(ckpt), "--out", str(out)],
+        "replicas": 2, "gpu_count": 0, "checkpoint": {"dir": str(ckpt)},
+        "restarts": {"max_restarts": 0},
+        "slurm": {"time": "10:00"},
+    }
+    path = directory / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def slipstream(args: list[str], env: dict[str, str], cwd: Path, timeout_s: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slipstream", *args], env=env, cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def submit(spec: Path, env: dict[str, str]) -> str:
+    proc = slipstream(["submit", str(spec), "--target", "slurm"], env, spec.parent)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = proc.stdout.split()[0]
+    assert job_id.isdigit(), proc.stdout
+    return job_id
+
+
+def job_fields(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True,
+                         timeout=30).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def wait_done(job_id: str, env: dict[str, str]) -> dict[str, str]:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        fields = job_fields(job_id, env)
+        if fields.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            return fields
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=env, timeout=30)
+    pytest.fail(f"job {job_id} not finished after {JOB_TIMEOUT_S:.0f} s: {job_fields(job_id, env)}")
+
+
+def weights_digest(path: Path) -> str:
+    """sha256 over the state_dict's names and tensor bytes, in order."""
+    import torch
+
+    state = torch.load(path, weights_only=True)
+    h = hashlib.sha256()
+    for name, tensor in state.items():
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def losses(log: str) -> list[float]:
+    return [float(x) for x in re.findall(r"\] step \d+ \| loss ([0-9.]+)", log)]
+
+
+@pytest.fixture(scope="module")
+def baseline(slurm_env, tmp_path_factory):
+    """One uninterrupted 2-node run, submitted through the CLI: (directory, job id, finished job's fields)."""
+    directory = tmp_path_factory.mktemp("slurm-baseline")
+    spec = write_job(directory, "gpt-base")
+    job_id = submit(spec, slurm_env)
+    return directory, job_id, wait_done(job_id, slurm_env)
+
+
+def test_seed_spec_passes_sbatch_test_only(slurm_env, tmp_path):
+    spec = tmp_path / "seed.yaml"
+    spec.write_text(yaml.safe_dump({"name": "seed", "image": "ghcr.io/slipstream-ml/slipstream:0.1.0",
+                                    "replicas": 2, "gpu_count": 0, "command": ["python", "train.py"]}))
+    proc = slipstream(["validate", str(spec), "--target", "slurm"], slurm_env, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "passes bash -n and sbatch --test-only" in proc.stdout and "n[1-2]" in proc.stdout, proc.stdout
+    # and the script itself, straight to sbatch
+    script = slipstream(["render", str(spec), "--target", "slurm"], slurm_env, tmp_path).stdout
+    assert "#SBATCH --nodes=2" in script and "--ntasks-per-node=1" in script and "--gpus-per-node" not in script
+    test = subprocess.run(["sbatch", "--test-only"], input=script, env=slurm_env, capture_output=True, text=True,
+                          timeout=30)
+    assert test.returncode == 0 and "to start at" in test.stderr, test.stderr
+
+
+def test_two_node_job_completes_with_falling_loss(baseline, slurm_env):
+    directory, job_id, fields = baseline
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", fields
+    assert fields["NodeList"] == "n[1-2]", fields
+    # status and logs by name, through the submission record
+    status = slipstream(["status", "gpt-base"], slurm_env, directory)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "COMPLETED" in status.stdout and job_id in status.stdout, status.stdout
+    logs = slipstream(["logs", "gpt-base"], slurm_env, directory)
+    assert logs.returncode == 0, logs.stdout + logs.stderr
+    assert f"done: {STEPS} steps" in logs.stdout and "2 rank(s)" in logs.stdout, logs.stdout[-3000:]
+    seen = losses(logs.stdout)
+    assert len(seen) >= 2 and seen[-1] < seen[0] - 0.3, seen
+    assert (directory / "out" / "model.pt").is_file()
+
+
+def test_preempted_job_requeues_and_resumes_bitwise(baseline, slurm_env, tmp_path):
+    directory = tmp_path
+    spec = write_job(directory, "gpt-preempt")
+    job_id = submit(spec, slurm_env)
+    output = directory / f"slipstream-gpt-preempt-{job_id}.out"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    # SIGTERM to the job's steps (the agents) once training runs, as the time limit's --signal would send it.
+    while not re.search(r"\] step \d+ \|", output.read_text() if output.exists() else ""):
+        assert time.monotonic() < deadline, f"job {job_id} never started training: {job_fields(job_id, slurm_env)}"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=slurm_env, check=True, timeout=30)
+    fields = wait_done(job_id, slurm_env)
+    log = output.read_text()
+    assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", (fields, log[-3000:])
+    assert "preempted (exit 143): requeueing it" in log, log[-3000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", log)
+    assert resumed and 0 < int(resumed.group(1)) < STEPS, log[-3000:]
+    assert f"done: {STEPS} steps" in log, log[-3000:]
+    base_dir = baseline[0]
+    assert weights_digest(directory / "out" / "model.pt") == weights_digest(base_dir / "out" / "model.pt")
