@@ -253,11 +253,12 @@ def uncertainty(device: str = "gpu") -> Uncertainty:
         return Uncertainty(step_rel=LOCAL_STEP_ERROR, source="largest step-time error on the emulated cluster "
                            "(benchmarks/plan_validation.py run e, docs/plan.md)")
     if "gpu" not in _UNCERTAINTY:
-        v = errors("validation")
+        v, c = errors("validation"), errors("calibration")
         _UNCERTAINTY["gpu"] = Uncertainty(
             eff_pts=round(v["max_pts"], 1),
             source=f"largest error on the published record's validation set ({v['n']} cases, mean "
-                   f"{v['mae_pts']:.1f} pts; python -m slipstream.plan.published)")
+                   f"{v['mae_pts']:.1f} pts); bandwidth-bound jobs can miss by more (calibration set: up to "
+                   f"{c['max_pts']:.0f} pts); python -m slipstream.plan.published")
     return _UNCERTAINTY["gpu"]
 
 

@@ -221,8 +221,9 @@ def _measure(model: Any, x: Any, name: str, source: str, logits_of=None) -> Mode
     if flops <= 0:
         raise ConfigError(f"--model: {name}: FlopCounterMode counted no FLOPs in one forward pass")
     act_fp32 = float(sum(saved.values()))
-    # the output (logits) in fp32 is held for the loss as well
-    if isinstance(out, torch.Tensor):
+    # the output in fp32 is held for the loss as well (a transformer's logits are added by the cost
+    # model itself: ModelSpec.logits_bytes_per_sample)
+    if isinstance(out, torch.Tensor) and logits_of is None:
         act_fp32 += out.numel() * 4
     # The module class repeated most often: what activation checkpointing wraps (TrainConfig takes
     # class names), and the model's "layers" (one bucket/FSDP unit each).
