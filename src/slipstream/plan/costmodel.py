@@ -92,7 +92,8 @@ FRAMEWORKS = {
     # Goyal et al. 2017, section 4 ("Communication"): each parameter's gradient is all-reduced as soon as
     # backward produced it, in three steps: summed over the 8 GPUs of a server, all-reduced between
     # servers with recursive halving and doubling (Gloo), broadcast back to the 8 GPUs.
-    "caffe2-gloo": Framework("caffe2-gloo", 0.0, 0.0, 0.0, "Goyal et al. 2017, section 4",
+    "caffe2-gloo": Framework("caffe2-gloo", 0.0, 0.0, 0.0,
+                             "Goyal et al. 2017, section 4 (from memory of the paper, not re-read here)",
                              algorithm="halving-doubling", hierarchical=True),
 }
 
