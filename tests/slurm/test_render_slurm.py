@@ -1,0 +1,122 @@
+"""The sbatch script the Slurm target renders, and the CLI around it, without a cluster (milliseconds)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from slipstream.job import load_spec, parse_spec
+from slipstream.job.render import TargetUnsupported
+from slipstream.job.slurm import check_syntax, render_sbatch, sbatch_options
+from tests.job.conftest import run_cli, write_spec
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "golden"
+UPDATE = os.environ.get("SLIPSTREAM_UPDATE_GOLDEN") == "1"
+SEED = {"name": "seed", "image": "ghcr.io/slipstream-ml/slipstream:0.1.0", "replicas": 2, "gpu_count": 0,
+        "command": ["python", "train.py"]}
+
+
+def spec_of(**more):
+    return parse_spec({**SEED, **more})
+
+
+@pytest.mark.parametrize("example", ["local-2x1", "full"])
+def test_golden(example):
+    """The whole script for two example specs (SLIPSTREAM_UPDATE_GOLDEN=1 rewrites the files)."""
+    path = f"examples/jobs/{example}.yaml"
+    text = render_sbatch(load_spec(REPO / path), path)
+    golden = GOLDEN / f"{example}.sbatch"
+    if UPDATE:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()
+    check_syntax(text)
+
+
+def test_seed_spec_options():
+    opts = sbatch_options(spec_of())
+    assert opts[:3] == ["--job-name=seed", "--nodes=2", "--ntasks-per-node=1"]
+    assert "--requeue" in opts and "--signal=TERM@120" in opts and not any("gpu" in o for o in opts)
+    assert not any(o.startswith(("--time", "--partition", "--account", "--qos", "--cpus", "--mem")) for o in opts)
+
+
+@pytest.mark.parametrize("more, expected", [
+    ({"gpu_count": 8}, "--gpus-per-node=8"),
+    ({"gpu_count": 2, "gpu_slice": {"mig": "1g.10gb"}}, "--gres=gpu:1g.10gb:2"),
+    ({"gpu_count": 1, "gpu_slice": {"time_sliced": True}}, "--gres=shard:1"),
+    ({"cpu": "500m"}, "--cpus-per-task=1"),
+    ({"cpu": "6"}, "--cpus-per-task=6"),
+    ({"memory": "16Gi"}, "--mem=16384M"),
+    ({"elastic": {"min_replicas": 1, "max_replicas": 4}}, "--nodes=1-4"),
+    ({"slurm": {"time": "1-00:00", "partition": "gpu", "account": "ml", "qos": "high"}}, "--time=1-00:00"),
+    ({"slurm": {"partition": "gpu"}}, "--partition=gpu"),
+    ({"slurm": {"account": "ml"}}, "--account=ml"),
+    ({"slurm": {"qos": "high"}}, "--qos=high"),
+    ({"slurm": {"signal_grace_s": 300}}, "--signal=TERM@300"),
+    ({"slurm": {"requeue": False}}, "--no-requeue"),
+])
+def test_spec_keys_become_sbatch_options(more, expected):
+    assert expected in sbatch_options(spec_of(**more))
+
+
+def test_script_runs_one_agent_per_node_with_the_spec_environment():
+    text = render_sbatch(spec_of(checkpoint={"dir": "/ckpt/seed"}, env={"A": "x y"}))
+    assert "export SLIPSTREAM_CHECKPOINT_DIR=/ckpt/seed" in text and "export A='x y'" in text
+    assert "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n 1" in text
+    assert '--node-rank "$SLURM_NODEID" --rdzv-endpoint "$RDZV_HOST:$RDZV_PORT" --rdzv-id "$SLURM_JOB_ID"' in text
+    assert "srun --ntasks-per-node=1" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert "scontrol requeue" not in render_sbatch(spec_of(slurm={"requeue": False}))
+    check_syntax(text)
+
+
+def test_slurm_keys_are_checked():
+    with pytest.raises(Exception, match=r"slurm.time: must be a Slurm time limit"):
+        spec_of(slurm={"time": "1h"})
+    with pytest.raises(Exception, match=r"slurm.partition"):
+        spec_of(slurm={"partition": "a b"})
+
+
+def test_inference_is_refused():
+    spec = parse_spec({**SEED, "kind": "inference", "command": ["serve"]})
+    with pytest.raises(TargetUnsupported, match="training jobs only"):
+        render_sbatch(spec)
+
+
+def test_cli_render_out_and_validate_all_targets(tmp_path, capsys):
+    path = write_spec(SEED, str(tmp_path))
+    code, out, _ = run_cli(["render", path, "--target", "slurm", "--out", str(tmp_path / "o")], capsys)
+    assert code == 0 and (tmp_path / "o" / "seed.sbatch").read_text().startswith("#!/bin/bash")
+    code, out, _ = run_cli(["validate", path], capsys)
+    assert code == 0 and "slurm: sbatch script: passes bash -n" in out
+
+
+def test_no_sbatch_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    path = write_spec(SEED, str(tmp_path))
+    code, _, err = run_cli(["submit", path, "--target", "slurm", "--sbatch", str(tmp_path / "no-sbatch")], capsys)
+    assert code == 2 and "sbatch not found" in err and len(err.strip().splitlines()) == 1
+    # validate still passes its offline checks, and says why sbatch --test-only did not run
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "bash").symlink_to(shutil.which("bash"))  # bash -n still runs; sbatch is missing
+    monkeypatch.setenv("PATH", str(bin_dir))
+    code, out, _ = run_cli(["validate", path, "--target", "slurm"], capsys)
+    assert code == 0 and "passes bash -n; sbatch --test-only skipped: sbatch is not installed" in out
+
+
+def test_unreachable_controller_is_exit_2(tmp_path, capsys, monkeypatch):
+    if shutil.which("sbatch") is None:
+        pytest.skip("sbatch is not installed")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    path = write_spec(SEED, str(tmp_path))
+    code, _, err = run_cli(["submit", path, "--target", "slurm"], capsys)
+    assert code == 2 and "no Slurm configuration" in err
+
+
+def test_dry_run_prints_the_script(tmp_path, capsys):
+    path = write_spec(SEED, str(tmp_path))
+    code, out, _ = run_cli(["submit", path, "--target", "slurm", "--dry-run"], capsys)
+    assert code == 0 and out.startswith("# would run: sbatch --parsable") and "#SBATCH --nodes=2" in out
