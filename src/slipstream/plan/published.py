@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from .costmodel import FRAMEWORKS, MIB, STRAGGLER_CV, Framework, Layout, predict
 from .network import parse_network
-from .specs import ModelSpec, _gpt, get_gpu, get_model, with_measured_rate
+from .specs import ModelSpec, gpt_model, get_gpu, get_model, with_measured_rate
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def case_model(name: str, case: Case | None = None) -> ModelSpec:
                                   case.one_gpu_samples_per_s)
     if name in MEGATRON:
         layers, d, heads = MEGATRON[name]
-        return _gpt(name, layers, d, heads, global_batch=512, seq=1024, vocab=51200)
+        return gpt_model(name, layers, d, heads, global_batch=512, seq=1024, vocab=51200)
     return get_model(name)
 
 

@@ -175,8 +175,9 @@ class ModelSpec:
         return self.seq_len * self.vocab * (2 + 4) / tp
 
 
-def _gpt(name: str, layers: int, d: int, heads: int, global_batch: int, seq: int = 2048,
-         vocab: int = 50257) -> ModelSpec:
+def gpt_model(name: str, layers: int, d: int, heads: int, global_batch: int, seq: int = 2048,
+              vocab: int = 50257) -> ModelSpec:
+    """A GPT-shaped decoder's spec from its shape (the built-ins and the published record's Megatron runs)."""
     # Parameters: 12 L d^2 (attention 4d^2 + MLP 8d^2) + embeddings (V + s) d (GPT-3 paper, Table 2.1
     # sizes; Kaplan et al. 2020 eq. 2.1). Forward FLOPs per token: 2 N + 2 L s d (attention scores and
     # their use, Kaplan et al. Table 1), so per sequence: s (2N + 2 L s d).
@@ -222,12 +223,12 @@ MODELS: dict[str, ModelSpec] = {
                      9, 2 * 17 * 1024, 2 * 1024, "sgd", mfu_fp32=0.5, mfu_16=0.5, half_batch=1.0,
                      matrix_aspect=1.0, default_batch_per_gpu=64, source="shared/GUIDE.md section 4"),
     # Global batch in sequences of 2048: GPT-3's 0.5M / 1M / 2M tokens, rounded to powers of two.
-    "gpt-125m": _gpt("gpt-125m", 12, 768, 12, 256),
-    "gpt-350m": _gpt("gpt-350m", 24, 1024, 16, 256),
-    "gpt-1.3b": _gpt("gpt-1.3b", 24, 2048, 16, 512),
-    "gpt-2.7b": _gpt("gpt-2.7b", 32, 2560, 32, 512),
-    "gpt-7b": _gpt("gpt-7b", 32, 4096, 32, 1024),
-    "gpt-13b": _gpt("gpt-13b", 40, 5120, 40, 1024),
+    "gpt-125m": gpt_model("gpt-125m", 12, 768, 12, 256),
+    "gpt-350m": gpt_model("gpt-350m", 24, 1024, 16, 256),
+    "gpt-1.3b": gpt_model("gpt-1.3b", 24, 2048, 16, 512),
+    "gpt-2.7b": gpt_model("gpt-2.7b", 32, 2560, 32, 512),
+    "gpt-7b": gpt_model("gpt-7b", 32, 4096, 32, 1024),
+    "gpt-13b": gpt_model("gpt-13b", 40, 5120, 40, 1024),
 }
 
 
@@ -265,5 +266,5 @@ def layer_matrix(model: ModelSpec, numel: float | None = None) -> tuple[int, int
     return rows, max(1, int(p // rows))
 
 
-__all__ = ["GIB", "GPUS", "MODELS", "GpuSpec", "ModelSpec", "field", "get_gpu", "get_model", "layer_matrix",
+__all__ = ["GIB", "GPUS", "MODELS", "GpuSpec", "ModelSpec", "field", "get_gpu", "get_model", "gpt_model", "layer_matrix",
            "with_measured_rate"]
