@@ -140,6 +140,14 @@ start() {
 
 stop() {
     local pidfile pid
+    # Jobs first, so no slurmstepd or training process outlives its slurmd.
+    if [ -f "$CONF" ] && alive "$DIR/slurmctld.pid"; then
+        SLURM_CONF="$CONF" timeout 10 scancel --full --user="$(id -un)" 2>/dev/null || true
+        for _ in $(seq 40); do
+            [ -z "$(SLURM_CONF="$CONF" timeout 5 squeue -h -o %i 2>/dev/null)" ] && break
+            sleep 0.5
+        done
+    fi
     for pidfile in "$DIR"/slurmd.n1.pid "$DIR"/slurmd.n2.pid "$DIR"/slurmctld.pid "$DIR"/munge/munged.pid; do
         [ -s "$pidfile" ] || continue
         pid="$(cat "$pidfile")"
