@@ -19,3 +19,10 @@ def require_root(reason: str = "needs root (network namespaces / tc)") -> None:
         if IN_CI:
             pytest.fail(f"{reason}, and CI=true: root-only tests must run in CI")
         pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True)
+def _submission_records_stay_in_the_test(tmp_path_factory, monkeypatch):
+    """`slipstream submit` records jobs under ~/.local/state; no test writes to the user's home."""
+    if "SLIPSTREAM_STATE_DIR" not in os.environ:
+        monkeypatch.setenv("SLIPSTREAM_STATE_DIR", str(tmp_path_factory.mktemp("submissions")))

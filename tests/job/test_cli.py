@@ -86,6 +86,10 @@ def test_submit_pipes_manifests_to_kubectl_apply(capsys, monkeypatch, tmp_path):
     assert (tmp_path / "args").read_text().split() == ["apply", "-f", "-"]
     assert [d["kind"] for d in yaml.safe_load_all(got.read_text())] == ["Service", "Job"]
     assert "job.batch/gpt-full created" in out
+    from slipstream.job.submissions import find_submission
+
+    record = find_submission("gpt-full")  # for `slipstream status gpt-full`
+    assert (record.target, record.engine_id) == ("indexed-job", "gpt-full")
 
 
 @pytest.mark.parametrize(

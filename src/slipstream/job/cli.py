@@ -15,6 +15,7 @@ import sys
 
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
 from ..launch.cli import parse_rdzv_conf, torchrun_option_defaults, worker_env_from_args
+from .kubectl import JOB_LABEL, cluster_unreachable
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
 from .spec import JobSpec, load_spec
@@ -212,19 +213,12 @@ def _submit_slurm(spec: JobSpec, args: argparse.Namespace) -> int:
             f"script with `slipstream render {args.spec} --target slurm --out DIR` and submit it yourself"
         )
     job_id = slurm.sbatch_submit(script, exe)
-    record_submission(name=spec.name, target=SLURM, engine_id=job_id, run_dir=os.getcwd(),
+    record_submission(name=spec.name, target=SLURM, engine_id=job_id, run_dir=slurm.run_dir(os.getcwd(), job_id),
                       spec_path=spec.source_path or args.spec)
     print(job_id)
     print(f"submitted {spec.name} as Slurm job {job_id}; output: {slurm.output_path(spec, job_id)}; "
           f"follow it with: slipstream status {spec.name}", file=sys.stderr)
     return 0
-
-
-_NO_CLUSTER_HINTS = (
-    "connection refused", "was refused", "unable to connect to the server", "no configuration has been provided",
-    "couldn't get current server api group list", "dial tcp", "i/o timeout", "no such host",
-    "the server could not find the requested resource", "context deadline exceeded",
-)
 
 
 def submit_main(args: argparse.Namespace) -> int:
@@ -256,12 +250,17 @@ def submit_main(args: argparse.Namespace) -> int:
                 f"the cluster does not know the {objs[-1]['kind']} kind (its CRD is not installed); install "
                 f"it or use --target indexed-job, which needs no CRD. kubectl said: {err}"
             )
-        if any(h in low for h in _NO_CLUSTER_HINTS):
+        if cluster_unreachable(low):
             raise UsageError(f"no Kubernetes cluster reachable through kubectl (check your kubeconfig/context). kubectl said: {err}")
         raise SubmitFailed(f"kubectl apply failed (exit {proc.returncode}): {err}")
     sys.stdout.write(proc.stdout)
+    from .submissions import record_submission
+
+    record_submission(name=spec.name, target=args.target, engine_id=spec.name, namespace=spec.namespace,
+                      spec_path=spec.source_path or args.spec)
     ns = f" -n {spec.namespace}" if spec.namespace else ""
-    print(f"submitted {spec.name}; follow it with: kubectl get pods{ns} -l slipstream.dev/job={spec.name}")
+    print(f"submitted {spec.name}; follow it with: slipstream status {spec.name} "
+          f"(or kubectl get pods{ns} -l {JOB_LABEL}={spec.name})")
     return 0
 
 

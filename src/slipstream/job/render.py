@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import EXIT_PREEMPTED, EXIT_USAGE, ConfigError
 from .commands import POD_IP_ENV, entry_argv, launcher_command, launcher_flags, prewarm_command
+from .kubectl import JOB_LABEL
 from .spec import RDZV_PORT, JobSpec
 
 TARGETS = ("indexed-job", "jobset", "trainjob", "pytorchjob")
@@ -44,7 +45,6 @@ PYTORCHJOB_CONTAINER = "pytorch"
 PYTORCHJOB_PORT_NAME = "pytorchjob-port"
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 KUEUE_PRIORITY_LABEL = "kueue.x-k8s.io/priority-class"
-JOB_LABEL = "slipstream.dev/job"
 
 
 class TargetUnsupported(ConfigError):

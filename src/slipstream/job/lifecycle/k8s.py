@@ -27,19 +27,15 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ...errors import SlipstreamError, UsageError
+from ..kubectl import JOB_LABEL, cluster_unreachable
 from .model import (
     RANK_PREFIX_HINT, Engine, JobNotFound, JobRef, JobStatus, call, filter_rank, last_metrics, line_rank, note,
 )
 
-JOB_LABEL = "slipstream.dev/job"  # render.JOB_LABEL; repeated so this module needs no renderer (and no yaml)
 TRAINJOB_POD_LABEL = "jobset.sigs.k8s.io/jobset-name"
 REQUEST_TIMEOUT_S = 10
 DEFAULT_FLAVOUR = "indexed-job"
 _INSTALL = "install kubectl (https://kubernetes.io/docs/tasks/tools/) or pass --kubectl PATH"
-_NO_CLUSTER = ("connection to the server", "unable to connect to the server", "connection refused", "no such host",
-               "i/o timeout", "context deadline exceeded", "couldn't get current server api group list",
-               "no configuration has been provided", "invalid configuration", "dial tcp", "tls handshake timeout",
-               "error: eof", "the server has asked for the client to provide credentials", "you must be logged in")
 _KLOG = re.compile(r"^[EWIF]\d{4} \d\d:\d\d:\d\d")
 
 
@@ -115,7 +111,7 @@ def _kubectl(argv: list[str]) -> subprocess.CompletedProcess:
     if proc.returncode != 0:
         err = kubectl_error(proc.stderr or proc.stdout)
         low = (proc.stderr or "").lower()
-        if any(h in low for h in _NO_CLUSTER):
+        if cluster_unreachable(low):
             raise UsageError(f"no Kubernetes cluster reachable through kubectl (check your kubeconfig/context): {err}")
         if "doesn't have a resource type" in low:
             raise UsageError(f"the cluster does not know {argv[2]} (its CRD is not installed): {err}")
