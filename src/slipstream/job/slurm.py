@@ -47,6 +47,17 @@ NODE_ADDR = "$(scontrol show node \"$SLURMD_NODENAME\" -o | sed -n 's/.* NodeAdd
 """Shell expression: the NodeAddr of the node a task runs on."""
 
 
+RUN_DIR = "$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID"
+"""The run directory (metrics, timeline) under the submit directory: one per job, for all its attempts."""
+RANK_PREFIX = "[rank${rank}]:"
+"""torch's log-line prefix template for the workers' output (the global rank)."""
+
+
+def run_dir(submit_dir: str, job_id: str) -> str:
+    """Where a submitted job's run directory is: :data:`RUN_DIR` under the directory sbatch ran in."""
+    return RUN_DIR.replace("$SLURM_SUBMIT_DIR", submit_dir).replace("$SLURM_JOB_ID", job_id)
+
+
 def output_pattern(spec: JobSpec) -> str:
     """The batch script's ``--output``: ``slipstream-<name>-%j.out`` in the submission directory."""
     return f"slipstream-{spec.name}-%j.out"
@@ -94,6 +105,9 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
         raise TargetUnsupported(f"kind: the slurm target runs training jobs only, got {spec.kind!r}")
     flags = launcher_flags(spec, spec.nnodes, "$RDZV_HOST:$RDZV_PORT", "$SLURM_NODEID", "$SLURM_JOB_ID",
                            local_addr=NODE_ADDR)
+    # --tee 3 with the prefix template below: every worker line reads "[rankR]:...", which
+    # `slipstream logs JOB --rank R` filters on; the run directory is the job's, kept across requeues.
+    flags += ["--tee", "3", "--run-dir", RUN_DIR]
     agent = _shell(["slipstream", "run", *flags, *entry_argv(spec)])
     lines = ["#!/bin/bash", f"# Rendered by `slipstream render --target slurm`{f' from {source}' if source else ''}: "
              f"{spec.replicas} node(s), one `slipstream run` agent per node, {spec.procs_per_replica} worker(s) each.",
@@ -101,6 +115,7 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
     lines += [f"#SBATCH {o}" for o in sbatch_options(spec)]
     lines += ["", "set -u"]
     lines += [f"export {k}={shlex.quote(v)}" for k, v in spec.worker_env().items()]
+    lines += [f"export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={shlex.quote(RANK_PREFIX)}"]
     lines += [
         "",
         "# The rendezvous: the allocation's first node (it runs this script, SLURM_NODEID 0).",
