@@ -127,11 +127,18 @@ def test_two_node_job_completes_with_falling_loss(baseline, slurm_env):
     status = slipstream(["status", "gpt-base"], slurm_env, directory)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "COMPLETED" in status.stdout and job_id in status.stdout, status.stdout
+    assert f"step {STEPS}" in status.stdout, status.stdout  # from the job's run directory (runs/slurm-ID)
     logs = slipstream(["logs", "gpt-base"], slurm_env, directory)
     assert logs.returncode == 0, logs.stdout + logs.stderr
     assert f"done: {STEPS} steps" in logs.stdout and "2 rank(s)" in logs.stdout, logs.stdout[-3000:]
     seen = losses(logs.stdout)
     assert len(seen) >= 2 and seen[-1] < seen[0] - 0.3, seen
+    # one rank's lines: every worker line carries [rankR]: (the script's --tee 3 and prefix template)
+    rank0 = slipstream(["logs", "gpt-base", "--rank", "0"], slurm_env, directory).stdout.splitlines()
+    rank1 = slipstream(["logs", "gpt-base", "--rank", "1"], slurm_env, directory).stdout.splitlines()
+    assert rank0 and all(line.startswith("[rank0]:") for line in rank0), rank0[:5]
+    assert any(f"done: {STEPS} steps" in line for line in rank0), rank0[-5:]
+    assert all(line.startswith("[rank1]:") for line in rank1) and not any("done:" in x for x in rank1), rank1[:5]
     assert (directory / "out" / "model.pt").is_file()
 
 
