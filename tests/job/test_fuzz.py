@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slipstream.job import TARGETS, render
+from slipstream.job.slurm import check_syntax, render_sbatch
 from slipstream.job.render import TargetUnsupported
 from slipstream.job.spec import parse_spec
 
@@ -117,6 +118,10 @@ def test_valid_specs_render_and_validate_for_every_target(capsys, data):
         if spec.kind == "training":
             text = str(objs)
             assert f"'--nproc-per-node', '{spec.procs_per_replica}'" in text
+    if spec.kind == "training":  # and the Slurm target's script, through bash -n
+        script = render_sbatch(spec)
+        check_syntax(script)
+        assert f"--nproc-per-node {spec.procs_per_replica} " in script and f"#SBATCH --job-name={spec.name}" in script
 
 
 # (path, bad value, text the message must contain)
