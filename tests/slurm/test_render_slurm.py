@@ -41,7 +41,10 @@ def test_seed_spec_options():
     opts = sbatch_options(spec_of())
     assert opts[:3] == ["--job-name=seed", "--nodes=2", "--ntasks-per-node=1"]
     assert "--requeue" in opts and "--signal=TERM@120" in opts and not any("gpu" in o for o in opts)
-    assert not any(o.startswith(("--time", "--partition", "--account", "--qos", "--cpus", "--mem")) for o in opts)
+    assert not any(o.startswith(("--time", "--partition", "--account", "--qos", "--mem")) for o in opts)
+    # One CPU per worker without `cpu` (Slurm would give the node's one task a single CPU).
+    assert "--cpus-per-task=1" in opts
+    assert "--cpus-per-task=8" in sbatch_options(spec_of(gpu_count=8))
 
 
 @pytest.mark.parametrize("more, expected", [

@@ -68,12 +68,20 @@ def output_path(spec: JobSpec, job_id: str) -> str:
     return output_pattern(spec).replace("%j", job_id)
 
 
+def cpus_per_task(spec: JobSpec) -> int:
+    """CPUs for each node's one task (agent + workers): the spec's ``cpu``, else one per worker."""
+    if spec.cpu:
+        return max(1, math.ceil(parse_quantity(spec.cpu)))
+    return max(1, spec.procs_per_replica)
+
+
 def sbatch_options(spec: JobSpec) -> list[str]:
     """The ``#SBATCH`` options, in the order written (``--nodes=2``, ``--ntasks-per-node=1``, ...)."""
     nodes = str(spec.replicas) if spec.min_replicas == spec.max_replicas else f"{spec.min_replicas}-{spec.max_replicas}"
     opts = [f"--job-name={spec.name}", f"--nodes={nodes}", "--ntasks-per-node=1"]
-    if spec.cpu:
-        opts.append(f"--cpus-per-task={max(1, math.ceil(parse_quantity(spec.cpu)))}")
+    # The agent's task holds the node's workers: without `cpu`, one CPU per worker (Slurm's default
+    # would be one CPU for the whole task, and a cgroup would confine every worker to it).
+    opts.append(f"--cpus-per-task={cpus_per_task(spec)}")
     if spec.memory:
         opts.append(f"--mem={max(1, math.ceil(parse_quantity(spec.memory) / Decimal(2**20)))}M")
     if spec.gpu_count:
@@ -113,7 +121,9 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
              f"{spec.replicas} node(s), one `slipstream run` agent per node, {spec.procs_per_replica} worker(s) each.",
              f"# image {spec.image} is not used on Slurm: the nodes' own environment runs the job."]
     lines += [f"#SBATCH {o}" for o in sbatch_options(spec)]
-    lines += ["", "set -u"]
+    lines += ["", "set -u",
+              "# srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 and some later releases): pass it on.",
+              'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
     lines += [f"export {k}={shlex.quote(v)}" for k, v in spec.worker_env().items()]
     lines += [f"export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={shlex.quote(RANK_PREFIX)}"]
     lines += [
