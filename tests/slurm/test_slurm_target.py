@@ -25,8 +25,11 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_GPT = str(REPO / "examples" / "train_gpt.py")
-STEPS = 40
-"""The preemption lands after the first logged step (10): 30 more steps (1-8 s here) leave it time to arrive."""
+STEPS = 60
+"""The preemption is sent once the first logged step (10) is in the job's output, and must land before
+the last step. Measured here: it landed 6 steps later (the output's path, worker -> agent's tee ->
+srun -> file, then scancel -> srun -> agents -> workers); 50 steps leave 8x that. At 40 steps the
+margin was 30 steps, about 1 s on a quiet machine."""
 GPT_ARGS = ["--steps", str(STEPS), "--dim", "32", "--layers", "1", "--context", "32", "--batch-size", "4",
             "--corpus-mb", "0.5"]
 JOB_TIMEOUT_S = 150.0
