@@ -176,3 +176,14 @@ def test_dockerfile_is_consistent_with_the_repo_and_the_manifests():
     script = load_spec(EXAMPLES / "local-2x1.yaml").entrypoint.target
     assert (REPO / script).is_file() and script.startswith("examples/")
     assert f"EXPOSE {RDZV_PORT}" in text
+
+
+def test_submit_succeeds_when_its_record_cannot_be_written(capsys, monkeypatch, tmp_path):
+    """The job is on the cluster: a state directory that cannot be written is a warning, not a failure."""
+    _fake_kubectl(tmp_path, 'cat > /dev/null; echo "job.batch/gpt-full created"')
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("SLIPSTREAM_STATE_DIR", str(tmp_path / "not-a-dir"))
+    code, out, err = run_cli(["submit", FULL], capsys)
+    assert code == 0 and "job.batch/gpt-full created" in out, err
+    assert "warning: submitted, but its record could not be written" in err and "Traceback" not in err

@@ -199,7 +199,6 @@ def _render_slurm(spec: JobSpec, args: argparse.Namespace) -> int:
 def _submit_slurm(spec: JobSpec, args: argparse.Namespace) -> int:
     """Render, bash -n, sbatch --parsable; print the job id and record the submission."""
     from . import slurm
-    from .submissions import record_submission
 
     script = _slurm_script(spec, args.spec)
     if args.dry_run:
@@ -213,12 +212,24 @@ def _submit_slurm(spec: JobSpec, args: argparse.Namespace) -> int:
             f"script with `slipstream render {args.spec} --target slurm --out DIR` and submit it yourself"
         )
     job_id = slurm.sbatch_submit(script, exe)
-    record_submission(name=spec.name, target=SLURM, engine_id=job_id, run_dir=slurm.run_dir(os.getcwd(), job_id),
-                      spec_path=spec.source_path or args.spec)
-    print(job_id)
+    print(job_id, flush=True)  # first: the job exists whatever happens to its record
+    _record(name=spec.name, target=SLURM, engine_id=job_id, run_dir=slurm.run_dir(os.getcwd(), job_id),
+            spec_path=spec.source_path or args.spec)
     print(f"submitted {spec.name} as Slurm job {job_id}; output: {slurm.output_path(spec, job_id)}; "
           f"follow it with: slipstream status {spec.name}", file=sys.stderr)
     return 0
+
+
+def _record(**fields: str | None) -> None:
+    """Record a submitted job for ``slipstream status|logs|cancel``; the job is already submitted,
+    so a record that cannot be written is a warning (the lifecycle commands take ``--target``)."""
+    from .submissions import record_submission, state_dir
+
+    try:
+        record_submission(**fields)  # type: ignore[arg-type]
+    except OSError as exc:
+        print(f"slipstream submit: warning: submitted, but its record could not be written to {state_dir()} "
+              f"({exc.strerror}); use --target with status/logs/cancel", file=sys.stderr)
 
 
 def submit_main(args: argparse.Namespace) -> int:
@@ -254,10 +265,8 @@ def submit_main(args: argparse.Namespace) -> int:
             raise UsageError(f"no Kubernetes cluster reachable through kubectl (check your kubeconfig/context). kubectl said: {err}")
         raise SubmitFailed(f"kubectl apply failed (exit {proc.returncode}): {err}")
     sys.stdout.write(proc.stdout)
-    from .submissions import record_submission
-
-    record_submission(name=spec.name, target=args.target, engine_id=spec.name, namespace=spec.namespace,
-                      spec_path=spec.source_path or args.spec)
+    _record(name=spec.name, target=args.target, engine_id=spec.name, namespace=spec.namespace,
+            spec_path=spec.source_path or args.spec)
     ns = f" -n {spec.namespace}" if spec.namespace else ""
     print(f"submitted {spec.name}; follow it with: slipstream status {spec.name} "
           f"(or kubectl get pods{ns} -l {JOB_LABEL}={spec.name})")
