@@ -18,9 +18,9 @@ NO_CLUSTER_HINTS = (
     "no such host", "i/o timeout", "context deadline exceeded", "couldn't get current server api group list",
     "no configuration has been provided", "invalid configuration", "dial tcp", "tls handshake timeout",
     "error: eof", "the server has asked for the client to provide credentials", "you must be logged in",
-    "the server could not find the requested resource",
 )
-"""Fragments of kubectl's messages (lower case) that mean no cluster answered, not that it refused."""
+"""Fragments of kubectl's messages (lower case) that mean no cluster answered, not that it refused.
+(A 404, "the server could not find the requested resource", is an answer: the cluster lacks the kind.)"""
 
 
 def cluster_unreachable(kubectl_error: str) -> bool:
