@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import IN_CI
+
 REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = os.environ.get("SLIPSTREAM_SLURM_DIR", "/tmp/slipstream-slurm")
 
@@ -23,8 +25,8 @@ def slurm_conf() -> str:
     why = f"Slurm is not installed ({', '.join(missing)} missing)" if missing else (
         "needs root (slurmd runs jobs as their user)" if os.geteuid() != 0 else None)
     if why:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{why}, and CI=true: the Slurm target's tests must run in CI")
+        if IN_CI:
+            pytest.fail(f"{why}, and CI=true: the Slurm tests must run in CI")
         pytest.skip(why)
     proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_cluster.sh"), "start"], capture_output=True,
                           text=True, timeout=120)

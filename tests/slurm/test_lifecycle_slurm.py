@@ -7,37 +7,24 @@ Tiny `sbatch --wrap` jobs, no torch. Skipped without Slurm or root; under CI=tru
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from slipstream.cli import main as slipstream_main
 from slipstream.job.submissions import record_submission
 
-REPO = Path(__file__).resolve().parents[2]
-SLURM_DIR = os.environ.get("SLIPSTREAM_SLURM_DIR", "/tmp/slipstream-slurm")
-
 
 @pytest.fixture(scope="module")
-def cluster():
-    missing = [t for t in ("slurmctld", "slurmd", "munged", "sbatch") if shutil.which(t) is None]
-    why = f"Slurm is not installed ({', '.join(missing)} missing)" if missing else (
-        "needs root (slurmd runs jobs as their user)" if os.geteuid() != 0 else None)
-    if why:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{why}, and CI=true: the Slurm lifecycle tests must run in CI")
-        pytest.skip(why)
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "slurm_cluster.sh"), "start"], capture_output=True,
-                          text=True, timeout=90)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return {**os.environ, "SLURM_CONF": os.path.join(SLURM_DIR, "slurm.conf")}
+def cluster(slurm_conf):
+    """The cluster of tests/slurm/conftest.py (started once per session)."""
+    return {**os.environ, "SLURM_CONF": slurm_conf}
 
 
 @pytest.fixture(autouse=True)
-def slurm_env(cluster, monkeypatch, tmp_path):
+def _commands_see_the_cluster(cluster, monkeypatch, tmp_path):
+    """In-process CLI calls: the cluster's slurm.conf, and submission records in this test's directory."""
     monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
     monkeypatch.setenv("SLIPSTREAM_STATE_DIR", str(tmp_path / "state"))
 
