@@ -201,19 +201,20 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
         import time as _time
 
         from slipstream import sync
-        from slipstream.sync import hooks, policy
+        from slipstream.sync import auto as engine_auto
+        from slipstream.sync import policy
 
         model = mlp(widths)
         ddp = DDP(model, bucket_cap_mb=0.005)
         st = sync.apply("auto", ddp, candidates=("allreduce", "sign"), observe_steps=2, verify_steps=3)
-        real_decide = hooks.decide
+        real_decide = engine_auto.decide
 
         def forced(buckets, *a, **k):
             d = real_decide(buckets, *a, **k)
             d.choices = {b.index: "sign" for b in buckets}
             return d
 
-        hooks.decide = forced
+        engine_auto.decide = forced
         codec = st.codecs["sign"]
         real_reduce = codec.reduce
 
@@ -233,7 +234,7 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
                 opt.zero_grad(set_to_none=True)
                 seen.append(st.decision_summary())
         finally:
-            hooks.decide = real_decide
+            engine_auto.decide = real_decide
         assert policy.verify_plan  # the pure rule the engine applies
         return {"seen": seen, "final": st.decision_summary(), "verification": st.verification,
                 "stats": st.stats(), "same_on_ranks": same_on_all_ranks(list(model.parameters()))}

@@ -16,9 +16,10 @@ A strategy is applied to a DistributedDataParallel model once, after wrapping:
 =====================  ==================================================================
 
 Every strategy but ``allreduce`` runs through :mod:`.hooks`, which keeps one
-global collective order (see there). The returned state has ``stats()``,
-``state_dict()``/``load_state_dict()``, and (hook strategies) ``observe_loss()``
-and ``request_probe()``.
+global collective order (see there). The returned state is a
+:class:`SyncHandle`: ``stats()``, ``state_dict()``/``load_state_dict()``,
+``observe_loss()``, ``request_probe()``, ``decision_summary()``, ``close()``.
+Options and their defaults: :class:`~.options.SyncOptions`.
 
 Example::
 
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .compress import CODECS, make_codec
-from ..link import Link, allreduce_bytes
+from ..link import allreduce_bytes
 
 if TYPE_CHECKING:
     # torch is imported where a strategy is applied, not here: the names above
@@ -45,15 +46,6 @@ if TYPE_CHECKING:
 
 _Strategy = Callable[..., "SyncHandle"]  # fn(ddp_model, **options) -> state
 _REGISTRY: dict[str, _Strategy] = {}
-
-# Options each strategy understands, besides the guard's (guard, max_error_ratio, check_every_steps,
-# loss_window, loss_tolerance).
-_CODEC_OPTIONS = {
-    "powersgd": ("rank", "min_compression", "error_feedback", "warm_start", "seed"),
-    "topk": ("density",),
-    "sign": ("chunk_numel",),
-}
-_GUARD_OPTIONS = ("max_error_ratio", "check_every_steps", "loss_window", "loss_tolerance")
 
 
 def register(name: str) -> Callable[[_Strategy], _Strategy]:
@@ -81,9 +73,15 @@ class SyncHandle(Protocol):
     """What :func:`apply` returns: the installed strategy's state, as the training loop uses it.
 
     :class:`AllreduceState` (DDP's reducer, untouched) and
-    :class:`~slipstream.sync.hooks.HookSync` (every hook strategy) implement it;
-    the concrete object is returned, so a caller that knows the strategy may
-    read more of it (``HookSync.decisions``, ``request_probe()``).
+    :class:`~slipstream.sync.hooks.HookSync` (every hook strategy) implement all of it,
+    so callers need no ``hasattr``: a method that means nothing for a strategy is a
+    documented no-op there.
+
+    Example::
+
+        handle: SyncHandle = sync.apply("auto", ddp_model)
+        loss.backward(); handle.observe_loss(loss.detach())
+        handle.stats()["sync_decision"]      # 'allreduce (observing)', later 'allreduce:3,powersgd:2'
     """
 
     name: str
@@ -103,8 +101,17 @@ class SyncHandle(Protocol):
         (a device tensor; read only at the guard's checks). A no-op without a guard."""
         ...
 
+    def request_probe(self) -> None:
+        """Re-measure the link at the next synchronising step (``auto``: observe and decide again).
+        Every rank calls it at the same step. A no-op where nothing depends on the link."""
+        ...
+
+    def decision_summary(self) -> str:
+        """The codecs in use, counted over buckets (``"allreduce:3,powersgd:2"``)."""
+        ...
+
     def close(self) -> None:
-        """Stop background work (the hook engine's completion thread); idempotent."""
+        """Stop background work (the hook engine's ordering thread); idempotent."""
         ...
 
 
@@ -160,7 +167,7 @@ class AllreduceState:
             "sync_uncompressed_bytes": self.bytes_per_step,
             "sync_compression_ratio": 1.0,
             "sync_bytes_sent_total": self.bytes_per_step * self.steps,
-            "sync_decision": "allreduce (DDP reducer)",
+            "sync_decision": self.decision_summary(),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -172,16 +179,14 @@ class AllreduceState:
     def observe_loss(self, loss: float | torch.Tensor) -> None:
         """No convergence guard here (nothing is compressed): nothing to observe."""
 
+    def request_probe(self) -> None:
+        """Nothing here depends on the link: nothing to measure."""
+
+    def decision_summary(self) -> str:
+        return "allreduce (DDP reducer)"
+
     def close(self) -> None:
         """Nothing runs in the background."""
-
-
-def _split_options(codec: str, options: dict[str, Any]) -> tuple[dict, dict, dict]:
-    mine = set(_CODEC_OPTIONS.get(codec, ()))
-    codec_opts = {k: v for k, v in options.items() if k in mine}
-    guard_opts = {k: v for k, v in options.items() if k in _GUARD_OPTIONS}
-    rest = {k: v for k, v in options.items() if k not in mine and k not in _GUARD_OPTIONS}
-    return codec_opts, guard_opts, rest
 
 
 def _single_rank(ddp_model: DistributedDataParallel) -> bool:
@@ -197,36 +202,37 @@ def _single_rank(ddp_model: DistributedDataParallel) -> bool:
     return True
 
 
-def _make_guard(enabled: bool, guard_opts: dict[str, Any]):
-    from .guard import ConvergenceGuard
+def _model_device(ddp_model: DistributedDataParallel) -> torch.device:
+    """Where the model's gradients live: the device of every data collective."""
+    import torch
 
-    return ConvergenceGuard(**guard_opts) if enabled else None
+    for p in ddp_model.module.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hierarchical: bool = False,
-                   **options: Any):
+                   **options: Any) -> SyncHandle:
     from .control import ControlWire
+    from .guard import ConvergenceGuard
     from .hierarchical import FlatReducer, Hierarchical
     from .hooks import HookSync
-    from .probe import probe_link
+    from .options import SyncOptions
+    from .probe import probe_levels, probe_link
     from .topology import groups
 
-    codec_opts, guard_opts, rest = _split_options(codec, options)
-    guard_on = rest.pop("guard", True)
-    warmup_steps = int(rest.pop("warmup_steps", 0))
-    if rest:
-        raise TypeError(f"sync strategy {name!r} got unknown options: {', '.join(sorted(rest))}")
+    opts = SyncOptions.parse(name, options)
     if _single_rank(ddp_model):
         return AllreduceState(ddp_model, name)
     g = groups()
     reducer = Hierarchical(g) if hierarchical else FlatReducer(g.flat)
-    c = make_codec(codec, **codec_opts)
-    guard = _make_guard(guard_on and c.error_feedback, guard_opts)
+    c = make_codec(codec, **opts.codec_kwargs(codec))
+    guard = ConvergenceGuard(**opts.guard_kwargs()) if opts.guard and c.error_feedback else None
     device = _model_device(ddp_model)
-    prober = (lambda: _probe_levels(g, device)) if hierarchical else (
+    prober = (lambda: probe_levels(g, device)) if hierarchical else (
         lambda: probe_link(g.flat, device=device, control=ControlWire(g.control)))
     return HookSync(name, reducer, {codec: c}, codec, control_group=g.control, guard=guard,
-                    warmup_steps=warmup_steps, prober=prober).install(ddp_model)
+                    options=opts, prober=prober).install(ddp_model)
 
 
 @register("allreduce")
@@ -237,7 +243,7 @@ def _allreduce(ddp_model: DistributedDataParallel, **options: Any) -> AllreduceS
 
 
 def _codec_strategy(codec: str) -> _Strategy:
-    def strategy(ddp_model: DistributedDataParallel, **options: Any):
+    def strategy(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
         return _hook_strategy(codec, ddp_model, codec, **options)
 
     strategy.__name__ = f"_{codec}"
@@ -249,122 +255,56 @@ for _c in ("bf16", "fp16", "powersgd", "topk", "sign"):
 
 
 @register("hierarchical")
-def _hierarchical(ddp_model: DistributedDataParallel, **options: Any):
+def _hierarchical(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     return _hook_strategy("hierarchical", ddp_model, "allreduce", hierarchical=True, **options)
 
 
-def _probe_group(group: Any, ranks: int, device: torch.device) -> Any:
-    """One level's link, timed on its data group. Its figures are not agreed here:
-    :func:`_probe_levels` takes the slowest over all ranks right after."""
-    from .probe import probe_link
-
-    if ranks <= 1:
-        return Link.measured(1, 0.0, float("inf"))
-    return probe_link(group, device=device, control=_OneRank())
-
-
-class _OneRank:
-    """A control wire that agrees with itself (figures agreed job-wide later)."""
-
-    size = 1
-
-    def agree(self, values: Any, op: Any = None) -> list[float]:
-        return list(values)
-
-
-def _model_device(ddp_model: DistributedDataParallel) -> torch.device:
-    """Where the model's gradients live: the device of every data collective."""
-    import torch
-
-    for p in ddp_model.module.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
-def _probe_levels(g: Any, device: torch.device) -> Any:
-    """Both links of a two-level topology, agreed on every rank (the slowest figures).
-
-    Collective on every rank: each node probes its own intra group, each local
-    index its inter group, then one all-reduce MAX on the control group makes the
-    figures (and so every decision taken from them) identical everywhere.
-    """
-    import torch.distributed as dist
-
-    from .control import ControlWire
-    from .policy import HierarchicalCost
-
-    topo = g.topology
-    control = ControlWire(g.control)
-    intra = _probe_group(g.intra, topo.local_world_size, device)
-    inter = _probe_group(g.inter, topo.num_nodes, device)
-    a1, inv1, a2, inv2 = control.agree(
-        [intra.alpha_s, 1 / intra.bytes_per_s, inter.alpha_s, 1 / inter.bytes_per_s], op=dist.ReduceOp.MAX)
-    intra = Link.measured(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
-    inter = Link.measured(inter.ranks, a2, 1 / inv2 if inv2 > 0 else float("inf"), inter.samples)
-    return HierarchicalCost(intra, inter, topo.local_world_size, topo.num_nodes)
-
-
 @register("auto")
-def _auto(ddp_model: DistributedDataParallel, candidates: tuple[str, ...] = ("allreduce", "bf16", "powersgd"),
-          observe_steps: int = 3, hidden_tolerance: float = 0.05, verify_steps: int = 5,
-          hierarchical: bool = False, **options: Any):
+def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **options: Any) -> SyncHandle:
     """Probe the link now; observe ``observe_steps`` uncompressed steps; decide per bucket.
 
-    ``hierarchical=True`` (the ``hierarchical+auto`` strategy): two-level reduction, both
-    levels probed, and the per-bucket choice is the codec of the inter-node step.
-    After a plan that compresses, ``verify_steps`` steps under it are timed and compared
-    with the uncompressed steps observed before; not faster -> back to all-reduce (logged,
-    and in ``stats()["sync_verification"]``).
+    Options and their defaults: :class:`~.options.SyncOptions` (``candidates``,
+    ``observe_steps``, ``hidden_tolerance``, ``verify_steps``, the guard's, and the
+    candidates' codec options). ``hierarchical=True`` (the ``hierarchical+auto``
+    strategy): two-level reduction, both levels probed, and the per-bucket choice is
+    the codec of the inter-node step. After a plan that compresses, ``verify_steps``
+    steps under it are timed and compared with the uncompressed steps observed
+    before; not faster -> back to all-reduce (logged, and in
+    ``stats()["sync_verification"]``).
     """
-    from .control import ControlWire
-    from .guard import ConvergenceGuard
-    from .hierarchical import FlatReducer, Hierarchical
-    from .hooks import HookSync
-    from .probe import probe_link
-    from .topology import groups
-
-    if verify_steps < 0:
-        raise ValueError(f"verify_steps must be >= 0 (0: do not verify), got {verify_steps}")
-    guard_on = options.pop("guard", True)
-    guard_opts = {k: options.pop(k) for k in list(options) if k in _GUARD_OPTIONS}
-    per_codec: dict[str, dict[str, Any]] = {c: {} for c in candidates}
-    for c in candidates:
-        for k in _CODEC_OPTIONS.get(c, ()):
-            if k in options:
-                per_codec[c][k] = options[k]
-    used = {k for opts in per_codec.values() for k in opts}
-    unknown = set(options) - used
-    if unknown:
-        raise TypeError(f"sync strategy 'auto' got unknown options: {', '.join(sorted(unknown))}")
-    if "allreduce" not in candidates:
-        candidates = ("allreduce", *candidates)
-    if _single_rank(ddp_model):
-        return AllreduceState(ddp_model, "hierarchical+auto" if hierarchical else "auto")
-    g = groups()
-    device = _model_device(ddp_model)
-    if hierarchical:
-        reducer, prober = Hierarchical(g), (lambda: _probe_levels(g, device))
-    else:
-        reducer, prober = FlatReducer(g.flat), (lambda: probe_link(g.flat, device=device,
-                                                                   control=ControlWire(g.control)))
-    link = prober()
-    codecs = {c: make_codec(c, **per_codec.get(c, {})) for c in candidates}
-    guard = ConvergenceGuard(**guard_opts) if guard_on else None
-    policy = {"candidates": candidates, "observe_steps": observe_steps, "hidden_tolerance": hidden_tolerance,
-              "verify_steps": verify_steps,
-              "options": per_codec}
-    name = "hierarchical+auto" if hierarchical else "auto"
-    state = HookSync(name, reducer, codecs, "allreduce", control_group=g.control, guard=guard,
-                     policy=policy, link=link, prober=prober)
     import logging
 
     import torch.distributed as dist
 
+    from .control import ControlWire
+    from .guard import ConvergenceGuard
+    from .hierarchical import FlatReducer, Hierarchical
+    from .hooks import HookSync
+    from .options import SyncOptions
+    from .probe import probe_levels, probe_link
+    from .topology import groups
+
+    name = "hierarchical+auto" if hierarchical else "auto"
+    opts = SyncOptions.parse("auto", options)
+    if _single_rank(ddp_model):
+        return AllreduceState(ddp_model, name)
+    g = groups()
+    device = _model_device(ddp_model)
+    if hierarchical:
+        reducer, prober = Hierarchical(g), (lambda: probe_levels(g, device))
+    else:
+        reducer, prober = FlatReducer(g.flat), (lambda: probe_link(g.flat, device=device,
+                                                                   control=ControlWire(g.control)))
+    link = prober()
+    codecs = {c: make_codec(c, **opts.codec_kwargs(c)) for c in opts.auto_candidates}
+    guard = ConvergenceGuard(**opts.guard_kwargs()) if opts.guard else None
+    state = HookSync(name, reducer, codecs, "allreduce", control_group=g.control, guard=guard,
+                     options=opts, auto=True, link=link, prober=prober)
     if dist.get_rank() == 0:
         logging.getLogger("slipstream.sync").info("sync %s: probed link: %s", name, link.summary())
     return state.install(ddp_model)
 
 
 @register("hierarchical+auto")
-def _hierarchical_auto(ddp_model: DistributedDataParallel, **options: Any):
+def _hierarchical_auto(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     return _auto(ddp_model, hierarchical=True, **options)

@@ -15,6 +15,7 @@ all-reduce (so every rank takes the same decision at the same step):
   more than ``loss_tolerance`` (default 10 %): a run that is learning has a
   lower loss later, not a higher one.
 
+The defaults (in parentheses above) live in :class:`~.options.SyncOptions`.
 The fallback is one-way for the run and its reason is logged and reported in
 ``stats()`` as ``sync_fallback_reason``.
 
@@ -34,15 +35,16 @@ from typing import Any
 import torch
 
 from .compress.base import Codec, Wire
+from .options import DEFAULTS
 
 
 class ConvergenceGuard:
     def __init__(
         self,
-        check_every_steps: int = 10,
-        max_error_ratio: float = 20.0,
-        loss_window: int = 20,
-        loss_tolerance: float = 0.10,
+        check_every_steps: int = DEFAULTS.check_every_steps,
+        max_error_ratio: float = DEFAULTS.max_error_ratio,
+        loss_window: int = DEFAULTS.loss_window,
+        loss_tolerance: float = DEFAULTS.loss_tolerance,
     ):
         if check_every_steps < 1:
             raise ValueError(f"check_every_steps must be >= 1, got {check_every_steps}")

@@ -41,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .compress.base import Codec, Layout, sub_layout
+from .options import DEFAULTS
 from ..link import Link, allreduce_bytes
 
 
@@ -111,6 +112,23 @@ def as_cost(link: Link | FlatCost | HierarchicalCost, world_size: int) -> FlatCo
     return FlatCost(link, world_size) if isinstance(link, Link) else link
 
 
+@dataclass(frozen=True)
+class BucketChoice:
+    """One bucket's choice and the figures behind it (seconds, predicted for the chosen codec)."""
+
+    index: int
+    numel: int
+    codec: str
+    ready_s: float  # after the start of backward, agreed over ranks
+    compute_s: float  # the codec's measured compute on this bucket
+    comm_s: float  # the codec's collectives on this bucket, from the link model
+
+    def as_record(self) -> dict[str, float | int | str]:
+        """A flat dict for the metrics records (``stats()['sync_decisions']``)."""
+        return {"bucket": self.index, "numel": self.numel, "codec": self.codec, "ready_s": self.ready_s,
+                "compute_s": self.compute_s, "comm_s": self.comm_s}
+
+
 @dataclass
 class Decision:
     choices: dict[int, str]
@@ -120,6 +138,15 @@ class Decision:
     link: Link | FlatCost | HierarchicalCost
     reason: str
     alternatives: dict[str, float] = field(default_factory=dict)  # every bucket with one codec
+    per_bucket: list[BucketChoice] = field(default_factory=list)  # in backward order
+
+    def explain_buckets(self) -> list[str]:
+        """One line per bucket: its choice and the predicted figures behind it."""
+        return [
+            f"bucket {b.index} ({b.numel} values, ready at {b.ready_s * 1e3:.1f} ms): {b.codec}, "
+            f"compute {b.compute_s * 1e3:.2f} ms, comm {b.comm_s * 1e3:.2f} ms"
+            for b in self.per_bucket
+        ]
 
     def explain(self) -> str:
         counts: dict[str, int] = {}
@@ -166,7 +193,7 @@ def decide(
     world_size: int,
     compute_s: Mapping[tuple[int, str], float],
     candidates: Mapping[str, Codec],
-    hidden_tolerance: float = 0.05,
+    hidden_tolerance: float = DEFAULTS.hidden_tolerance,
     min_gain: float = 0.01,
     min_total_gain: float = 0.10,
 ) -> Decision:
@@ -184,6 +211,7 @@ def decide(
         return Decision(
             choices, base, base, backward, link, alternatives=alternatives,
             reason="communication is hidden under backward: nothing compressed",
+            per_bucket=_per_bucket(buckets, choices, link, world_size, compute_s, candidates),
         )
     best = base
     while True:
@@ -210,7 +238,24 @@ def decide(
         reason = f"compression predicted to save only {gain:.0%} (< {min_total_gain:.0%}): nothing compressed"
     else:
         reason = "communication exposed: compressing where it lowers the predicted step"
-    return Decision(choices, best, base, backward, link, alternatives=alternatives, reason=reason)
+    return Decision(choices, best, base, backward, link, alternatives=alternatives, reason=reason,
+                    per_bucket=_per_bucket(buckets, choices, link, world_size, compute_s, candidates))
+
+
+def _per_bucket(
+    buckets: list[BucketInfo],
+    choices: Mapping[int, str],
+    link: Link | FlatCost | HierarchicalCost,
+    world_size: int,
+    compute_s: Mapping[tuple[int, str], float],
+    codecs: Mapping[str, Codec],
+) -> list[BucketChoice]:
+    cost_model = as_cost(link, world_size)
+    return [
+        BucketChoice(b.index, b.numel, choices[b.index], b.ready_s, compute_s.get((b.index, choices[b.index]), 0.0),
+                     cost_model.bucket_seconds(b, codecs[choices[b.index]]))
+        for b in buckets
+    ]
 
 
 def verify_plan(uncompressed_s: float, planned_s: float, min_gain: float = 0.0) -> str | None:

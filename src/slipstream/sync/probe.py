@@ -63,3 +63,51 @@ def probe_link(
     bw = (b2 - b1) / max(t2 - t1, 1e-9)
     alpha = max(0.0, t1 - b1 / bw)
     return Link.measured(n, alpha, bw, zip(sizes_bytes, (t1, t2)))
+
+
+class _SelfAgreeing:
+    """A control wire that agrees with itself: one level's figures, agreed job-wide later."""
+
+    size = 1
+
+    def agree(self, values: Any, op: Any = None) -> list[float]:
+        return list(values)
+
+
+def probe_level(group: Any, ranks: int, device: torch.device | str = "cpu") -> Link:
+    """One level's link, timed on its data group, not agreed (:func:`probe_levels` agrees both).
+
+    Example::
+
+        intra = probe_level(g.intra, topo.local_world_size, device)
+    """
+    if ranks <= 1:
+        return Link.measured(1, 0.0, float("inf"))
+    return probe_link(group, device=device, control=_SelfAgreeing())
+
+
+def probe_levels(g: Any, device: torch.device | str = "cpu") -> Any:
+    """Both links of a two-level topology (``g``: :class:`~.topology.Groups`), agreed on every rank.
+
+    Collective on every rank: each node probes its own intra group, each local
+    index its inter group, then one all-reduce MAX on the control group makes the
+    figures (and so every decision taken from them) identical everywhere.
+    Returns a :class:`~.policy.HierarchicalCost`.
+
+    Example::
+
+        cost = probe_levels(groups(), device)
+        cost.summary()     # "intra-node 2 ranks, ...; inter-node 2 ranks, ..."
+    """
+    from .control import ControlWire
+    from .policy import HierarchicalCost
+
+    topo = g.topology
+    control = ControlWire(g.control)
+    intra = probe_level(g.intra, topo.local_world_size, device)
+    inter = probe_level(g.inter, topo.num_nodes, device)
+    a1, inv1, a2, inv2 = control.agree(
+        [intra.alpha_s, 1 / intra.bytes_per_s, inter.alpha_s, 1 / inter.bytes_per_s], op=dist.ReduceOp.MAX)
+    intra = Link.measured(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
+    inter = Link.measured(inter.ranks, a2, 1 / inv2 if inv2 > 0 else float("inf"), inter.samples)
+    return HierarchicalCost(intra, inter, topo.local_world_size, topo.num_nodes)

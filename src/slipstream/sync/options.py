@@ -1,0 +1,137 @@
+"""The options of a sync strategy: one frozen dataclass, the one place each default lives.
+
+``sync.apply(name, ddp_model, **options)`` (and ``sync_options`` in the
+config) take flat keyword options; :meth:`SyncOptions.parse` checks them
+against what strategy ``name`` understands and turns them into a
+:class:`SyncOptions`. The engine, the convergence guard and ``auto``'s policy
+read their settings from it, and :class:`~.guard.ConvergenceGuard` takes its
+constructor defaults from :data:`DEFAULTS`, so no default is written twice.
+A codec's own options (``rank``, ``density``, ...) keep their defaults in the
+codec's constructor (``compress/``): they are passed on only when given.
+
+Fields, grouped as torch's PowerSGDState groups its own:
+
+* convergence guard (on for codecs with error feedback): ``guard``,
+  ``check_every_steps``, ``max_error_ratio``, ``loss_window``, ``loss_tolerance``;
+* schedule: ``warmup_steps`` uncompressed first steps (codec strategies);
+* ``auto``: ``candidates``, ``observe_steps``, ``hidden_tolerance``, ``verify_steps``;
+* ``codec_options``: per codec name, the options given for it.
+
+Example::
+
+    opts = SyncOptions.parse("auto", {"observe_steps": 2, "rank": 8})
+    opts.observe_steps, opts.codec_kwargs("powersgd")      # 2, {'rank': 8}
+    SyncOptions().loss_window                              # 20
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+# The options each codec's constructor takes (its defaults stay there).
+CODEC_OPTION_NAMES: dict[str, tuple[str, ...]] = {
+    "powersgd": ("rank", "min_compression", "error_feedback", "warm_start", "seed"),
+    "topk": ("density",),
+    "sign": ("chunk_numel",),
+}
+GUARD_OPTION_NAMES = ("guard", "check_every_steps", "max_error_ratio", "loss_window", "loss_tolerance")
+AUTO_OPTION_NAMES = ("candidates", "observe_steps", "hidden_tolerance", "verify_steps")
+CODEC_STRATEGY_OPTION_NAMES = ("warmup_steps",)
+
+
+@dataclass(frozen=True)
+class SyncOptions:
+    """Every setting of the hook engine, with its default (see the module docstring)."""
+
+    # -- convergence guard: tune these -----------------------------------------------
+    guard: bool = True
+    """Check convergence while an error-feedback codec compresses (no effect on casts)."""
+    check_every_steps: int = 10
+    """Steps between the guard's checks (one tiny all-reduce each)."""
+    max_error_ratio: float = 20.0
+    """Fall back when the error-feedback residual exceeds this many gradient norms."""
+    loss_window: int = 20
+    """Compressed steps whose mean loss is compared with the uncompressed steps'."""
+    loss_tolerance: float = 0.10
+    """Fall back when that mean is higher by more than this fraction."""
+
+    # -- schedule ------------------------------------------------------------------------
+    warmup_steps: int = 0
+    """Uncompressed first steps (like torch's start_powerSGD_iter); the loss rule's baseline."""
+
+    # -- auto: tune these -------------------------------------------------------------------
+    candidates: tuple[str, ...] = ("allreduce", "bf16", "powersgd")
+    """Codecs ``auto`` chooses among per bucket; ``allreduce`` is always added."""
+    observe_steps: int = 3
+    """Uncompressed steps ``auto`` observes (after DDP's first) before it decides."""
+    hidden_tolerance: float = 0.05
+    """All-reduce predicted within this fraction of backward counts as hidden: compress nothing."""
+    verify_steps: int = 5
+    """Steps timed under a compressing plan before it is kept (0: do not verify)."""
+
+    # -- codecs ------------------------------------------------------------------------------
+    codec_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """Per codec name, the constructor options given for it (defaults: the codec's own)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "warmup_steps", int(self.warmup_steps))
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.verify_steps < 0:
+            raise ValueError(f"verify_steps must be >= 0 (0: do not verify), got {self.verify_steps}")
+        if self.observe_steps < 1:
+            raise ValueError(f"observe_steps must be >= 1, got {self.observe_steps}")
+        object.__setattr__(self, "candidates", tuple(self.candidates))
+
+    def codec_kwargs(self, codec: str) -> dict[str, Any]:
+        """The options given for ``codec`` (empty: its constructor's defaults)."""
+        return dict(self.codec_options.get(codec, {}))
+
+    def guard_kwargs(self) -> dict[str, Any]:
+        """The :class:`~.guard.ConvergenceGuard` constructor's arguments."""
+        return {k: getattr(self, k) for k in GUARD_OPTION_NAMES if k != "guard"}
+
+    @property
+    def auto_candidates(self) -> tuple[str, ...]:
+        """``candidates`` with ``allreduce`` first when it was left out (the fallback of every bucket)."""
+        return self.candidates if "allreduce" in self.candidates else ("allreduce", *self.candidates)
+
+    @classmethod
+    def parse(cls, strategy: str, options: Mapping[str, Any]) -> SyncOptions:
+        """Check flat ``options`` against what ``strategy`` takes; the typed settings.
+
+        ``strategy``: a codec strategy (``powersgd``, ``hierarchical+topk``,
+        ``hierarchical``...) or ``auto`` / ``hierarchical+auto``. Raises TypeError
+        naming the options it does not take.
+
+        Example::
+
+            SyncOptions.parse("powersgd", {"rank": 2, "warmup_steps": 3}).warmup_steps   # 3
+        """
+        base = strategy.split("+", 1)[1] if strategy.startswith("hierarchical+") else strategy
+        options = dict(options)
+        if base == "auto":
+            codecs = tuple(options.get("candidates", cls.candidates))
+            allowed = set(GUARD_OPTION_NAMES) | set(AUTO_OPTION_NAMES)
+        else:
+            codecs = () if base == "hierarchical" else (base,)
+            allowed = set(GUARD_OPTION_NAMES) | set(CODEC_STRATEGY_OPTION_NAMES)
+        per_codec: dict[str, dict[str, Any]] = {}
+        for c in codecs:
+            given = {k: options[k] for k in CODEC_OPTION_NAMES.get(c, ()) if k in options}
+            if given:
+                per_codec[c] = given
+        used = {k for opts in per_codec.values() for k in opts}
+        unknown = set(options) - allowed - used
+        if unknown:
+            raise TypeError(f"sync strategy {strategy!r} got unknown options: {', '.join(sorted(unknown))}")
+        own = {f.name for f in fields(cls)} - {"codec_options"}
+        return cls(**{k: v for k, v in options.items() if k in own}, codec_options=per_codec)
+
+
+DEFAULTS = SyncOptions()
+"""Every default in one object: ``DEFAULTS.loss_window`` and so on."""
+
+__all__ = ["AUTO_OPTION_NAMES", "CODEC_OPTION_NAMES", "DEFAULTS", "GUARD_OPTION_NAMES", "SyncOptions"]
