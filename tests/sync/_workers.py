@@ -252,9 +252,89 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
                           "error_ratio": s.get("sync_error_ratio")}
         return out
 
-    which = os.environ.get("SYNC_TEST_CHECKS", "equality,stress,roundtrip,guard,auto,convergence").split(",")
+    def direct():
+        # The casts with default options: every bucket on the direct path (no ordering thread),
+        # and every step's gradient bitwise the codec's formula on each rank's own gradient.
+        import threading
+
+        from slipstream import sync
+        from slipstream.sync.ordering import THREAD_NAME
+
+        def sync_threads() -> int:
+            return sum(t.name == THREAD_NAME for t in threading.enumerate())
+
+        n = dist.get_world_size()
+        formulas = {  # Cast.encode -> a sum in 16 bits (what gloo computes) -> Cast.decode
+            "bf16": lambda gs: sum(g.to(torch.bfloat16) for g in gs).float().div_(n),
+            "fp16": lambda gs: sum(g.div(n).to(torch.float16) for g in gs).float(),
+        }
+        out = {}
+        for strat, formula in formulas.items():
+            threads_before = sync_threads()
+            model = mlp(widths)
+            local = mlp(widths)
+            ddp = DDP(model, bucket_cap_mb=0.005)
+            st = sync.apply(strat, ddp)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            bitwise = []
+            for i in range(4):
+                local.load_state_dict(model.state_dict())
+                local.zero_grad(set_to_none=True)
+                x, y = batch(i, dist.get_rank(), 16, widths[0], widths[-1])
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                nn.functional.cross_entropy(local(x), y).backward()
+                for p, q in zip(model.parameters(), local.parameters()):
+                    everyone = [torch.empty_like(q.grad) for _ in range(n)]
+                    dist.all_gather(everyone, q.grad)
+                    bitwise.append(bool(torch.equal(p.grad, formula(everyone))))
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            out[strat] = {"bitwise": all(bitwise), "checked": len(bitwise), "queued_jobs": st.queued_jobs_total,
+                          "threads_added": sync_threads() - threads_before, "steps": st.stats()["sync_steps"]}
+            st.close()
+        out["auto_casts"] = auto_plan_of_casts()
+        return out
+
+    def auto_plan_of_casts():
+        # auto's default candidates (powersgd among them, so it has a guard) with a plan of
+        # bf16 everywhere, kept (no verification): after the decision, no bucket is queued.
+        from slipstream import sync
+        from slipstream.sync import auto as engine_auto
+
+        model = mlp(widths)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        st = sync.apply("auto", ddp, observe_steps=2, verify_steps=0)
+        real_decide = engine_auto.decide
+
+        def forced(buckets, *a, **k):
+            d = real_decide(buckets, *a, **k)
+            d.choices = {b.index: "bf16" for b in buckets}
+            return d
+
+        engine_auto.decide = forced
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        modes, jobs = [], []
+        try:
+            for i in range(8):
+                x, y = batch(i, dist.get_rank(), 16, widths[0], widths[-1])
+                loss = nn.functional.cross_entropy(ddp(x), y)
+                loss.backward()
+                st.observe_loss(loss.detach())
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                modes.append(st.mode.value)
+                jobs.append(st.queued_jobs_total)
+        finally:
+            engine_auto.decide = real_decide
+        stats = st.stats()
+        st.close()
+        return {"modes": modes, "jobs": jobs, "decision": st.decision_summary(), "verification": st.verification,
+                "guard": st.guard is not None, "same_on_ranks": same_on_all_ranks(list(model.parameters())),
+                "stats": stats}
+
+    which = os.environ.get("SYNC_TEST_CHECKS", "equality,stress,roundtrip,guard,auto,convergence,direct").split(",")
     for name, fn in (("equality", equality), ("stress", stress), ("roundtrip", roundtrip), ("guard", guard),
-                     ("auto", auto), ("convergence", convergence)):
+                     ("auto", auto), ("convergence", convergence), ("direct", direct)):
         if name in which:
             _check(res, name, fn)
     if rank == 0:

@@ -280,14 +280,21 @@ class HookSync:
         if self.guard is not None:
             self.guard.compressing = self._compressing()
 
+    def _guarded(self) -> bool:
+        """Whether the guard checks the plan in use: only error-feedback codecs carry what it
+        watches. A cast keeps nothing between steps and, like torch's bf16 hook and the plain
+        ``bf16`` strategy, runs unguarded (and so on the direct path)."""
+        return self.guard is not None and any(
+            isinstance(self.codecs[n], ErrorFeedback) for n in self._names_in_use())
+
     def _direct(self) -> bool:
         """True when every bucket needs one stateless collective and the engine none of its own."""
         if self.mode is Mode.OBSERVE or self._probe_requested or not isinstance(self.reducer, FlatReducer):
             return False
         if self.auto is not None and self.auto.verifying:  # the engine needs its control step to verify
             return False
-        if self.guard is not None and self._compressing() and any(c.error_feedback for c in self.codecs.values()):
-            return False
+        # Only the codecs in use count: auto's plan of casts and all-reduce goes direct even
+        # though its candidates include error-feedback codecs (and so it has a guard).
         return all(type(self.codecs[n]) in (Codec, Cast) for n in self._names_in_use())
 
     def _layout(self, bucket: dist.GradBucket, key: Hashable, numel: int) -> Layout | None:
@@ -320,6 +327,8 @@ class HookSync:
         name = self._codec_name(index)
         step.uncompressed_bytes += self.reducer.uncompressed_bytes(buf.numel(), 4)
         if self._direct():
+            if self._queue is not None:  # idle since the last step (DDP waited for its jobs): stop it
+                self.close()
             return self._direct_reduce(buf, self.codecs[name], step, last)
         # Codec state follows the parameters, not DDP's bucket numbering (which a
         # rebuild or a resumed run may change): key = the bucket's parameter indices.
@@ -409,7 +418,7 @@ class HookSync:
         if self.auto is not None and self.mode is Mode.RUN and self.auto.verifying:
             if self.auto.verify(last, self.clock):
                 self._set_guard_state()
-        if self.guard is not None and self._compressing() and self.steps % self.guard.check_every_steps == 0:
+        if self._guarded() and self.steps % self.guard.check_every_steps == 0:
             reason = self.guard.check(self.control, self.codecs.values())
             if reason is not None:
                 self.fallback(reason)
