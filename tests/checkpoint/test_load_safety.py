@@ -330,3 +330,31 @@ def test_a_cpu_rank_on_a_gpu_machine_saves_no_cuda_state(fake_cuda, monkeypatch)
     log = fake_cuda(count=2, current=0)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)  # gloo on the CPU never touched CUDA
     assert "cuda" not in RNGState().state_dict() and log["get"] == []
+
+
+def test_dcp_metadata_with_enums_pickled_by_name_loads(tmp_path, monkeypatch):
+    """CPython 3.11.0-3.11.4 (Debian 12's python3) pickle an enum member as getattr(EnumClass, "NAME"):
+    a checkpoint written there must load (found by the container tests), and getattr stays limited
+    to DCP's metadata enums."""
+    import pathlib
+    import pickle
+
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    from slipstream.checkpoint.states import ModelOptimizerState
+
+    enum_cls = dcp_metadata._MEM_FORMAT_ENCODING
+    monkeypatch.setattr(enum_cls, "__reduce_ex__", lambda self, proto: (getattr, (type(self), self._name_)))
+    model = nn.Linear(2, 2)
+    path = _save(tmp_path, {}, shared={"mo": ModelOptimizerState(model, torch.optim.SGD(model.parameters(), 0.1))})
+    assert b"getattr" in open(os.path.join(path, ".metadata"), "rb").read()
+    safe_load.check_dcp_metadata(path)  # accepted: getattr(_MEM_FORMAT_ENCODING, 'TORCH_CONTIGUOUS_FORMAT')
+
+    class Sneaky:
+        def __reduce__(self):
+            return getattr, (pathlib.PosixPath, "write_text")  # an allowed class, a method that writes
+
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(Sneaky(), f)
+    with pytest.raises(safe_load.CheckpointRefused, match="not a checkpoint metadata"):
+        safe_load.check_dcp_metadata(path)

@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import io
 import logging
 import os
@@ -188,8 +189,21 @@ _METADATA_GLOBALS = {
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)  # torch.float32, torch.strided, ...
 
 
+def _enum_member(cls: Any, name: Any) -> Any:
+    """What ``builtins.getattr`` may do in a metadata pickle: name a member of one of DCP's
+    metadata enums. CPython 3.11.0 to 3.11.4 (Debian 12's python3 is 3.11.2) pickle an enum
+    member as ``getattr(EnumClass, "NAME")``; other versions by value."""
+    if (isinstance(cls, type) and issubclass(cls, enum.Enum)
+            and cls.__module__ == "torch.distributed.checkpoint.metadata"
+            and isinstance(name, str) and name in cls.__members__):
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not a checkpoint metadata enum member")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if module == "torch.distributed.checkpoint.metadata":
             found = super().find_class(module, name)
             if isinstance(found, type):  # dataclasses and enums; no functions
