@@ -193,7 +193,27 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
                "same_on_ranks": same_on_all_ranks(list(model.parameters())), "n_decisions": len(st.decisions),
                "modes": modes, "redecided": st.decision is not first}
         out["verify"] = verify_reverts_a_slow_plan()
+        out["default_window"] = default_window()
         return out
+
+    def default_window():
+        # auto with no options: the default observation window, and the decision in stats().
+        from slipstream import sync
+
+        model = mlp(widths)
+        ddp = DDP(model, bucket_cap_mb=0.005)
+        st = sync.apply("auto", ddp)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        modes = []
+        for i in range(4):
+            x, y = batch(i, dist.get_rank(), 16, widths[0], widths[-1])
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            modes.append(st.mode.value)
+        stats = st.stats()
+        st.close()
+        return {"modes": modes, "stats": stats, "choices": {str(k): v for k, v in st.decisions.items()}}
 
     def verify_reverts_a_slow_plan():
         # A plan the model got wrong: every bucket on a codec made 40 ms slower per bucket

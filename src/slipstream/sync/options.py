@@ -64,8 +64,10 @@ class SyncOptions:
     # -- auto: tune these -------------------------------------------------------------------
     candidates: tuple[str, ...] = ("allreduce", "bf16", "powersgd")
     """Codecs ``auto`` chooses among per bucket; ``allreduce`` is always added."""
-    observe_steps: int = 3
-    """Uncompressed steps ``auto`` observes (after DDP's first) before it decides."""
+    observe_steps: int = 2
+    """Uncompressed steps ``auto`` observes (after DDP's first) before it decides. Two (was
+    three): the link's figures come from the start-up probe, so the window only has to show
+    when each bucket becomes ready, and per bucket the earliest of two readings is kept."""
     hidden_tolerance: float = 0.05
     """All-reduce predicted within this fraction of backward counts as hidden: compress nothing."""
     verify_steps: int = 5
