@@ -352,9 +352,67 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
                 "guard": st.guard is not None, "same_on_ranks": same_on_all_ranks(list(model.parameters())),
                 "stats": stats}
 
-    which = os.environ.get("SYNC_TEST_CHECKS", "equality,stress,roundtrip,guard,auto,convergence,direct").split(",")
+    def roundtrip_auto():
+        # Every codec auto can choose (compress.CODECS), flat and hierarchical (2 nodes of 1 rank:
+        # the codec on the inter-node step), in a plan forced onto it: 8 steps straight against
+        # 5 steps, state saved through torch.save, and 3 resumed steps. One bucket, the same in
+        # every iteration (top-k and sign select over a whole bucket).
+        from slipstream.sync import auto as engine_auto
+        from slipstream.sync.compress import CODECS
+
+        real_decide = engine_auto.decide
+        plan = {}
+
+        def forced(buckets, *a, **k):
+            d = real_decide(buckets, *a, **k)
+            d.choices = {b.index: plan["codec"] for b in buckets}
+            return d
+
+        def resumed(strat, codec, **opts):
+            plan["codec"] = codec
+            m_full, _, _, _, _ = run(strat, widths, 8, **opts)
+            m_a, _, _, st_a, opt_a = run(strat, widths, 5, **opts)
+            path = f"/tmp/_sync_rt_auto_{os.getpid()}.pt"
+            torch.save(st_a.state_dict(), path)
+            loaded = torch.load(path, weights_only=False)
+            os.unlink(path)
+            m_b, _, _, st_b, _ = run(strat, widths, 3, sync_state=loaded, start_step=5, model_state=m_a.state_dict(),
+                                     opt_state=opt_a.state_dict(), **opts)
+            full = list(m_full.parameters())
+            r = {"resumed_diff": max_rel_diff(list(m_b.parameters()), full),
+                 "bitwise": all(torch.equal(a, b) for a, b in zip(m_b.parameters(), full)),
+                 "decision": st_b.decision_summary(), "mode": st_b.mode.value, "steps": st_b.steps}
+            if st_b.codecs[codec].error_feedback:  # without the state the run must differ
+                m_c, _, _, _, _ = run(strat, widths, 3, start_step=5, model_state=m_a.state_dict(),
+                                      opt_state=opt_a.state_dict(), **opts)
+                r["fresh_state_diff"] = max_rel_diff(list(m_c.parameters()), full)
+            for st in (st_a, st_b):
+                st.close()
+            return r
+
+        out = {"codecs": list(CODECS)}
+        engine_auto.decide = forced
+        try:
+            for codec in CODECS:
+                opts = {"candidates": (codec,), "observe_steps": 2, "verify_steps": 0}
+                out[f"auto/{codec}"] = resumed("auto", codec, **opts)
+            saved = {k: os.environ[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+            os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # 2 nodes of 1 rank
+            try:
+                for codec in CODECS:
+                    opts = {"candidates": (codec,), "observe_steps": 2, "verify_steps": 0}
+                    out[f"hierarchical+auto/{codec}"] = resumed("hierarchical+auto", codec, **opts)
+            finally:
+                os.environ.update(saved)
+        finally:
+            engine_auto.decide = real_decide
+        return out
+
+    which = os.environ.get("SYNC_TEST_CHECKS",
+                           "equality,stress,roundtrip,guard,auto,convergence,direct,roundtrip_auto").split(",")
     for name, fn in (("equality", equality), ("stress", stress), ("roundtrip", roundtrip), ("guard", guard),
-                     ("auto", auto), ("convergence", convergence), ("direct", direct)):
+                     ("auto", auto), ("convergence", convergence), ("direct", direct),
+                     ("roundtrip_auto", roundtrip_auto)):
         if name in which:
             _check(res, name, fn)
     if rank == 0:
