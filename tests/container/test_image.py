@@ -31,9 +31,9 @@ from slipstream.job.commands import entry_argv, launcher_flags
 from slipstream.job.spec import RDZV_PORT, load_spec
 
 TINY = ["--dim", "32", "--layers", "1", "--context", "32", "--batch-size", "4", "--corpus-mb", "0.5"]
-STEPS = 150
+STEPS = 200
 CHECKPOINT_EVERY = 10
-"""A 2-node step of this GPT takes 10 to 30 ms in the containers here, so 150 steps leave 1.5 s or
+"""A 2-node step of this GPT takes 10 to 30 ms in the containers here, so 200 steps leave 1.9 s or
 more between the first checkpoint (where the kill is sent) and the end."""
 JOB_TIMEOUT_S = 180
 
