@@ -122,7 +122,7 @@ class HookSync:
         self._lock = threading.Lock()
         self._param_index: dict[int, int] = {}
         self._queue: OrderedQueue | None = None
-        self._queued_before = 0  # jobs of queues closed by a re-probe
+        self._queued_before = 0  # jobs of ordering queues already stopped (close(), or going direct)
         self._set_guard_state()
 
     # -- installation ------------------------------------------------------------------
