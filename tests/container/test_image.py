@@ -139,7 +139,7 @@ class ContainerJob:
         return codes
 
     def logs(self) -> str:
-        return "\n".join(f"=== {c}\n" + docker("logs", c, check=False).stdout + docker("logs", c, check=False).stderr
+        return "\n".join(f"=== {c}\n" + docker("logs", "-t", c, check=False).stdout + docker("logs", "-t", c, check=False).stderr
                          for c in self.containers)
 
     def remove(self) -> None:
