@@ -72,10 +72,12 @@ def test_indexed_job_launches_slipstream_with_rendezvous_on_index_0():
     flags = dict(zip(cmd[2:-3:2], cmd[3:-3:2]))
     assert flags == {"--nnodes": "3", "--nproc-per-node": "2", "--node-rank": "$(JOB_COMPLETION_INDEX)",
                      "--rdzv-endpoint": "job-0.job:29400", "--rdzv-id": "job", "--max-restarts": "3",
-                     "--local-addr": "$(SLIPSTREAM_POD_IP)"}
+                     "--local-addr": "$(SLIPSTREAM_POD_IP)", "--tee": "3"}
     assert cmd[-3:] == ["train.py", "--lr", "0.1"]
     # The agent publishes its pod IP, taken from the downward API.
     env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    # Worker lines carry their rank, for `slipstream logs JOB --rank R`.
+    assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"]["value"] == "[rank${rank}]:"
     assert env["SLIPSTREAM_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
 

@@ -16,6 +16,11 @@ from .quantity import parse_quantity
 from .spec import JobSpec
 
 POD_IP_ENV = "SLIPSTREAM_POD_IP"
+RANK_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+RANK_PREFIX = "[rank${rank}]:"
+"""With ``slipstream run --tee 3`` (:data:`TEE_FLAGS`), every worker line reads ``[rankR]:...``,
+which ``slipstream logs JOB --rank R`` filters on (torch elastic expands ``${rank}``)."""
+TEE_FLAGS = ["--tee", "3"]
 CACHE_FILL = Decimal("0.9")
 """Share of data.cache_size the prewarmed cache may fill."""
 
@@ -51,9 +56,11 @@ def launcher_command(
 
     Each agent publishes its pod IP (``--local-addr``, from the downward API) rather
     than its host name, so peers need no DNS record for it (host network included).
+    Worker lines are tagged with their rank (``--tee 3``, with :data:`RANK_PREFIX` in the
+    pod's environment), so ``slipstream logs JOB --rank R`` works on pods.
     """
     flags = launcher_flags(spec, nnodes, endpoint, node_rank, rdzv_id, local_addr=f"$({POD_IP_ENV})")
-    return ["slipstream", "run", *flags, *entry_argv(spec)]
+    return ["slipstream", "run", *flags, *TEE_FLAGS, *entry_argv(spec)]
 
 
 def prewarm_command(spec: JobSpec) -> list[str] | None:
@@ -70,4 +77,5 @@ def prewarm_command(spec: JobSpec) -> list[str] | None:
     return cmd
 
 
-__all__ = ["launcher_flags", "entry_argv", "launcher_command", "prewarm_command", "POD_IP_ENV", "CACHE_FILL"]
+__all__ = ["launcher_flags", "entry_argv", "launcher_command", "prewarm_command", "POD_IP_ENV", "CACHE_FILL",
+           "RANK_PREFIX", "RANK_PREFIX_ENV", "TEE_FLAGS"]

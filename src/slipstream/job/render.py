@@ -29,7 +29,8 @@ import copy
 from typing import Any
 
 from ..errors import EXIT_PREEMPTED, EXIT_USAGE, ConfigError
-from .commands import POD_IP_ENV, entry_argv, launcher_command, launcher_flags, prewarm_command
+from .commands import (POD_IP_ENV, RANK_PREFIX, RANK_PREFIX_ENV, entry_argv, launcher_command, launcher_flags,
+                       prewarm_command)
 from .kubectl import JOB_LABEL
 from .spec import RDZV_PORT, JobSpec
 
@@ -94,6 +95,7 @@ def _metadata(spec: JobSpec, name: str | None = None, queue: bool = False) -> di
 def _env_list(spec: JobSpec) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in spec.worker_env().items()]
     if spec.kind == "training":
+        env.append({"name": RANK_PREFIX_ENV, "value": RANK_PREFIX})
         env.append({"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
     return env
 

@@ -35,7 +35,7 @@ import subprocess
 from decimal import Decimal
 
 from ..errors import EXIT_PREEMPTED, ConfigError, SlipstreamError, UsageError
-from .commands import entry_argv, launcher_flags, prewarm_command
+from .commands import RANK_PREFIX, RANK_PREFIX_ENV, TEE_FLAGS, entry_argv, launcher_flags, prewarm_command
 from .quantity import parse_quantity
 from .render import TargetUnsupported
 from .spec import RDZV_PORT, JobSpec
@@ -49,8 +49,6 @@ NODE_ADDR = "$(scontrol show node \"$SLURMD_NODENAME\" -o | sed -n 's/.* NodeAdd
 
 RUN_DIR = "$SLURM_SUBMIT_DIR/runs/slurm-$SLURM_JOB_ID"
 """The run directory (metrics, timeline) under the submit directory: one per job, for all its attempts."""
-RANK_PREFIX = "[rank${rank}]:"
-"""torch's log-line prefix template for the workers' output (the global rank)."""
 
 
 def run_dir(submit_dir: str, job_id: str) -> str:
@@ -115,7 +113,7 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
                            local_addr=NODE_ADDR)
     # --tee 3 with the prefix template below: every worker line reads "[rankR]:...", which
     # `slipstream logs JOB --rank R` filters on; the run directory is the job's, kept across requeues.
-    flags += ["--tee", "3", "--run-dir", RUN_DIR]
+    flags += [*TEE_FLAGS, "--run-dir", RUN_DIR]
     agent = _shell(["slipstream", "run", *flags, *entry_argv(spec)])
     lines = ["#!/bin/bash", f"# Rendered by `slipstream render --target slurm`{f' from {source}' if source else ''}: "
              f"{spec.replicas} node(s), one `slipstream run` agent per node, {spec.procs_per_replica} worker(s) each.",
@@ -125,7 +123,7 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
               "# srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 and some later releases): pass it on.",
               'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
     lines += [f"export {k}={shlex.quote(v)}" for k, v in spec.worker_env().items()]
-    lines += [f"export TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE={shlex.quote(RANK_PREFIX)}"]
+    lines += [f"export {RANK_PREFIX_ENV}={shlex.quote(RANK_PREFIX)}"]
     lines += [
         "",
         "# The rendezvous: the allocation's first node (it runs this script, SLURM_NODEID 0).",
