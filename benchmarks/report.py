@@ -6,6 +6,11 @@ Definitions (also printed into BENCHMARKS.md):
   wall time; per system, the median over runs (repeats).
 * x DDP, x floor: that median divided by DDP's (tuned bucket) and by the
   floor's (every rank training alone at once: no communication, same CPU share).
+* x limit: that median divided by the cell's machine limit (see
+  :func:`machine_limit`): the floor plus the compute of the cheapest codec whose
+  wire time hides under the backward pass at that link, from the suite's one-core
+  measurement of the workload (benchmarks/codec_cost.py). "-" for results that
+  predate the measurement.
 * wire MB/step/node: bytes the node's shaped interface sent per timed step
   (tx_bytes in its namespace), mean over nodes, median over runs. Traffic
   between ranks of one node goes over loopback and is not counted.
@@ -58,8 +63,81 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def summarize_train(doc: dict) -> list[dict]:
-    """One row per system of one training job (see module docstring)."""
+def machine_limit(figures: dict, world_size: int, gbit: float, latency_s: float = 0.0,
+                  floor_ms: float | None = None) -> dict | None:
+    """The machine limit of a step in one (workload, topology, link) cell: a pure function.
+
+    ``figures`` is :func:`benchmarks.codec_cost.measure`'s dict for the workload (one
+    process, one thread): floor step F, backward time B, and per codec c its compute
+    C_c and wire bytes W_c per rank and step at ``world_size`` n, with K_c collectives.
+    On a link of ``gbit`` Gbit/s with ``latency_s`` per message, codec c's wire time is
+
+        T_c = W_c * 8 / (gbit * 1e9) + K_c * latency_s      (0 on an unshaped link)
+
+    and the limit is
+
+        limit = F + min(C_c over codecs with T_c <= B)             if some codec hides,
+        limit = F + min(C_c + (T_c - B) over all codecs)           if none does.
+
+    (allreduce has C = 0, so on an unshaped link the limit is the floor.) Ties go to
+    the codec listed first. ``floor_ms``, when given (the cell's own floor system, which
+    runs at the cell's CPU share), replaces F, and B and every C_c are scaled by
+    floor_ms / F: the one-process figures, at the cell's CPU share. For a ring, each
+    node's link carries one rank's bytes (W_c at the cell's world size n).
+
+    Returns ``{"limit_ms", "codec", "hidden", "compute_ms", "wire_ms", "floor_ms",
+    "backward_ms"}`` (the chosen codec's figures, scaled), or None when the figures
+    lack this world size.
+    """
+    solo_floor_ms = figures["floor_step_ms"]
+    scale = floor_ms / solo_floor_ms if floor_ms and solo_floor_ms else 1.0
+    base_ms = solo_floor_ms * scale
+    backward_ms = figures["backward_ms"] * scale
+    cands = []
+    for name, c in figures.get("codecs", {}).items():
+        wire_bytes = (c.get("wire_bytes_per_step") or {}).get(str(world_size))
+        if wire_bytes is None:
+            continue
+        wire_ms = (0.0 if math.isinf(gbit) else wire_bytes * 8 / (gbit * 1e9) * 1e3)
+        wire_ms += c.get("collectives_per_step", 1) * latency_s * 1e3
+        cands.append((name, c["compute_ms"] * scale, wire_ms))
+    if not cands:
+        return None
+    hidden = [x for x in cands if x[2] <= backward_ms]
+    if hidden:
+        name, compute_ms, wire_ms = min(hidden, key=lambda x: x[1])
+        extra_ms = compute_ms
+    else:
+        name, compute_ms, wire_ms = min(cands, key=lambda x: x[1] + x[2] - backward_ms)
+        extra_ms = compute_ms + wire_ms - backward_ms
+    return {"limit_ms": base_ms + extra_ms, "codec": name, "hidden": bool(hidden), "compute_ms": compute_ms,
+            "wire_ms": wire_ms, "floor_ms": base_ms, "backward_ms": backward_ms}
+
+
+def _world_size(doc: dict) -> int | None:
+    if doc.get("world_size"):
+        return int(doc["world_size"])
+    topo = doc.get("topology") or ""
+    nodes, _, procs = topo.partition("x")
+    return int(nodes) * int(procs) if nodes.isdigit() and procs.isdigit() else None
+
+
+def cell_limit(doc: dict, figures: dict | None) -> dict | None:
+    """:func:`machine_limit` of one training job's cell (its world size, link and floor); None without figures."""
+    n = _world_size(doc)
+    if not figures or "floor_step_ms" not in figures or not n or not doc.get("link"):
+        return None
+    floor_runs = [r["median_step_s"] for r in doc.get("runs", []) if r["system"] == "floor"]
+    floor_s = _median(floor_runs)
+    return machine_limit(figures, n, link_gbit(doc["link"]), floor_ms=floor_s * 1e3 if floor_s else None)
+
+
+def summarize_train(doc: dict, figures: dict | None = None) -> list[dict]:
+    """One row per system of one training job (see module docstring).
+
+    ``figures``: the workload's codec_cost measurement (results["codec_cost"][workload]),
+    for the x limit column; None (results from before it) leaves that column empty.
+    """
     runs_by: dict[str, list[dict]] = {}
     for r in doc.get("runs", []):
         runs_by.setdefault(r["system"], []).append(r)
@@ -74,6 +152,8 @@ def summarize_train(doc: dict) -> list[dict]:
     start = _median([r["losses"][0] for rs in runs_by.values() for r in rs])
     target = None if final.get("ddp") is None else final["ddp"] + TARGET_SLACK * (start - final["ddp"])
     ddp_t, floor_t = step_med.get("ddp"), step_med.get("floor")
+    limit = cell_limit(doc, figures)
+    limit_s = limit["limit_ms"] / 1e3 if limit else None
     rows = []
     for system, rs in runs_by.items():
         wire = []
@@ -97,6 +177,8 @@ def summarize_train(doc: dict) -> list[dict]:
             "step_s": t,
             "x_ddp": t / ddp_t if t and ddp_t else None,
             "x_floor": t / floor_t if t and floor_t else None,
+            "x_limit": t / limit_s if t and limit_s else None,
+            "limit_ms": limit["limit_ms"] if limit else None,
             "samples_per_s": doc.get("samples_per_step", 0) / t if t else None,
             "wire_MB_per_step_node": (_median(wire) / 1e6) if _median(wire) is not None else None,
             "final_loss": final[system],
@@ -114,21 +196,36 @@ def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-def train_table(doc: dict) -> str:
-    rows = summarize_train(doc)
+def limit_line(doc: dict, figures: dict | None) -> str:
+    """One sentence on the cell's machine limit, or on its absence."""
+    lim = cell_limit(doc, figures)
+    if lim is None:
+        if figures and figures.get("error"):
+            return f"Machine limit: its measurement failed (`{figures['error'][:200]}`)."
+        return "Machine limit: not measured for these results (x limit: -)."
+    how = ("its wire time hides under the backward pass" if lim["hidden"] else
+           f"no codec's wire time hides under the backward pass ({lim['backward_ms']:.1f} ms); "
+           f"this one's unhidden wire time is the least")
+    return (f"Machine limit: {lim['limit_ms']:.1f} ms = floor {lim['floor_ms']:.1f} ms + {lim['codec']} "
+            f"{lim['limit_ms'] - lim['floor_ms']:.1f} ms (compute {lim['compute_ms']:.1f} ms, wire "
+            f"{lim['wire_ms']:.1f} ms; {how}).")
+
+
+def train_table(doc: dict, figures: dict | None = None) -> str:
+    rows = summarize_train(doc, figures)
     steps = doc["runs"][0]["steps"] if doc.get("runs") else 0
-    head = (f"| system | step (ms) | x DDP | x floor | samples/s | wire MB/step/node | final loss @{steps} "
+    head = (f"| system | step (ms) | x DDP | x floor | x limit | samples/s | wire MB/step/node | final loss @{steps} "
             f"| time to loss <= {_fmt(rows[0]['target_loss'] if rows else None, '.3f')} (s) | reached |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
     body = ""
     for r in rows:
         name = r["system"] + (f" ({r['decision']})" if r.get("decision") and r["system"].endswith("auto") else "")
         ttt = _fmt(r["time_to_target_s"], ".1f", "not reached" if r["system"] != "floor" else "-")
         body += (f"| {name} | {_fmt(r['step_s'] and r['step_s'] * 1e3, '.0f')} | {_fmt(r['x_ddp'])} "
-                 f"| {_fmt(r['x_floor'])} | {_fmt(r['samples_per_s'], '.0f')} | {_fmt(r['wire_MB_per_step_node'], '.1f')} "
+                 f"| {_fmt(r['x_floor'])} | {_fmt(r['x_limit'])} | {_fmt(r['samples_per_s'], '.0f')} | {_fmt(r['wire_MB_per_step_node'], '.1f')} "
                  f"| {_fmt(r['final_loss'], '.3f')} | {ttt} | {r['reached']} |\n")
     for system, err in (doc.get("errors") or {}).items():
-        body += f"| {system} | failed: `{err.replace('|', '/')[:200]}` | | | | | | | |\n"
+        body += f"| {system} | failed: `{err.replace('|', '/')[:200]}` | | | | | | | | |\n"
     return head + body
 
 
@@ -262,6 +359,7 @@ def markdown(results: dict, out: Path, images: list[Path]) -> str:
         f"Raw data: `{rel}/results.json`.",
         "",
     ]
+    figures = results.get("codec_cost") or {}
     for doc in results.get("train", []):
         lines += [
             f"#### Training: {doc.get('workload')} on {doc.get('topology')} @ {doc.get('link')}",
@@ -269,9 +367,10 @@ def markdown(results: dict, out: Path, images: list[Path]) -> str:
             f"{_fmt(doc.get('params', 0) / 1e6, '.1f')}M parameters, {_fmt(doc.get('grad_bytes', 0) / 1e6, '.1f')} MB of "
             f"fp32 gradients, {doc.get('samples_per_step', '?')} samples per step over {doc.get('world_size', '?')} ranks; "
             f"DDP bucket tuned to {doc.get('tuned_bucket_cap_mb', '?')} MiB "
-            f"(sweep, median step s: {_sweep(doc.get('bucket_sweep_median_step_s'))}).",
+            f"(sweep, median step s: {_sweep(doc.get('bucket_sweep_median_step_s'))}). "
+            + limit_line(doc, figures.get(doc.get("workload"))),
             "",
-            train_table(doc),
+            train_table(doc, figures.get(doc.get("workload"))),
         ]
     for doc in results.get("collectives", []):
         lines += [f"#### Collectives: {doc.get('topology')} @ {doc.get('link')} (gloo)", ""]
@@ -319,10 +418,12 @@ def render(results: dict, out: Path, update_markdown: bool = True) -> str:
     images = plots(results, out)
     section = markdown(results, out, images)
     (out / "summary.md").write_text(section)
+    figures = results.get("codec_cost") or {}
     summary = {
         "train": [
             {"workload": d.get("workload"), "topology": d.get("topology"), "link": d.get("link"),
-             "rows": summarize_train(d), "errors": d.get("errors", {})}
+             "machine_limit": cell_limit(d, figures.get(d.get("workload"))),
+             "rows": summarize_train(d, figures.get(d.get("workload"))), "errors": d.get("errors", {})}
             for d in results.get("train", [])
         ]
     }
