@@ -11,7 +11,11 @@ What it runs:
 * training (benchmarks/train_worker.py): each workload x topology x link, every
   system in one job so that systems alternate within the same minutes
   (floor, DDP with tuned bucket, DDP + bf16 hook, DDP + PowerSGD, DeepSpeed
-  ZeRO 0/2, Slipstream strategies), medians of ``--repeats`` runs.
+  ZeRO 0/2, Slipstream strategies), medians of ``--repeats`` runs;
+* codec cost (benchmarks/codec_cost.py), once per workload, before its training
+  jobs and never beside them: floor step, backward time, and each codec's
+  one-core compute and wire bytes, stored in ``results["codec_cost"][workload]``;
+  the report's machine limit (x limit column) is computed from it.
 
 Topologies NxP with N > 1 run in an emulated cluster (one network namespace
 per node, tbf-shaped links; slipstream.launch.emulate) and need root. 1xP runs
@@ -159,6 +163,25 @@ def run_collectives(runner: Runner, spec: dict, out: Path) -> dict:
     return doc
 
 
+def run_codec_cost(workload: str, world_sizes: list[int], out: Path, repeats: int = 20,
+                   timeout_s: float = 900) -> dict:
+    """``benchmarks.codec_cost`` for one workload in a process of its own (one thread, no job beside it).
+
+    Its figures (see ``codec_cost.measure``), or ``{"error": ...}`` when it failed.
+    """
+    path = out / f"codec_cost_{workload}.json"
+    cmd = [sys.executable, "-m", "benchmarks.codec_cost", "--workload", workload, "--codecs", "all",
+           "--repeats", str(repeats), "--world-sizes", ",".join(str(n) for n in sorted(set(world_sizes))),
+           "--json", str(path)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s:.0f} s"}
+    if proc.returncode != 0 or not path.exists():
+        return {"error": _error_summary(proc.stdout + proc.stderr)}
+    return json.loads(path.read_text())
+
+
 def run_training(runner: Runner, workload: str, topology: str, link: str, systems: list[str],
                  preset: dict, out: Path) -> dict:
     """One job with every system; on failure, one job per system to isolate the broken one."""
@@ -273,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup_steps": preset["warmup"],
         },
         "collectives": [],
+        "codec_cost": {},
         "train": [],
     }
     try:
@@ -293,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
                 _save(results, out)
         if not args.no_training:
             for workload in workloads:
+                sizes = [parse_topology(t)[0] * parse_topology(t)[1] for t in topologies]
+                print(f"codec cost {workload} (n = {', '.join(map(str, sorted(set(sizes))))}) ...",
+                      file=sys.stderr, flush=True)
+                results["codec_cost"][workload] = run_codec_cost(workload, sizes, out)
+                _save(results, out)
                 for topology in topologies:
                     for link in links:
                         if parse_topology(topology)[0] == 1 and link != "unshaped":
