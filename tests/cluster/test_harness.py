@@ -37,13 +37,14 @@ def test_benchmark_suite_smoke(tmp_path, prefix):
     r = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--topologies", "2x1", "--links", "5gbit", "--bucket-sweep", "25",
          "--systems", systems, "--repeats", "2", "--steps", "4", "--collectives", "2x1@1gbit:16K",
-         "--no-markdown", "--out", str(out)],
+         "--codec-cost-repeats", "2", "--no-markdown", "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=400,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert list_namespaces(prefix) == []
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["repeats"] == 2 and results["meta"]["steps"] == 4
+    assert "error" not in results["codec_cost"]["mlp"], results["codec_cost"]  # the machine limit's figures
 
     (coll,) = results["collectives"]
     assert "error" not in coll, coll

@@ -1,7 +1,8 @@
 """The training image, built once per session by ``scripts/build_image.sh --local-base`` and run for real.
 
-The build is the user's one command; Docker's layer cache makes it about 10 s when .ci/run (or an
-earlier session) already built the same tree. A Docker engine is started if none answers
+The build is the user's one command; it is skipped when the image's revision label is this clean
+tree's commit (.ci/run built it just before), and Docker's layer cache makes it about 10 s when an
+earlier build had the same layers. A Docker engine is started if none answers
 (``scripts/docker_engine.sh start``). Skipped without docker/dockerd or root; under CI=true (.ci/run
 installs docker.io and debootstrap and runs as root) they must run.
 
@@ -33,6 +34,20 @@ def _unavailable() -> str | None:
     return None
 
 
+def _built_from_this_commit(tag: str) -> bool:
+    """Whether ``tag`` carries the revision label scripts/build_image.sh gives a clean tree at HEAD
+    (a tree with changes in what goes into the image is always rebuilt)."""
+    def out(*argv: str) -> str:
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=60)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    head = out("git", "rev-parse", "--short=12", "HEAD")
+    changed = out("git", "status", "--porcelain", "--", "src", "pyproject.toml", "Dockerfile", "docker", "examples")
+    label = out("docker", "image", "inspect", "-f", '{{ index .Config.Labels "org.opencontainers.image.revision" }}',
+                tag)
+    return bool(head) and not changed and label == head
+
+
 @pytest.fixture(scope="session")
 def docker_image() -> str:
     """The tag of an image built from this tree."""
@@ -46,6 +61,8 @@ def docker_image() -> str:
     engine = subprocess.run(["bash", str(REPO / "scripts" / "docker_engine.sh"), "start"], capture_output=True,
                             text=True, timeout=120)
     assert engine.returncode == 0, engine.stdout + engine.stderr
+    if _built_from_this_commit(IMAGE):  # .ci/run built it a minute ago
+        return IMAGE
     build = subprocess.run(["bash", str(REPO / "scripts" / "build_image.sh"), "--local-base", "--tag", IMAGE],
                            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     assert build.returncode == 0, (build.stdout + build.stderr)[-4000:]

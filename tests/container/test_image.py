@@ -31,10 +31,11 @@ from slipstream.job.commands import entry_argv, launcher_flags
 from slipstream.job.spec import RDZV_PORT, load_spec
 
 TINY = ["--dim", "32", "--layers", "1", "--context", "32", "--batch-size", "4", "--corpus-mb", "0.5"]
-STEPS = 200
-CHECKPOINT_EVERY = 10
-"""A 2-node step of this GPT takes 10 to 30 ms in the containers here, so 200 steps leave 1.9 s or
-more between the first checkpoint (where the kill is sent) and the end."""
+STEPS = 150
+CHECKPOINT_EVERY = 25
+"""A 2-node step of this GPT takes 10 to 30 ms in the containers here, so the 125 steps after the
+first checkpoint (where the kill is sent) leave 1.2 s or more before the end. Checkpoints are
+few because each one costs more than 25 steps here (DCP on two ranks, fsync)."""
 JOB_TIMEOUT_S = 180
 
 
