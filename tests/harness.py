@@ -104,3 +104,19 @@ def run_ranks(
     if errors:
         raise AssertionError("\n".join(errors))
     return [out[r] for r in range(world_size)]
+
+
+def weights_digest(path: Any) -> str:
+    """sha256 over a saved state_dict's names, dtypes, shapes and bytes (names sorted): equal
+    digests mean bitwise-equal weights. Used by the resume tests across launchers and engines."""
+    import hashlib
+
+    import torch
+
+    state = torch.load(path, weights_only=True)
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

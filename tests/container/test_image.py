@@ -16,7 +16,6 @@ and the restart.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 import time
@@ -29,6 +28,7 @@ import yaml
 from slipstream.checkpoint.layout import MARKER
 from slipstream.job.commands import entry_argv, launcher_flags
 from slipstream.job.spec import RDZV_PORT, load_spec
+from tests.harness import weights_digest
 
 TINY = ["--dim", "32", "--layers", "1", "--context", "32", "--batch-size", "4", "--corpus-mb", "0.5"]
 STEPS = 150
@@ -48,18 +48,6 @@ def docker(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess
 
 def losses(log: str) -> list[float]:
     return [float(x) for x in re.findall(r"step \d+ \| loss ([0-9.]+)", log)]
-
-
-def weights_digest(path: Path) -> str:
-    """sha256 over the state_dict's names and tensor bytes, in order."""
-    import torch
-
-    state = torch.load(path, weights_only=True)
-    h = hashlib.sha256()
-    for name, tensor in state.items():
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def test_image_trains_with_two_workers(docker_image):

@@ -10,7 +10,6 @@ tests/runtime/test_runtime_mpi_env.py.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import socket
@@ -19,7 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.harness import weights_digest
 
 REPO = Path(__file__).resolve().parents[2]
 MPIRUN = shutil.which("mpirun")
@@ -39,17 +39,6 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCH_VARS and not k.startswith(("OMPI_", "PMIX_", "PMI_", "SLURM_"))}
     return {**env, "SLIPSTREAM_LOG_EVERY_STEPS": "1"}
-
-
-def digest(path: Path) -> str:
-    """sha256 over the state_dict's names, dtypes, shapes and bytes."""
-    state = torch.load(path)
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 def mpirun_argv(np: int) -> list[str]:
@@ -84,4 +73,4 @@ def test_mpirun_trains_to_the_same_weights_as_slipstream_run(tmp_path):
             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert mpi.returncode == 0, mpi.stdout[-2000:] + mpi.stderr[-3000:]
     assert "2 rank(s)" in mpi.stdout and "done: 4 steps" in mpi.stdout, mpi.stdout[-2000:]
-    assert digest(tmp_path / "mpi" / "model.pt") == digest(tmp_path / "run" / "model.pt")
+    assert weights_digest(tmp_path / "mpi" / "model.pt") == weights_digest(tmp_path / "run" / "model.pt")

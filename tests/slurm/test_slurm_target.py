@@ -13,7 +13,6 @@ Slurm's requeue delay (cred_expire + 1 = 11 s on this cluster).
 
 from __future__ import annotations
 
-import hashlib
 import re
 import subprocess
 import sys
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.harness import weights_digest
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_GPT = str(REPO / "examples" / "train_gpt.py")
@@ -80,18 +81,6 @@ def wait_done(job_id: str, env: dict[str, str]) -> dict[str, str]:
         time.sleep(0.5)
     subprocess.run(["scancel", job_id], env=env, timeout=30)
     pytest.fail(f"job {job_id} not finished after {JOB_TIMEOUT_S:.0f} s: {job_fields(job_id, env)}")
-
-
-def weights_digest(path: Path) -> str:
-    """sha256 over the state_dict's names and tensor bytes, in order."""
-    import torch
-
-    state = torch.load(path, weights_only=True)
-    h = hashlib.sha256()
-    for name, tensor in state.items():
-        h.update(name.encode())
-        h.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def losses(log: str) -> list[float]:
