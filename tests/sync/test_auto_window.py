@@ -30,3 +30,8 @@ def test_every_decision_reaches_stats(suite_results):
     assert 0 < st["sync_predicted_backward_s"] <= st["sync_predicted_allreduce_s"], st
     assert st["sync_decision_reason"] and "ranks" in st["sync_link"], st
     assert st["sync_mode"] == "run", st
+    # The convergence gate's figures: each lossy candidate's share of the observed gradient.
+    kept = st["sync_retained"]
+    assert set(kept) == {"bf16", "powersgd"} and all(0.0 <= v <= 1.0 for v in kept.values()), kept
+    assert kept["bf16"] > 0.99, kept
+    assert set(st["sync_excluded"]) == {n for n, v in kept.items() if v < DEFAULTS.min_retained}, st

@@ -45,6 +45,10 @@ class StepRecord:
     comm_spans: list[tuple[Mark, Mark]] = field(default_factory=list)
     t_last_ready: Mark | None = None
     t_done: Mark | None = None
+    # auto's observe steps only: each bucket's reduced (averaged) gradient, by bucket index,
+    # for measuring how much of it each candidate codec keeps. References to the tensors the
+    # reducer returned, dropped once the decision is taken (no copies).
+    outputs: dict[int, Any] = field(default_factory=dict)
     # Filled by resolve():
     ready_s: dict[int, float] = field(default_factory=dict)  # since t_backward_start
     comm_s: float = 0.0

@@ -8,9 +8,11 @@ running engine and agrees them across ranks:
    has to show when each bucket becomes ready;
 2. :meth:`AutoPolicy.observe`: ``observe_steps`` uncompressed steps after DDP's
    first (it re-buckets after it); per bucket the earliest ready time seen;
-3. each candidate codec's compute time on each bucket, timed locally;
-4. one all-reduce on the control group (ready times MAX, costs MIN), then
-   :func:`.policy.decide` on the same figures on every rank;
+3. each candidate codec's compute time on each bucket, timed locally, and
+   (:meth:`AutoPolicy.measure_retained`) the share of the last observed step's
+   averaged gradient one application of each codec keeps: the convergence gate;
+4. one all-reduce on the control group (ready times MAX, costs and shares MIN),
+   then :func:`.policy.decide` on the same figures on every rank;
 5. :meth:`AutoPolicy.verify`: after a plan that compresses, ``verify_steps``
    steps under it are timed; a plan that is not faster is reverted.
 
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from .accounting import StepRecord
 from .compress import make_codec
-from .compress.base import Codec, Layout, Wire
+from .compress.base import Codec, ErrorFeedback, Layout, Wire
 from .control import ControlWire
 from .options import SyncOptions
 from .policy import BucketInfo, Decision, FlatCost, HierarchicalCost, as_cost, decide, verify_plan
@@ -48,6 +50,9 @@ log = logging.getLogger("slipstream.sync")
 # dropped). Five: one burst of other load on a shared core can inflate two or three of them
 # several-fold (seen: PowerSGD costed at 10x its steady time, and auto chose bf16 at 1 Gbit/s).
 COST_RUNS = 6
+# Runs of each codec on the same gradient before its retained share is read: enough for
+# PowerSGD's warm-started factors to settle (one power iteration per run).
+RETAINED_WARM_RUNS = 4
 
 LinkModel = Link | FlatCost | HierarchicalCost
 
@@ -97,6 +102,8 @@ class AutoPolicy:
         # The first step runs with DDP's initial bucket order; it rebuilds buckets after it.
         if steps_done > 1 and step.t_backward_start is not None:
             self._observed.append(step)
+            for s in self._observed[:-1]:  # only the newest step's gradients are measured
+                s.outputs.clear()
         if len(self._observed) < self.options.observe_steps:
             return False
         # Device times of the observed steps: this waits for their events, on the few
@@ -111,17 +118,26 @@ class AutoPolicy:
             self.link = self.prober()
         costs = self.measure_costs(order, last, clock, device, layouts)
         names = list(self.candidates)
+        retained = self.measure_retained(order, last, device, layouts)
+        last.outputs.clear()
         # Every rank decides from the same figures, agreed in one collective: ready times
         # MAX (the slowest rank's backward sets the step), codec costs MIN (negated under
         # MAX): the ranks run the same code on the same sizes, so the lower figure is the
-        # one a transient burst of other load on one rank did not inflate.
-        vals = self.control.agree(ready + [-costs[(i, nm)] for i in order for nm in names], op=dist.ReduceOp.MAX)
-        ready, flat_costs = vals[: len(order)], [-v for v in vals[len(order):]]
+        # one a transient burst of other load on one rank did not inflate. The retained
+        # shares are computed from the same averaged gradient everywhere; MIN makes any
+        # rounding difference between devices agree too (-1: not measured).
+        kept = [retained.get(nm, -1.0) for nm in names]
+        vals = self.control.agree(ready + [-costs[(i, nm)] for i in order for nm in names] + [-k for k in kept],
+                                  op=dist.ReduceOp.MAX)
+        n_costs = len(order) * len(names)
+        ready, flat_costs = vals[: len(order)], [-v for v in vals[len(order):len(order) + n_costs]]
+        retained = {nm: -v for nm, v in zip(names, vals[len(order) + n_costs:]) if -v >= 0.0}
         agreed = {(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order) for j, nm in enumerate(names)}
         buckets = [BucketInfo(i, last.numel[i], r, layouts.get(last.keys.get(i))) for i, r in zip(order, ready)]
         self.decision = decide(
             buckets, self.link, self.world_size, agreed, {nm: codecs[nm] for nm in names},
             hidden_tolerance=self.options.hidden_tolerance,
+            retained=retained, min_retained=self.options.min_retained,
         )
         self.choices = dict(self.decision.choices)
         if self.compressing() and self.options.verify_steps > 0:
@@ -195,6 +211,46 @@ class AutoPolicy:
                 costs[(i, name)] = min(times[1:])  # the least disturbed by other processes
         return costs
 
+    def measure_retained(self, order: list[int], step: StepRecord, device: torch.device,
+                         layouts: Mapping[Hashable, Layout | None]) -> dict[str, float]:
+        """Per lossy candidate codec, the share of the gradient's energy one application keeps,
+        1 - sum ||g - C(g)||^2 / sum ||g||^2 over the buckets, on ``step``'s reduced gradients
+        (empty when the step kept none). Each codec first runs a few times on the same
+        gradient, as it would over steps, so PowerSGD's warm-started factors have converged;
+        then its residuals are dropped and one more application is compared with its input.
+        Local, no communication; a copy of one bucket at a time."""
+        if not step.outputs:
+            return {}
+        solo = Wire(None, size=1)
+        assert self.link is not None
+        cost_model = as_cost(self.link, self.world_size)
+        lost: dict[str, torch.Tensor] = {}
+        energy = torch.zeros((), dtype=torch.float64, device=device)
+        for i in order:
+            out = step.outputs.get(i)
+            if out is None:
+                continue
+            # What the codec is given for this bucket: the bucket, or (hierarchical) its first shard.
+            numel, layout = cost_model.codec_input(step.numel[i], layouts.get(step.keys.get(i)))
+            g = out.detach().reshape(-1)[:numel]
+            energy += torch.dot(g, g).double()
+            for name in self.candidates:
+                if name == "allreduce":
+                    continue
+                trial = make_codec(name, **self.options.codec_kwargs(name))
+                key = step.keys.get(i, i)
+                for _ in range(RETAINED_WARM_RUNS):
+                    trial.reduce(g.clone(), solo, key, layout)
+                if isinstance(trial, ErrorFeedback):
+                    trial.forget_residuals()
+                delivered = trial.reduce(g.clone(), solo, key, layout).reshape(-1)
+                diff = g - delivered
+                lost[name] = lost.get(name, torch.zeros_like(energy)) + torch.dot(diff, diff).double()
+        total = float(energy)  # one host read per codec, at the decision only
+        if not total > 0.0:
+            return {}
+        return {name: max(0.0, 1.0 - float(v) / total) for name, v in lost.items()}
+
     def figures(self) -> dict[str, Any]:
         """The decision and the figures behind it, for ``stats()`` (empty before the first)."""
         d = self.decision
@@ -207,7 +263,9 @@ class AutoPolicy:
             "sync_predicted_allreduce_s": d.predicted_allreduce_s,
             "sync_predicted_backward_s": d.backward_s,
             "sync_link": d.link.summary(),
+            "sync_retained": dict(d.retained),
+            "sync_excluded": dict(d.excluded),
         }
 
 
-__all__ = ["COST_RUNS", "AutoPolicy"]
+__all__ = ["COST_RUNS", "RETAINED_WARM_RUNS", "AutoPolicy"]

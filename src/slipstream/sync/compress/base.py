@@ -260,6 +260,14 @@ class ErrorFeedback(Codec):
         self._whole_key: dict[Hashable, Hashable] = {}  # unit -> the _whole entry holding it
         self._pending_grad_sq: torch.Tensor | None = None
 
+    def forget_residuals(self) -> None:
+        """Drop every carried residual (other state, e.g. PowerSGD's warm-start factors, stays):
+        the next reduce compresses the fresh input alone. ``auto`` uses it to measure how much
+        of a gradient one application of the codec delivers."""
+        self.residuals.clear()
+        self._whole.clear()
+        self._whole_key.clear()
+
     def _carried(self, key: Hashable, like: torch.Tensor, layout: Layout | None) -> torch.Tensor | None:
         """Last step's residual for this bucket when it is one tensor shaped like ``like``."""
         units = param_units(key, layout)
