@@ -53,6 +53,7 @@ from .compress.cast import Cast
 from .control import ControlWire
 from .guard import ConvergenceGuard
 from .hierarchical import FlatReducer, Hierarchical
+from .levels import FLAT, HIERARCHICAL
 from .modes import Mode
 from .options import SyncOptions
 from .ordering import OrderedQueue
@@ -76,6 +77,10 @@ class HookSync:
     guard: convergence guard, checked while an error-feedback codec compresses.
     link: the start-up probe's figures (``auto``); prober: measures the link(s) again,
       collective on every rank, called from the comm thread.
+    levels: ``auto`` where the topology has both levels: the reducer of each level
+      (``{"flat": FlatReducer, "hierarchical": Hierarchical}``; ``reducer`` is the flat
+      one). The engine reduces on flat until the policy's decision, then on the level
+      it chose (:mod:`.levels`), from the next step.
     """
 
     def __init__(
@@ -90,9 +95,16 @@ class HookSync:
         auto: bool = False,
         link: LinkModel | None = None,
         prober: Callable[[], LinkModel] | None = None,
+        levels: dict[str, Reducer] | None = None,
     ):
         self.name = name
         self.reducer = reducer
+        if levels is not None:
+            if not auto:
+                raise ValueError("levels: only auto chooses between flat and hierarchical reduction")
+            if set(levels) != {FLAT, HIERARCHICAL} or levels[FLAT] is not reducer:
+                raise ValueError("levels must map 'flat' (the reducer given) and 'hierarchical' to their reducers")
+        self.levels = levels
         self.codecs = dict(codecs)
         self.codecs.setdefault("allreduce", Codec())
         if default not in self.codecs:
@@ -188,6 +200,7 @@ class HookSync:
         out: dict[str, Any] = {"sync_strategy": self.name, "sync_mode": self.mode.value}
         out.update(self.ledger.figures(self.clock))  # log steps only: waits for the step's events
         out["sync_decision"] = self.decision_summary()
+        out["sync_level"] = self.level
         if self.auto is not None:
             out.update(self.auto.figures())
         if self.verification:
@@ -198,14 +211,22 @@ class HookSync:
             out["sync_error_ratio"] = self.guard.last_error_ratio
         return out
 
+    @property
+    def level(self) -> str:
+        """How buckets are reduced now: ``"flat"`` (one group of all ranks) or ``"hierarchical"``."""
+        return HIERARCHICAL if isinstance(self.reducer, Hierarchical) else FLAT
+
     def decision_summary(self) -> str:
-        """The codecs in use, counted over buckets: ``"allreduce:3,powersgd:2"``."""
+        """The codecs in use, counted over buckets: ``"allreduce:3,powersgd:2"``; where ``auto``
+        chooses the level too, the level follows: ``"allreduce:3,powersgd:2 on hierarchical"``."""
         if not self.decisions:
-            return self.default if self.mode is not Mode.OBSERVE else "allreduce (observing)"
-        counts: dict[str, int] = {}
-        for v in self.decisions.values():
-            counts[v] = counts.get(v, 0) + 1
-        return ",".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+            summary = self.default if self.mode is not Mode.OBSERVE else "allreduce (observing)"
+        else:
+            counts: dict[str, int] = {}
+            for v in self.decisions.values():
+                counts[v] = counts.get(v, 0) + 1
+            summary = ",".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+        return f"{summary} on {self.level}" if self.levels is not None else summary
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -216,6 +237,7 @@ class HookSync:
             "decisions": dict(self.decisions),
             "fallback_reason": self.fallback_reason,
             "verification": self.verification,
+            "level": self.level,
             "bytes_sent_total": self.bytes_sent_total,
             "codecs": {k: c.state_dict() for k, c in self.codecs.items()},
             "guard": self.guard.state_dict() if self.guard is not None else None,
@@ -230,6 +252,7 @@ class HookSync:
         if self.auto is not None:
             self.auto.choices = {int(k): v for k, v in state["decisions"].items()}
             self.auto.verification = state.get("verification")
+        self._load_level(state.get("level"))
         self.fallback_reason = state.get("fallback_reason")
         self.ledger.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
         for k, sd in state["codecs"].items():
@@ -239,6 +262,25 @@ class HookSync:
                 self.codecs[k].load_state_dict(_to_device(sd, self.device))
         if self.guard is not None and state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
+
+    def _load_level(self, level: str | None) -> None:
+        """The saved level, where ``auto`` chooses it (a state without one was flat: ``auto``
+        reduced flat before it chose levels). Elsewhere the reducer is the strategy's."""
+        if self.levels is None or self.auto is None:
+            if level == HIERARCHICAL and self.level == FLAT and dist.get_rank() == 0:
+                log.warning("sync %s: the saved state reduced in two levels; this topology has one: reducing flat",
+                            self.name)
+            return
+        level = level or FLAT
+        if level not in self.levels:
+            raise ValueError(f"sync state has level {level!r}; known: {', '.join(self.levels)}")
+        self.auto.level = level
+        self._use_level()
+
+    def _use_level(self) -> None:
+        """Reduce on the level ``auto`` chose, from the next bucket on (where it chooses one)."""
+        if self.levels is not None and self.auto is not None:
+            self.reducer = self.levels[self.auto.level]
 
     def close(self) -> None:
         """Stop the ordering thread (if one was started); idempotent."""
@@ -325,7 +367,9 @@ class HookSync:
             step.t_last_ready = now
             self._open = None
         name = self._codec_name(index)
-        step.uncompressed_bytes += self.reducer.uncompressed_bytes(buf.numel(), 4)
+        # The level is fixed for the step: it changes only in the control step after the last bucket.
+        reducer = self.reducer
+        step.uncompressed_bytes += reducer.uncompressed_bytes(buf.numel(), 4)
         if self._direct():
             if self._queue is not None:  # idle since the last step (DDP waited for its jobs): stop it
                 self.close()
@@ -337,7 +381,7 @@ class HookSync:
         step.keys[index] = key
         if self._queue is None:
             self._queue = OrderedQueue(device=buf.device)
-        return self._queue.submit(lambda: self._job(index, key, buf, name, layout, step, last, now))
+        return self._queue.submit(lambda: self._job(reducer, index, key, buf, name, layout, step, last, now))
 
     def _direct_reduce(self, buf: torch.Tensor, codec: Codec, step: StepRecord, last: bool) -> torch.futures.Future:
         assert isinstance(self.reducer, FlatReducer)
@@ -369,16 +413,18 @@ class HookSync:
         return fut.then(done)
 
     # -- per bucket (comm thread) ----------------------------------------------------------
-    def _job(self, index: int, key: Hashable, buf: torch.Tensor, name: str, layout: Layout | None, step: StepRecord,
-             last: bool, ready: Mark):
+    def _job(self, reducer: Reducer, index: int, key: Hashable, buf: torch.Tensor, name: str, layout: Layout | None,
+             step: StepRecord, last: bool, ready: Mark):
         if ready[1] is not None:  # the gradients the backward stream wrote, on this thread's stream
             torch.cuda.current_stream().wait_event(ready[1])
         t0 = self.clock.mark()
-        before = self.reducer.bytes_sent
-        inter = self.reducer.inter if isinstance(self.reducer, Hierarchical) else None
+        before = reducer.bytes_sent
+        inter = reducer.inter if isinstance(reducer, Hierarchical) else None
         inter_before = inter.bytes_sent if inter is not None else 0.0
-        out = self.reducer.reduce(buf, self.codecs[name], key, layout)
-        step.bytes_sent += self.reducer.bytes_sent - before
+        out = reducer.reduce(buf, self.codecs[name], key, layout)
+        if self.mode is Mode.OBSERVE and self.auto is not None:
+            step.outputs[index] = out  # auto measures its codecs on this gradient (a reference)
+        step.bytes_sent += reducer.bytes_sent - before
         if inter is not None:
             step.inter_node_bytes = (step.inter_node_bytes or 0.0) + inter.bytes_sent - inter_before
         t1 = self.clock.mark()
@@ -407,16 +453,19 @@ class HookSync:
                 self.auto.link = link
                 if self.mode is not Mode.FALLBACK:
                     self.mode = self.mode.to(Mode.OBSERVE) if self.mode is not Mode.OBSERVE else self.mode
-                    self.auto.reset()
+                    self.auto.reset()  # observes again on flat
+                    self._use_level()
                     self._set_guard_state()
             return
         if self.auto is not None and self.mode is Mode.OBSERVE:
             if self.auto.observe(last, self.steps, self.clock, self.device, self._layouts, self.codecs):
                 self.mode = self.mode.to(Mode.RUN)
+                self._use_level()  # the level it chose, from the next step
                 self._set_guard_state()
             return
         if self.auto is not None and self.mode is Mode.RUN and self.auto.verifying:
-            if self.auto.verify(last, self.clock):
+            if self.auto.verify(last, self.clock):  # reverted: flat all-reduce, what was observed
+                self._use_level()
                 self._set_guard_state()
         if self._guarded() and self.steps % self.guard.check_every_steps == 0:
             reason = self.guard.check(self.control, self.codecs.values())

@@ -11,6 +11,9 @@ Example::
     link = probe_link(group)            # collective: every rank of group calls it
     link.seconds(4 << 20)               # predicted time of an all-reduce sending 4 MiB per rank
     link.summary()                      # "2 ranks, latency 0.20 ms, 0.936 Gbit/s"
+
+Where ``auto`` chooses between flat and two-level reduction, :func:`probe_both`
+measures the flat group and both levels.
 """
 
 from __future__ import annotations
@@ -111,3 +114,22 @@ def probe_levels(g: Any, device: torch.device | str = "cpu") -> Any:
     intra = Link.measured(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
     inter = Link.measured(inter.ranks, a2, 1 / inv2 if inv2 > 0 else float("inf"), inter.samples)
     return HierarchicalCost(intra, inter, topo.local_world_size, topo.num_nodes)
+
+
+def probe_both(g: Any, device: torch.device | str = "cpu") -> Any:
+    """The flat group's link and both levels' (``g``: :class:`~.topology.Groups`), agreed on every rank.
+
+    Collective on every rank: :func:`probe_link` on ``g.flat`` (agreed on the control
+    group), then :func:`probe_levels`. Returns a :class:`~.levels.LevelLinks`, what
+    ``auto`` decides from where the topology has both levels.
+
+    Example::
+
+        links = probe_both(groups(), device)
+        links.summary()   # "flat 4 ranks, ...; hierarchical: intra-node 2 ranks, ...; inter-node 2 ranks, ..."
+    """
+    from .control import ControlWire
+    from .levels import LevelLinks
+
+    flat = probe_link(g.flat, device=device, control=ControlWire(g.control))
+    return LevelLinks(flat, probe_levels(g, device))
