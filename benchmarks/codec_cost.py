@@ -2,6 +2,7 @@
 
     python benchmarks/codec_cost.py [--workload mlp] [--codecs powersgd,sign,topk,bf16] [--repeats 20]
     python -m benchmarks.codec_cost --workload gpt --world-sizes 2,4 --json figures.json
+    python -m benchmarks.codec_cost --workload resnet --retained-steps 1,2,3,8,20
 
 Prints, per codec, the median time of one ``reduce`` on a one-rank wire of all
 the model's gradients (layout-aware, warm-start state after three untimed calls,
@@ -19,6 +20,12 @@ turns its figures into the machine limit of each table cell. Codecs are built
 as ``auto`` builds them (``make_codec(name)`` with the constructor's defaults,
 unless ``--powersgd-rank`` is given). ``allreduce`` does no codec work (its
 averaging divide is part of DDP, in the floor's place too): its compute is 0.
+
+``--retained-steps`` instead trains the workload's model on its own batches
+(rank 0's) and, at each listed step, reports the share of that step's gradient
+energy each codec keeps in one application, measured by the very code ``auto``'s
+convergence gate runs (``AutoPolicy.measure_retained``; one bucket of all
+gradients, in backward order) against the gate's bar, ``min_retained``.
 """
 
 from __future__ import annotations
@@ -145,6 +152,48 @@ def measure(workload: str | workloads.Workload, world_sizes: tuple[int, ...] = (
     }
 
 
+def retained(workload: str | workloads.Workload, steps: tuple[int, ...], codecs: tuple[str, ...] = ALL_CODECS,
+             codec_options: dict[str, dict[str, Any]] | None = None) -> dict[int, dict[str, float]]:
+    """Per listed step (1-based), per lossy codec: the share of that step's gradient energy one
+    application keeps, as ``auto``'s convergence gate measures it. One thread, rank 0's batches."""
+    import torch
+
+    from slipstream.link import Link
+    from slipstream.sync.accounting import StepRecord
+    from slipstream.sync.auto import AutoPolicy
+    from slipstream.sync.compress.base import layout_from_shapes
+    from slipstream.sync.control import ControlWire
+    from slipstream.sync.options import SyncOptions
+
+    work = workloads.get(workload) if isinstance(workload, str) else workload
+    link = Link.measured(ranks=1, alpha_s=0.0, bytes_per_s=1e9)  # the share does not depend on the link
+    opts = SyncOptions(candidates=tuple(c for c in codecs if c != "allreduce"), codec_options=codec_options or {})
+    policy = AutoPolicy(opts, ControlWire(None), world_size=1, link=link, prober=lambda: link)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out: dict[int, dict[str, float]] = {}
+    try:
+        model = work.build()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = work.optimizer(params)
+        for step in range(1, max(steps) + 1):
+            x, y = work.batch(step - 1, 0)
+            opt.zero_grad(set_to_none=True)
+            work.loss(model(x), y).backward()
+            if step in steps:
+                grads = [p.grad for p in params if p.grad is not None][::-1]  # DDP's backward order
+                record = StepRecord(t_backward_start=None)
+                key = tuple(range(len(grads)))
+                record.numel[0], record.keys[0] = sum(g.numel() for g in grads), key
+                record.outputs[0] = torch.cat([g.reshape(-1) for g in grads])
+                layouts = {key: layout_from_shapes([g.shape for g in grads])}
+                out[step] = policy.measure_retained([0], record, torch.device("cpu"), layouts)
+            opt.step()
+    finally:
+        torch.set_num_threads(old_threads)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="mlp", help="mlp, gpt or resnet (benchmarks/workloads.py)")
@@ -154,9 +203,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--powersgd-rank", type=int, default=None,
                     help="PowerSGD rank (default: the codec's own default, which auto uses)")
     ap.add_argument("--json", metavar="PATH", help="also write the figures (measure()'s dict) to PATH")
+    ap.add_argument("--retained-steps", metavar="STEPS",
+                    help="comma list of steps: report each codec's retained share of the gradient there instead")
     args = ap.parse_args(argv)
     codecs = ALL_CODECS if args.codecs == "all" else tuple(c for c in args.codecs.split(",") if c)
     options = {"powersgd": {"rank": args.powersgd_rank}} if args.powersgd_rank is not None else {}
+    if args.retained_steps:
+        from slipstream.sync.options import DEFAULTS
+
+        try:
+            steps = tuple(int(s) for s in args.retained_steps.split(",") if s)
+        except ValueError:
+            ap.error(f"--retained-steps takes a comma list of step numbers, got {args.retained_steps!r}")
+        if not steps or min(steps) < 1:
+            ap.error("--retained-steps: steps count from 1")
+        shares = retained(args.workload, steps, codecs, options)
+        print(f"{args.workload}: share of each step's gradient energy one application keeps "
+              f"(auto's gate leaves out a codec under {DEFAULTS.min_retained:.2f})")
+        for step, row in shares.items():
+            print(f"step {step:3d}: " + "  ".join(f"{name} {v:.3f}" for name, v in row.items()))
+        return 0
     ns = tuple(int(n) for n in args.world_sizes.split(",") if n)
     fig = measure(args.workload, ns, codecs, repeats=args.repeats, codec_options=options)
     floor = fig["floor_step_ms"]

@@ -109,3 +109,19 @@ def test_a_real_measurement_of_the_mlp():
                                          "4": allreduce_bytes(fig["grad_bytes"], 4)}
     assert bf["wire_bytes_per_step"]["2"] == pytest.approx(ar["wire_bytes_per_step"]["2"] / 2)
     json.dumps(fig)  # stored in the results JSON as is
+
+
+def test_retained_shares_on_the_resnet_example_fall_below_the_gate(capsys):
+    """The figures behind auto's convergence gate, by the gate's own code: on the ResNet
+    example's early steps PowerSGD keeps under the bar, the bf16 cast keeps everything."""
+    from benchmarks import codec_cost
+    from slipstream.sync.options import DEFAULTS
+
+    shares = codec_cost.retained("resnet", (2,), ("allreduce", "bf16", "powersgd"))
+    assert set(shares) == {2} and set(shares[2]) == {"bf16", "powersgd"}
+    assert shares[2]["powersgd"] < DEFAULTS.min_retained < 0.999 < shares[2]["bf16"], shares
+    assert codec_cost.main(["--workload", "resnet", "--retained-steps", "1", "--codecs", "bf16"]) == 0
+    assert "step   1: bf16 1.000" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        codec_cost.main(["--retained-steps", "0"])
+    assert bad.value.code == 2
