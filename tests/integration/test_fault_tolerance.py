@@ -201,10 +201,14 @@ def test_elastic_node_loss_and_rejoin(tmp_path):
     port = _free_port()
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
+    # 44 steps of >= 0.25 s (0.3 s here): the kill lands at step ~6, the job resumes at one node
+    # from step 4 or 8, and node c's start until node a stops for the new rendezvous took 2.4 to
+    # 3.75 s (8 to 13 one-node steps) on the 2-core machine under load, against ~36 steps (~11 s)
+    # left: ~3x margin. Steps after the rejoin only cost time (it was 80 steps: ~20 s more).
     cmd = [sys.executable, "-m", "slipstream", "run", "-n", "1", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "elastic-test", "--max-restarts", "3",
            "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=2,keep_alive_max_attempt=5",
-           SCRIPT, "--out", str(out), "--ckpt", str(ckpt), "--every", "4", "--steps", "80", "--dropout", "0",
+           SCRIPT, "--out", str(out), "--ckpt", str(ckpt), "--every", "4", "--steps", "44", "--dropout", "0",
            "--step-sleep-s", "0.25"]
     env = {**os.environ, "SLIPSTREAM_PREEMPTION_DEADLINE_S": "3"}
 
