@@ -175,7 +175,11 @@ def test_killed_container_restarts_and_the_job_resumes_bitwise(uninterrupted, do
         killed_at = committed_steps(ckpt)[-1]
         before = docker("logs", job.containers[1], check=False)
         assert f"done: {STEPS} steps" not in before.stdout + before.stderr, "the kill came after the end"
-        time.sleep(1.0)  # the survivor sees its peer gone before the pod comes back
+        # Start it again once it has stopped (`docker kill` returns before; `docker start` on a
+        # container still running is a no-op). Its sockets closed with it: the survivor sees its
+        # peer gone before the pod comes back, with no fixed wait.
+        gone = docker("wait", job.containers[1], timeout_s=30)
+        assert gone.stdout.strip() == "137", gone.stdout  # SIGKILL
         docker("start", job.containers[1])
         codes = job.wait()
         logs = job.logs()
