@@ -12,7 +12,8 @@ A strategy is applied to a DistributedDataParallel model once, after wrapping:
 ``hierarchical``       intra-node reduce-scatter, inter-node all-reduce, intra-node all-gather
 ``hierarchical+X``     the same with codec X on the inter-node step only (X: any codec above)
 ``auto``               probes the link, observes backward, picks per bucket from an alpha-beta model
-``hierarchical+auto``  two levels; probes both links, and picks per bucket the codec of the inter-node step
+                       (and, on several nodes of several ranks, flat or two-level reduction)
+``hierarchical+auto``  two levels, always; probes both links, and picks per bucket the codec of the inter-node step
 =====================  ==================================================================
 
 Every strategy but ``allreduce`` runs through :mod:`.hooks`, which keeps one
@@ -267,10 +268,13 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     ``observe_steps``, ``hidden_tolerance``, ``verify_steps``, the guard's, and the
     candidates' codec options). ``hierarchical=True`` (the ``hierarchical+auto``
     strategy): two-level reduction, both levels probed, and the per-bucket choice is
-    the codec of the inter-node step. After a plan that compresses, ``verify_steps``
-    steps under it are timed and compared with the uncompressed steps observed
-    before; not faster -> back to all-reduce (logged, and in
-    ``stats()["sync_verification"]``).
+    the codec of the inter-node step. Plain ``auto`` on a topology with both levels
+    (several nodes of several ranks) probes the flat group and both levels, decides
+    for each, and takes the level predicted faster (:mod:`.levels`;
+    ``stats()["sync_level"]``). After a plan that compresses or changes the level,
+    ``verify_steps`` steps under it are timed and compared with the uncompressed
+    flat steps observed before; not faster -> back to flat all-reduce (logged, and
+    in ``stats()["sync_verification"]``).
     """
     import logging
 
@@ -281,7 +285,8 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     from .hierarchical import FlatReducer, Hierarchical
     from .hooks import HookSync
     from .options import SyncOptions
-    from .probe import probe_levels, probe_link
+    from .levels import FLAT, HIERARCHICAL, has_two_levels
+    from .probe import probe_both, probe_levels, probe_link
     from .topology import groups
 
     name = "hierarchical+auto" if hierarchical else "auto"
@@ -290,8 +295,15 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
         return AllreduceState(ddp_model, name)
     g = groups()
     device = _model_device(ddp_model)
+    levels = None
     if hierarchical:
         reducer, prober = Hierarchical(g), (lambda: probe_levels(g, device))
+    elif has_two_levels(g.topology):
+        # Both levels exist: build both reducers and probe both; the decision takes the
+        # level predicted faster (flat until then: the observed steps run flat).
+        reducer = FlatReducer(g.flat)
+        levels = {FLAT: reducer, HIERARCHICAL: Hierarchical(g)}
+        prober = lambda: probe_both(g, device)  # noqa: E731
     else:
         reducer, prober = FlatReducer(g.flat), (lambda: probe_link(g.flat, device=device,
                                                                    control=ControlWire(g.control)))
@@ -299,7 +311,7 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     codecs = {c: make_codec(c, **opts.codec_kwargs(c)) for c in opts.auto_candidates}
     guard = ConvergenceGuard(**opts.guard_kwargs()) if opts.guard else None
     state = HookSync(name, reducer, codecs, "allreduce", control_group=g.control, guard=guard,
-                     options=opts, auto=True, link=link, prober=prober)
+                     options=opts, auto=True, link=link, prober=prober, levels=levels)
     if dist.get_rank() == 0:
         logging.getLogger("slipstream.sync").info("sync %s: probed link: %s", name, link.summary())
     return state.install(ddp_model)

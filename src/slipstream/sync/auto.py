@@ -16,6 +16,14 @@ running engine and agrees them across ranks:
 5. :meth:`AutoPolicy.verify`: after a plan that compresses, ``verify_steps``
    steps under it are timed; a plan that is not faster is reverted.
 
+Where the topology has both levels (``link`` is a :class:`~.levels.LevelLinks`),
+steps 3 and 4 run for each level's model (codec costs and retained shares on
+that level's codec input: a hierarchical codec compresses the 1/k shard), one
+agreement carries both, :func:`.policy.decide` runs once per level and
+:func:`~.levels.choose_level` takes the level predicted faster (``level``). A
+plan on the hierarchical level is verified like a compressing one, against the
+flat uncompressed steps observed; reverting goes to flat all-reduce.
+
 Everything runs on the engine's comm thread, after a step's last bucket, in
 the same order on every rank.
 
@@ -39,6 +47,7 @@ from .accounting import StepRecord
 from .compress import make_codec
 from .compress.base import Codec, ErrorFeedback, Layout, Wire
 from .control import ControlWire
+from .levels import FLAT, HIERARCHICAL, LevelLinks, choose_level, explain_level
 from .options import SyncOptions
 from .policy import BucketInfo, Decision, FlatCost, HierarchicalCost, as_cost, decide, verify_plan
 from ..link import Link
@@ -54,7 +63,7 @@ COST_RUNS = 6
 # PowerSGD's warm-started factors to settle (one power iteration per run).
 RETAINED_WARM_RUNS = 4
 
-LinkModel = Link | FlatCost | HierarchicalCost
+LinkModel = Link | FlatCost | HierarchicalCost | LevelLinks
 
 
 class AutoPolicy:
@@ -63,7 +72,10 @@ class AutoPolicy:
     State, as the engine reads it: ``choices`` (bucket index -> codec name; empty
     until the first decision), ``decision`` (the last :class:`~.policy.Decision`,
     with its figures), ``verification`` (the verdict on the plan, or None),
-    ``verifying`` (the engine must keep its control step while True).
+    ``verifying`` (the engine must keep its control step while True), ``level``
+    (``"flat"``, or ``"hierarchical"`` where the link is a :class:`~.levels.LevelLinks`
+    and the decision took that level), ``level_predicted_s`` (each level's predicted
+    step at the last decision that chose between them) and ``level_decision`` (its log line).
     """
 
     def __init__(self, options: SyncOptions, control: ControlWire, world_size: int, link: LinkModel | None,
@@ -78,6 +90,9 @@ class AutoPolicy:
         self.choices: dict[int, str] = {}
         self.decision: Decision | None = None
         self.verification: str | None = None
+        self.level = FLAT
+        self.level_predicted_s: dict[str, float] = {}
+        self.level_decision = ""  # the log line of the last choice between levels
         self._observed: list[StepRecord] = []
         self._verify_baseline_s: float | None = None
         self._verify_samples: list[StepRecord] = []
@@ -88,9 +103,10 @@ class AutoPolicy:
         return self._verify_baseline_s is not None
 
     def reset(self) -> None:
-        """Forget the plan and observe again (after a re-probe)."""
+        """Forget the plan and observe again (after a re-probe), on flat."""
         self.choices, self._observed = {}, []
         self._verify_baseline_s, self.verification = None, None
+        self.level = FLAT
 
     def stop_verifying(self) -> None:
         """Nothing left to verify (the engine fell back)."""
@@ -116,36 +132,59 @@ class AutoPolicy:
         ready = [min(s.ready_s[i] for s in self._observed if i in s.ready_s) for i in order]
         if self.link is None:
             self.link = self.prober()
-        costs = self.measure_costs(order, last, clock, device, layouts)
+        # One cost model per level auto may reduce on: the reducer's own (one level), or flat and hierarchical.
+        models: dict[str, Link | FlatCost | HierarchicalCost] = (
+            {FLAT: self.link.flat, HIERARCHICAL: self.link.hierarchical} if isinstance(self.link, LevelLinks)
+            else {"reducer": self.link})
         names = list(self.candidates)
-        retained = self.measure_retained(order, last, device, layouts)
+        local: list[float] = []
+        for model in models.values():  # each level's codec input: the bucket, or its 1/k shard
+            costs = self.measure_costs(order, last, clock, device, layouts, link=model)
+            retained = self.measure_retained(order, last, device, layouts, link=model)
+            kept = [retained.get(nm, -1.0) for nm in names]
+            local += [-costs[(i, nm)] for i in order for nm in names] + [-k for k in kept]
         last.outputs.clear()
         # Every rank decides from the same figures, agreed in one collective: ready times
         # MAX (the slowest rank's backward sets the step), codec costs MIN (negated under
         # MAX): the ranks run the same code on the same sizes, so the lower figure is the
         # one a transient burst of other load on one rank did not inflate. The retained
         # shares are computed from the same averaged gradient everywhere; MIN makes any
-        # rounding difference between devices agree too (-1: not measured).
-        kept = [retained.get(nm, -1.0) for nm in names]
-        vals = self.control.agree(ready + [-costs[(i, nm)] for i in order for nm in names] + [-k for k in kept],
-                                  op=dist.ReduceOp.MAX)
+        # rounding difference between devices agree too (-1: not measured). Both levels'
+        # figures go in the same collective, so the level too is chosen from agreed figures.
+        vals = self.control.agree(ready + local, op=dist.ReduceOp.MAX)
+        ready, vals = vals[: len(order)], vals[len(order):]
         n_costs = len(order) * len(names)
-        ready, flat_costs = vals[: len(order)], [-v for v in vals[len(order):len(order) + n_costs]]
-        retained = {nm: -v for nm, v in zip(names, vals[len(order) + n_costs:]) if -v >= 0.0}
-        agreed = {(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order) for j, nm in enumerate(names)}
         buckets = [BucketInfo(i, last.numel[i], r, layouts.get(last.keys.get(i))) for i, r in zip(order, ready)]
-        self.decision = decide(
-            buckets, self.link, self.world_size, agreed, {nm: codecs[nm] for nm in names},
-            hidden_tolerance=self.options.hidden_tolerance,
-            retained=retained, min_retained=self.options.min_retained,
-        )
+        decisions: dict[str, Decision] = {}
+        for level, model in models.items():
+            flat_costs = [-v for v in vals[:n_costs]]
+            retained = {nm: -v for nm, v in zip(names, vals[n_costs:n_costs + len(names)]) if -v >= 0.0}
+            vals = vals[n_costs + len(names):]
+            agreed = {(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order)
+                      for j, nm in enumerate(names)}
+            decisions[level] = decide(
+                buckets, model, self.world_size, agreed, {nm: codecs[nm] for nm in names},
+                hidden_tolerance=self.options.hidden_tolerance,
+                retained=retained, min_retained=self.options.min_retained,
+            )
+        if len(decisions) > 1:
+            self.level_predicted_s = {lv: d.predicted_s for lv, d in decisions.items()}
+            self.level = choose_level(self.level_predicted_s)
+            self.level_decision = explain_level(self.level, self.level_predicted_s, self.link)
+            self.decision = decisions[self.level]
+        else:
+            self.decision = decisions["reducer"]
         self.choices = dict(self.decision.choices)
-        if self.compressing() and self.options.verify_steps > 0:
+        # Verified against the observed (flat, uncompressed) steps: a plan that compresses, or
+        # that moved to the hierarchical level.
+        if (self.compressing() or self.level != FLAT) and self.options.verify_steps > 0:
             spans = sorted(s.span_s for s in self._observed)
             self._verify_baseline_s = spans[len(spans) // 2]
             self._verify_samples = []
         self._observed = []
         if dist.get_rank() == 0:
+            if len(decisions) > 1:
+                log.info("sync %s: %s", self.name, self.level_decision)
             log.info("%s", self.decision.explain())
             for line in self.decision.explain_buckets():
                 log.info("sync %s: %s", self.name, line)
@@ -157,7 +196,8 @@ class AutoPolicy:
 
     def verify(self, step: StepRecord, clock: Any) -> bool:
         """Time ``verify_steps`` steps under the plan (after one to warm up); True when the
-        plan measured no faster than the uncompressed steps and was reverted to all-reduce."""
+        plan measured no faster than the uncompressed steps and was reverted to all-reduce
+        (on flat, the level those steps were observed on)."""
         self._verify_samples.append(step)
         if len(self._verify_samples) < 1 + self.options.verify_steps:
             return False
@@ -176,18 +216,23 @@ class AutoPolicy:
             if dist.get_rank() == 0:
                 log.info("sync %s: plan %s", self.name, self.verification)
             return False
-        self.verification = f"reverted to allreduce: {reason}"
+        where = f" (flat, from {self.level})" if self.level != FLAT else ""
+        self.verification = f"reverted to allreduce{where}: {reason}"
         self.choices = {i: "allreduce" for i in self.choices}
+        self.level = FLAT
         if dist.get_rank() == 0:
             log.warning("sync %s: %s", self.name, self.verification)
         return True
 
     def measure_costs(self, order: list[int], step: StepRecord, clock: Any, device: torch.device,
-                      layouts: Mapping[Hashable, Layout | None]) -> dict[tuple[int, str], float]:
-        """Local compute time (seconds) of each candidate codec on each bucket (no communication)."""
+                      layouts: Mapping[Hashable, Layout | None],
+                      link: Link | FlatCost | HierarchicalCost | None = None) -> dict[tuple[int, str], float]:
+        """Local compute time (seconds) of each candidate codec on each bucket (no communication);
+        ``link``: the level's cost model, whose codec input is timed (default: the policy's link)."""
         solo = Wire(None, size=1)
-        assert self.link is not None
-        cost_model = as_cost(self.link, self.world_size)
+        link = link if link is not None else self.link
+        assert link is not None and not isinstance(link, LevelLinks)
+        cost_model = as_cost(link, self.world_size)
         costs: dict[tuple[int, str], float] = {}
         gen = torch.Generator(device=device).manual_seed(0)
         for name in self.candidates:
@@ -212,18 +257,21 @@ class AutoPolicy:
         return costs
 
     def measure_retained(self, order: list[int], step: StepRecord, device: torch.device,
-                         layouts: Mapping[Hashable, Layout | None]) -> dict[str, float]:
+                         layouts: Mapping[Hashable, Layout | None],
+                         link: Link | FlatCost | HierarchicalCost | None = None) -> dict[str, float]:
         """Per lossy candidate codec, the share of the gradient's energy one application keeps,
         1 - sum ||g - C(g)||^2 / sum ||g||^2 over the buckets, on ``step``'s reduced gradients
         (empty when the step kept none). Each codec first runs a few times on the same
         gradient, as it would over steps, so PowerSGD's warm-started factors have converged;
         then its residuals are dropped and one more application is compared with its input.
-        Local, no communication; a copy of one bucket at a time."""
+        Local, no communication; a copy of one bucket at a time. ``link``: the level's cost
+        model, whose codec input is measured (default: the policy's link)."""
         if not step.outputs:
             return {}
         solo = Wire(None, size=1)
-        assert self.link is not None
-        cost_model = as_cost(self.link, self.world_size)
+        link = link if link is not None else self.link
+        assert link is not None and not isinstance(link, LevelLinks)
+        cost_model = as_cost(link, self.world_size)
         lost: dict[str, torch.Tensor] = {}
         energy = torch.zeros((), dtype=torch.float64, device=device)
         for i in order:
@@ -256,7 +304,13 @@ class AutoPolicy:
         d = self.decision
         if d is None:
             return {}
+        levels = {}
+        if self.level_predicted_s:  # the last decision chose between flat and hierarchical
+            levels = {"sync_predicted_flat_s": self.level_predicted_s[FLAT],
+                      "sync_predicted_hierarchical_s": self.level_predicted_s[HIERARCHICAL],
+                      "sync_level_decision": self.level_decision}
         return {
+            **levels,
             "sync_decisions": [b.as_record() for b in d.per_bucket],
             "sync_decision_reason": d.reason,
             "sync_predicted_s": d.predicted_s,
