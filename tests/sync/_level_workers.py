@@ -7,7 +7,7 @@ One spawn runs every check (starting torch in 4 processes on 2 cores costs secon
   training goes on through the two-level reducer, equal to DDP's flat all-reduce
   (uncompressed plan), and ``request_probe()`` observes again on flat;
 * ``reverted``: hierarchical forced and made slow: verification reverts to flat all-reduce;
-* ``resume``: hierarchical + bf16 forced, state saved after the decision, bitwise resume.
+* ``resume/CODEC``: hierarchical + CODEC forced, state saved after the decision, bitwise resume.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.sync._workers import _check, batch, init, max_rel_diff, mlp, run, same_on_all_ranks
 
 WIDTHS = [32, 64, 64, 8]
+RESUME_CODECS = ("bf16", "fp16", "powersgd", "topk", "sign")  # every codec auto can choose but allreduce
 
 
 def _agree(value) -> bool:
@@ -135,16 +136,16 @@ def reverted() -> dict:
     return out
 
 
-def resume() -> dict:
-    """Hierarchical + bf16, state saved after the decision: a resumed run reduces the same way, bitwise.
+def resume(codec: str) -> dict:
+    """Hierarchical + ``codec``, state saved after the decision: a resumed run reduces the same way, bitwise.
 
-    bf16, not an error-feedback codec: on two levels of k > 1 ranks a codec's state is kept
-    per bucket (its 1/k shard cuts parameters), and DDP's first iteration of the resumed
-    process orders the bucket's parameters differently, so the first resumed step starts
-    that state afresh (the same for ``hierarchical+powersgd``; docs/sync.md, Known limits).
+    On two levels of k > 1 ranks a codec's state is kept per bucket (its 1/k shard cuts
+    parameters), and DDP's first iteration of the resumed process orders the bucket's
+    parameters differently from the rebuilt buckets the saving run used: the reducer cuts
+    its shards in one canonical parameter order, so the resumed step finds that state.
     """
-    opts = {"candidates": ("bf16",), "observe_steps": 2, "verify_steps": 0}
-    with _Forced(level="hierarchical", codec="bf16"):
+    opts = {"candidates": (codec,), "observe_steps": 2, "verify_steps": 0}
+    with _Forced(level="hierarchical", codec=codec):
         m_full, _, _, st_full, _ = run("auto", WIDTHS, 8, **opts)
         m_a, _, _, st_a, opt_a = run("auto", WIDTHS, 5, **opts)
         path = f"/tmp/_sync_levels_{os.getpid()}.pt"
@@ -174,7 +175,9 @@ def levels(rank: int, world: int, port: int, out_path: str, local_world: int) ->
     init(rank, world, port, local_world)
     res: dict = {}
     t0 = time.perf_counter()
-    for name, fn in (("natural", natural), ("forced", forced), ("reverted", reverted), ("resume", resume)):
+    checks = [("natural", natural), ("forced", forced), ("reverted", reverted)]
+    checks += [(f"resume/{c}", lambda c=c: resume(c)) for c in RESUME_CODECS]
+    for name, fn in checks:
         t = time.perf_counter()
         _check(res, name, fn)
         if isinstance(res[name], dict):

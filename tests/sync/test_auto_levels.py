@@ -21,6 +21,7 @@ from slipstream.sync.levels import FLAT, HIERARCHICAL, LevelLinks, choose_level,
 from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide
 from slipstream.sync.topology import Topology
 from tests.harness import free_port, run_ranks
+from tests.sync import _level_workers
 
 # -- pure: the choice from figures ------------------------------------------------------------------------
 
@@ -86,8 +87,6 @@ def test_communication_hidden_on_both_levels_is_a_tie_and_stays_flat():
 
 @pytest.fixture(scope="module")
 def levels_results(tmp_path_factory):
-    from tests.sync import _level_workers
-
     out = str(tmp_path_factory.mktemp("levels") / "levels.json")
     run_ranks(_level_workers.levels, 4, free_port(), out, 2, local_world_size=2, timeout_s=600)
     with open(out) as f:
@@ -145,11 +144,12 @@ def test_verification_reverts_a_slow_hierarchical_level_to_flat_allreduce(levels
 
 
 @pytest.mark.distributed
-def test_resume_restores_the_level_bitwise(levels_results):
-    r = _ok(levels_results["resume"])
+@pytest.mark.parametrize("codec", _level_workers.RESUME_CODECS)
+def test_resume_restores_the_level_bitwise(levels_results, codec):
+    r = _ok(levels_results[f"resume/{codec}"])
     assert r["saved_level"] == HIERARCHICAL and r["full_level"] == HIERARCHICAL, r
     assert r["resumed_level"] == HIERARCHICAL and r["resumed_mode"] == "run", r
-    assert r["resumed_decision"] == "bf16:1 on hierarchical" and r["resumed_steps"] == 8, r
+    assert r["resumed_decision"] == f"{codec}:1 on hierarchical" and r["resumed_steps"] == 8, r
     assert r["inter_node_bytes"] is not None and r["inter_node_bytes"] > 0, r
     assert r["bitwise"] and r["same_on_ranks"], r
     # The check can fail: the same state without its level resumes flat, with other weights.

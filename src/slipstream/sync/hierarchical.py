@@ -22,7 +22,7 @@ from collections.abc import Hashable
 
 import torch
 
-from .compress.base import Codec, Layout, Wire, sub_layout
+from .compress.base import Codec, Layout, Piece, Wire, sub_layout
 from ..link import allreduce_bytes
 from .topology import Groups
 
@@ -56,9 +56,32 @@ class Hierarchical:
 
     def reduce(self, flat: torch.Tensor, codec: Codec, key: Hashable, layout: Layout | None) -> torch.Tensor:
         k = self.intra.size
-        numel = flat.numel()
         if k == 1:
             return codec.reduce(flat, self.inter, key, layout)
+        # The 1/k shards cut parameters, so a codec's state here is kept per bucket and per
+        # shard, not per parameter. DDP lays a bucket's parameters out in one order in a
+        # process's first iteration and, after it rebuilds its buckets, in another: a
+        # resumed run's first step would find no state for its order. So the shards are
+        # cut from the bucket in one canonical order (by parameter index), whatever order
+        # DDP hands it over in: the same shard, the same key, the same state every step.
+        order = _canonical_order(key, layout)
+        if order is None:
+            return self._reduce_shards(flat, codec, key, layout)
+        assert layout is not None and isinstance(key, tuple)
+        pieces = [layout[j] for j in order]
+        canon = torch.cat([flat[p.offset:p.offset + p.numel] for p in pieces])
+        offsets = [0]
+        for p in pieces:
+            offsets.append(offsets[-1] + p.numel)
+        canon_layout = [Piece(off, p.numel, p.rows, p.cols) for off, p in zip(offsets, pieces)]
+        out = self._reduce_shards(canon, codec, tuple(key[j] for j in order), canon_layout)
+        for p, q in zip(pieces, canon_layout):
+            flat[p.offset:p.offset + p.numel].copy_(out[q.offset:q.offset + q.numel])
+        return flat
+
+    def _reduce_shards(self, flat: torch.Tensor, codec: Codec, key: Hashable, layout: Layout | None) -> torch.Tensor:
+        k = self.intra.size
+        numel = flat.numel()
         shard_numel = -(-numel // k)
         if shard_numel * k != numel:
             padded = torch.zeros(shard_numel * k, dtype=flat.dtype, device=flat.device)
@@ -82,3 +105,14 @@ class Hierarchical:
     def uncompressed_bytes(self, numel: int, itemsize: int = 4) -> float:
         """Bytes per rank for a plain (flat, fp32) all-reduce of ``numel`` values."""
         return allreduce_bytes(numel * itemsize, self.topology.world_size)
+
+
+def _canonical_order(key: Hashable, layout: Layout | None) -> list[int] | None:
+    """Positions of the bucket's parameters sorted by parameter index, when ``key`` lists
+    them one per piece of ``layout`` and they are not in that order already; else None."""
+    if layout is None or not isinstance(key, tuple) or len(key) != len(layout):
+        return None
+    if not all(isinstance(i, int) for i in key):
+        return None
+    order = sorted(range(len(key)), key=lambda j: key[j])
+    return None if order == list(range(len(key))) else order
