@@ -192,6 +192,83 @@ def summarize_train(doc: dict, figures: dict | None = None) -> list[dict]:
     return rows
 
 
+PEERS = ("ddp", "ddp_bf16", "ddp_powersgd", "deepspeed_z0", "deepspeed_z2")
+"""The systems ``auto`` is held against (issue #14): the best of them in each cell."""
+
+# Targets of issue #14, as bounds on ratios inside one cell (lower is better).
+TARGETS = {
+    "auto_x_best_peer": 1.05,   # auto's step over the best peer's
+    "auto_x_ddp": 1.00,         # auto's step over DDP's
+    "auto_ttt_x_best": 1.05,    # auto's time to target over the best peer's (where a peer reaches it)
+    "bf16_x_torch_bf16": 1.03,  # slipstream:bf16's step over DDP + torch's bf16 hook
+    "allreduce_x_ddp": 1.03,    # slipstream:allreduce's step over DDP's
+    "auto_x_limit": 1.25,       # auto's step over the machine limit (MLP 2x1 at 1 Gbit/s and 200 Mbit/s)
+}
+
+
+def target_checks(rows: list[dict], workload: str, topology: str, link: str) -> dict:
+    """The issue-#14 ratios of one cell from its summary rows, each with whether it holds.
+
+    Returns ``{name: {"ratio": float | None, "bound": float, "holds": bool | None, "detail": str}}``;
+    a ratio that cannot be formed (a system missing, nobody reached the target) is None with
+    ``holds`` None. ``auto_x_limit`` is checked only on the MLP at 2x1 over 1 Gbit/s or 200 Mbit/s.
+    """
+    by = {r["system"]: r for r in rows}
+    auto = by.get("slipstream:auto")
+
+    def step(name: str) -> float | None:
+        r = by.get(name)
+        return r["step_s"] if r and r.get("step_s") else None
+
+    peers = {p: step(p) for p in PEERS if step(p)}
+    best_peer = min(peers, key=peers.get) if peers else None
+    reached = {p: by[p]["time_to_target_s"] for p in PEERS if p in by and by[p].get("time_to_target_s")}
+    best_ttt = min(reached, key=reached.get) if reached else None
+    out: dict[str, dict] = {}
+
+    def put(name: str, num: float | None, den: float | None, detail: str) -> None:
+        ratio = num / den if num and den else None
+        out[name] = {"ratio": ratio, "bound": TARGETS[name], "detail": detail,
+                     "holds": None if ratio is None else ratio <= TARGETS[name] + 1e-9}
+
+    a = step("slipstream:auto")
+    put("auto_x_best_peer", a, peers.get(best_peer) if best_peer else None, f"best peer {best_peer}")
+    put("auto_x_ddp", a, step("ddp"), "ddp")
+    auto_ttt = auto.get("time_to_target_s") if auto else None
+    if best_ttt is not None and auto is not None and auto_ttt is None:
+        out["auto_ttt_x_best"] = {"ratio": None, "bound": TARGETS["auto_ttt_x_best"], "holds": False,
+                                  "detail": f"auto did not reach the target; {best_ttt} did"}
+    else:
+        put("auto_ttt_x_best", auto_ttt, reached.get(best_ttt) if best_ttt else None, f"first peer {best_ttt}")
+    put("bf16_x_torch_bf16", step("slipstream:bf16"), step("ddp_bf16"), "ddp_bf16")
+    put("allreduce_x_ddp", step("slipstream:allreduce"), step("ddp"), "ddp")
+    if workload == "mlp" and topology == "2x1" and link in ("1gbit", "200mbit"):
+        put("auto_x_limit", a, auto["limit_ms"] / 1e3 if auto and auto.get("limit_ms") else None, "machine limit")
+    return out
+
+
+def targets_table(cells: list[tuple[str, str, str, list[dict]]]) -> str:
+    """One line per cell: each issue-#14 ratio and whether it holds ("MISS" where it does not)."""
+    names = list(TARGETS)
+    head = "| cell | " + " | ".join(f"{n} (<= {TARGETS[n]:.2f})" for n in names) + " |"
+    lines = [head, "|---|" + "---:|" * len(names)]
+    for workload, topology, link, rows in cells:
+        checks = target_checks(rows, workload, topology, link)
+        vals = []
+        for n in names:
+            c = checks.get(n)
+            if c is None:
+                vals.append("")
+            elif c["holds"] is False and c["ratio"] is None:
+                vals.append("MISS (not reached)")
+            elif c["ratio"] is None:
+                vals.append("-")
+            else:
+                vals.append(f"{c['ratio']:.2f}" + ("" if c["holds"] else " MISS"))
+        lines.append(f"| {workload} {topology} @ {link} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
 def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
@@ -435,11 +512,19 @@ def render(results: dict, out: Path, update_markdown: bool = True) -> str:
 
 def render_many(paths: list[Path], update_markdown: bool = True) -> str:
     """Plots and summaries for several results files; one BENCHMARKS.md section holding them all."""
-    sections = []
+    sections, cells = [], []
     for path in paths:
         results = json.loads(Path(path).read_text())
         sections.append(render(results, Path(path).parent, update_markdown=False))
+        figures = results.get("codec_cost") or {}
+        for d in results.get("train", []):
+            cells.append((d.get("workload"), d.get("topology"), d.get("link"),
+                          summarize_train(d, figures.get(d.get("workload")))))
     section = "\n\n---\n\n".join(sections)
+    if cells:
+        section = ("#### Targets (issue #14), every cell above\n\nRatios inside each cell's table; "
+                   "MISS where a bound does not hold (`benchmarks/report.py`, `TARGETS`).\n\n"
+                   + targets_table(cells) + "\n\n---\n\n" + section)
     if update_markdown:
         update_benchmarks_md(section)
     return section
