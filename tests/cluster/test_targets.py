@@ -23,6 +23,7 @@ def test_every_ratio_against_its_own_peer():
     c = report.target_checks(_rows(), "mlp", "2x1", "1gbit")
     assert c["auto_x_best_peer"]["ratio"] == pytest.approx(0.3 / 0.4)  # the fastest peer, reached or not
     assert "ddp_powersgd" in c["auto_x_best_peer"]["detail"]
+    assert c["auto_x_best_converging"]["ratio"] == pytest.approx(0.3 / 0.5)  # ddp_powersgd never reached it
     assert c["auto_x_ddp"]["ratio"] == pytest.approx(0.3)
     assert c["auto_ttt_x_best"]["ratio"] == pytest.approx(2.0 / 6.0)  # the first peer that reached it
     assert c["bf16_x_torch_bf16"]["ratio"] == pytest.approx(1.04) and c["bf16_x_torch_bf16"]["holds"] is False
@@ -37,4 +38,4 @@ def test_misses_and_cells_without_a_limit_target():
     assert "auto_x_limit" not in report.target_checks(_rows(), "resnet", "2x1", "200mbit")
     assert "auto_x_limit" not in report.target_checks(_rows(), "mlp", "2x2", "1gbit")
     table = report.targets_table([("mlp", "2x1", "200mbit", _rows(auto_ttt=None, limit_ms=200.0))])
-    assert "| mlp 2x1 @ 200mbit | 0.75 | 0.30 | MISS (not reached) | 1.04 MISS | 1.01 | 1.50 MISS |" in table
+    assert "| mlp 2x1 @ 200mbit | 0.75 | 0.60 | 0.30 | MISS (not reached) | 1.04 MISS | 1.01 | 1.50 MISS |" in table
