@@ -138,10 +138,13 @@ class AutoPolicy:
             else {"reducer": self.link})
         names = list(self.candidates)
         local: list[float] = []
+        # The retained shares are a property of the gradient, measured once on the first
+        # level's codec input and used for both (measuring them per level doubled the
+        # decision step's codec work on two levels).
+        retained = self.measure_retained(order, last, device, layouts, link=next(iter(models.values())))
+        kept = [retained.get(nm, -1.0) for nm in names]
         for model in models.values():  # each level's codec input: the bucket, or its 1/k shard
             costs = self.measure_costs(order, last, clock, device, layouts, link=model)
-            retained = self.measure_retained(order, last, device, layouts, link=model)
-            kept = [retained.get(nm, -1.0) for nm in names]
             local += [-costs[(i, nm)] for i in order for nm in names] + [-k for k in kept]
         last.outputs.clear()
         # Every rank decides from the same figures, agreed in one collective: ready times
