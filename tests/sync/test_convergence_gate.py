@@ -83,7 +83,7 @@ def _resnet_gradient() -> list[torch.Tensor]:
 
 def test_resnet_gradient_keeps_powersgd_out_of_the_plan():
     """The case the gate is for: on the ResNet example's gradient PowerSGD keeps about a
-    quarter of the energy, so at 200 Mbit/s, where it would be the fastest plan, auto plans
+    third of the energy, so at 200 Mbit/s, where it would be the fastest plan, auto plans
     the cast instead and says why."""
     grads = _resnet_gradient()
     auto = _policy()

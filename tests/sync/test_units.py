@@ -19,6 +19,7 @@ from slipstream.sync.compress import (
 )
 from slipstream.sync.compress.sign import pack_signs, unpack_signs
 from slipstream.sync.guard import ConvergenceGuard
+from slipstream.sync.options import SyncOptions
 from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide, predict, verify_plan
 from slipstream.link import Link
 from slipstream.sync.topology import Topology, detect
@@ -206,6 +207,11 @@ def test_verify_plan_keeps_only_a_measured_gain():
     assert reason is not None and "61.0 ms" in reason and "50.0 ms" in reason
     assert verify_plan(0.050, 0.050) is not None  # equal is not faster: compression costs accuracy
     assert verify_plan(0.100, 0.095, min_gain=0.10) is not None
+    assert "not 5% faster" in verify_plan(0.1216, 0.1210, min_gain=0.05)  # GPT @ 1 Gbit/s kept PowerSGD on this
+    assert verify_plan(0.1216, 0.1150, min_gain=0.05) is None
+    assert SyncOptions().verify_min_gain == 0.05
+    with pytest.raises(ValueError, match="verify_min_gain"):
+        SyncOptions(verify_min_gain=1.0)
 
 
 def test_guard_error_ratio_and_loss_rules():

@@ -38,7 +38,8 @@ CODEC_OPTION_NAMES: dict[str, tuple[str, ...]] = {
     "sign": ("chunk_numel",),
 }
 GUARD_OPTION_NAMES = ("guard", "check_every_steps", "max_error_ratio", "loss_window", "loss_tolerance")
-AUTO_OPTION_NAMES = ("candidates", "observe_steps", "hidden_tolerance", "verify_steps", "min_retained")
+AUTO_OPTION_NAMES = ("candidates", "observe_steps", "hidden_tolerance", "verify_steps", "verify_min_gain",
+                     "min_retained")
 CODEC_STRATEGY_OPTION_NAMES = ("warmup_steps",)
 
 
@@ -73,13 +74,17 @@ class SyncOptions:
     """All-reduce predicted within this fraction of backward counts as hidden: compress nothing."""
     verify_steps: int = 5
     """Steps timed under a compressing plan before it is kept (0: do not verify)."""
+    verify_min_gain: float = 0.05
+    """A verified plan with an error-feedback codec (PowerSGD, top-k, sign) is kept only when it
+    measured at least this fraction faster than the uncompressed steps: a lossy plan that merely
+    ties all-reduce trades accuracy for nothing. A plan of casts need only be faster."""
     min_retained: float = 0.5
     """The convergence gate: a codec is not a candidate when one application of it keeps less
     than this fraction of the observed gradient's energy (1 - ||g - C(g)||^2 / ||g||^2, over
     all buckets, measured on the run's own averaged gradient at the decision). Error feedback
     delivers the rest later, so a low figure means most of each step's update arrives steps
-    late. Measured (docs/sync.md): PowerSGD rank 4 keeps 0.72-0.88 on the MLP, 0.97-1.0 on
-    GPT and 0.25-0.32 on the ResNet's early steps, where it slowed convergence in every run.
+    late. Measured (docs/sync.md): PowerSGD rank 4 keeps 0.75-0.90 on the MLP, 0.99-1.0 on
+    GPT and 0.35-0.41 on the ResNet's early steps, where it slowed convergence in every run.
     0 turns the gate off."""
 
     # -- codecs ------------------------------------------------------------------------------
@@ -94,6 +99,8 @@ class SyncOptions:
             raise ValueError(f"verify_steps must be >= 0 (0: do not verify), got {self.verify_steps}")
         if self.observe_steps < 1:
             raise ValueError(f"observe_steps must be >= 1, got {self.observe_steps}")
+        if not 0.0 <= self.verify_min_gain < 1.0:
+            raise ValueError(f"verify_min_gain must be in [0, 1), got {self.verify_min_gain}")
         if not 0.0 <= self.min_retained <= 1.0:
             raise ValueError(f"min_retained must be in [0, 1] (0: no convergence gate), got {self.min_retained}")
         object.__setattr__(self, "candidates", tuple(self.candidates))
