@@ -526,7 +526,7 @@ def render_many(paths: list[Path], update_markdown: bool = True) -> str:
                           summarize_train(d, figures.get(d.get("workload")))))
     section = "\n\n---\n\n".join(sections)
     if cells:
-        section = ("#### Targets (issue #14), every cell above\n\nRatios inside each cell's table; "
+        section = ("#### Targets (issue #14), every cell below\n\nRatios inside each cell's table; "
                    "MISS where a bound does not hold (`benchmarks/report.py`, `TARGETS`).\n\n"
                    + targets_table(cells) + "\n\n---\n\n" + section)
     if update_markdown:
