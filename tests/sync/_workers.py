@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from slipstream import gloo_exit
+from slipstream.link import Link
 
 
 def init(rank: int, world: int, port: int, local_world: int) -> None:
@@ -193,16 +194,26 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
                "same_on_ranks": same_on_all_ranks(list(model.parameters())), "n_decisions": len(st.decisions),
                "modes": modes, "redecided": st.decision is not first}
         out["verify"] = verify_reverts_a_slow_plan()
-        out["default_window"] = default_window()
+        # The probe's link replaced by a fixed one (the tiny model's communication is hidden
+        # or exposed depending on loopback's mood): a slow link, where the codecs are timed
+        # and the convergence gate measured, and a fast one, where no codec could help.
+        out["default_window"] = default_window(Link.measured(dist.get_world_size(), 2e-4, 2e6))
+        out["fast_link_window"] = default_window(Link.measured(dist.get_world_size(), 1e-7, 1e12))
         return out
 
-    def default_window():
+    def default_window(link):
         # auto with no options: the default observation window, and the decision in stats().
         from slipstream import sync
+        from slipstream.sync import probe
 
         model = mlp(widths)
         ddp = DDP(model, bucket_cap_mb=0.005)
-        st = sync.apply("auto", ddp)
+        real_probe = probe.probe_link
+        probe.probe_link = lambda *a, **k: link
+        try:
+            st = sync.apply("auto", ddp)
+        finally:
+            probe.probe_link = real_probe
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         modes = []
         for i in range(4):

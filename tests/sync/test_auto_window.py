@@ -9,13 +9,14 @@ from slipstream.sync.options import DEFAULTS
 pytestmark = pytest.mark.distributed
 
 
-def test_default_window_is_two_steps_after_ddps_first(suite_results):
-    assert DEFAULTS.observe_steps == 2
+def test_default_window_is_one_step_after_ddps_first(suite_results):
+    assert DEFAULTS.observe_steps == 1
     r = suite_results["auto"]
     assert "error" not in r, r.get("error")
     w = r["default_window"]
-    # Step 1 (DDP's initial bucketing) is not used; steps 2-3 are observed; it runs from step 4.
-    assert w["modes"] == ["observe", "observe", "run", "run"], w["modes"]
+    # Step 1 (DDP's initial bucketing) is not used; step 2 is observed and decided at its
+    # end; the plan runs from step 3 (where torch's PowerSGD hook starts, with start_powerSGD_iter=2).
+    assert w["modes"] == ["observe", "run", "run", "run"], w["modes"]
 
 
 def test_every_decision_reaches_stats(suite_results):
@@ -35,3 +36,14 @@ def test_every_decision_reaches_stats(suite_results):
     assert set(kept) == {"bf16", "powersgd"} and all(0.0 <= v <= 1.0 for v in kept.values()), kept
     assert kept["bf16"] > 0.99, kept
     assert set(st["sync_excluded"]) == {n for n, v in kept.items() if v < DEFAULTS.min_retained}, st
+
+
+def test_no_codec_is_timed_where_none_could_help(suite_results):
+    # On a link fast enough that even a codec of no compute cost gains nothing, the decision
+    # step times nothing: one all-reduce of the ready times, then all-reduce everywhere.
+    w = suite_results["auto"]["fast_link_window"]
+    assert w["modes"] == ["observe", "run", "run", "run"], w["modes"]
+    st = w["stats"]
+    assert set(w["choices"].values()) == {"allreduce"}, w["choices"]
+    assert "codecs not timed" in st["sync_decision_reason"], st["sync_decision_reason"]
+    assert st["sync_retained"] == {} and all(b["compute_s"] == 0.0 for b in st["sync_decisions"]), st

@@ -7,22 +7,27 @@ running engine and agrees them across ranks:
    step; ``request_probe()`` measures again), so the observation window only
    has to show when each bucket becomes ready;
 2. :meth:`AutoPolicy.observe`: ``observe_steps`` uncompressed steps after DDP's
-   first (it re-buckets after it); per bucket the earliest ready time seen;
-3. each candidate codec's compute time on each bucket, timed locally on the last
-   observed step's averaged gradient, and from the same runs the share of that
-   gradient one application of each codec keeps: the convergence gate;
-4. one all-reduce on the control group (ready times MAX, costs and shares MIN),
-   then :func:`.policy.decide` on the same figures on every rank;
+   first (it re-buckets after it); per bucket the earliest ready time seen; the
+   ranks agree them (MAX), and :func:`.policy.decide` with every codec free of
+   compute says which buckets a codec could help at all (none: nothing is timed);
+3. :meth:`AutoPolicy.decide_timed`: each candidate codec's compute time on those
+   buckets, timed locally on the last observed step's averaged gradient (a run far
+   slower than the bucket's wire time ends its codec's timing), and from the same
+   runs the share of that gradient one application of each codec keeps: the
+   convergence gate;
+4. one all-reduce on the control group (costs and shares MIN), then
+   :func:`.policy.decide` on the same figures on every rank;
 5. :meth:`AutoPolicy.verify`: after a plan that compresses, ``verify_steps``
    steps under it are timed; a plan that is not faster is reverted.
 
 Where the topology has both levels (``link`` is a :class:`~.levels.LevelLinks`),
-steps 3 and 4 run for each level's model (codec costs and retained shares on
-that level's codec input: a hierarchical codec compresses the 1/k shard), one
-agreement carries both, :func:`.policy.decide` runs once per level and
-:func:`~.levels.choose_level` takes the level predicted faster (``level``). A
-plan on the hierarchical level is verified like a compressing one, against the
-flat uncompressed steps observed; reverting goes to flat all-reduce.
+the codecs are timed once, on the hierarchical level's codec input (a
+hierarchical codec compresses the 1/k shard), and the flat level's costs are
+those scaled by the inputs' sizes; one agreement carries both,
+:func:`.policy.decide` runs once per level and :func:`~.levels.choose_level`
+takes the level predicted faster (``level``). A plan on the hierarchical level
+is verified like a compressing one, against the flat uncompressed steps
+observed; reverting goes to flat all-reduce.
 
 Everything runs on the engine's comm thread, after a step's last bucket, in
 the same order on every rank.
@@ -37,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -56,9 +62,12 @@ from ..timing import clock_for, duration_s
 log = logging.getLogger("slipstream.sync")
 
 # Timed runs of each candidate codec per bucket when auto decides (the first one, cold, is
-# dropped). Five: one burst of other load on a shared core can inflate two or three of them
-# several-fold (seen: PowerSGD costed at 10x its steady time, and auto chose bf16 at 1 Gbit/s).
-COST_RUNS = 6
+# dropped; the least of the others is kept, and the ranks agree on the least of theirs). One
+# burst of other load on a shared core can inflate a run several-fold (seen: PowerSGD costed
+# at 10x its steady time, and auto chose bf16 at 1 Gbit/s), so no single run decides; but each
+# run is paid in the decision step, once per bucket, codec and level (six runs made the MLP's
+# step 0.65 s longer on 2 ranks and 2-3 s on 2x2, most of what 20-step runs lost to peers).
+COST_RUNS = 4
 
 LinkModel = Link | FlatCost | HierarchicalCost | LevelLinks
 
@@ -135,41 +144,26 @@ class AutoPolicy:
             {FLAT: self.link.flat, HIERARCHICAL: self.link.hierarchical} if isinstance(self.link, LevelLinks)
             else {"reducer": self.link})
         names = list(self.candidates)
-        # Each level's codec input is timed (the bucket, or its 1/k shard). The retained shares
-        # are a property of the gradient: taken once, on the first level, from the same runs
-        # that time the codecs (a separate pass cost the MLP's decision step about 0.25 s).
-        retained: dict[str, float] = {}
-        level_costs = [self.measure_costs(order, last, clock, device, layouts, link=model,
-                                          shares=retained if n == 0 else None)
-                       for n, model in enumerate(models.values())]
-        kept = [retained.get(nm, -1.0) for nm in names]
-        local: list[float] = []
-        for costs in level_costs:
-            local += [-costs[(i, nm)] for i in order for nm in names] + [-k for k in kept]
-        last.outputs.clear()
-        # Every rank decides from the same figures, agreed in one collective: ready times
-        # MAX (the slowest rank's backward sets the step), codec costs MIN (negated under
-        # MAX): the ranks run the same code on the same sizes, so the lower figure is the
-        # one a transient burst of other load on one rank did not inflate. The retained
-        # shares are computed from the same averaged gradient everywhere; MIN makes any
-        # rounding difference between devices agree too (-1: not measured). Both levels'
-        # figures go in the same collective, so the level too is chosen from agreed figures.
-        vals = self.control.agree(ready + local, op=dist.ReduceOp.MAX)
-        ready, vals = vals[: len(order)], vals[len(order):]
-        n_costs = len(order) * len(names)
+        # The ready times first (MAX: the slowest rank's backward sets the step), so that the
+        # codecs are timed only where one could help: with every codec free of compute, a
+        # plan that still compresses nothing (communication hidden, or too little exposed)
+        # needs no timing, and the decision step costs one small all-reduce.
+        ready = self.control.agree(ready, op=dist.ReduceOp.MAX)
         buckets = [BucketInfo(i, last.numel[i], r, layouts.get(last.keys.get(i))) for i, r in zip(order, ready)]
-        decisions: dict[str, Decision] = {}
-        for level, model in models.items():
-            flat_costs = [-v for v in vals[:n_costs]]
-            retained = {nm: -v for nm, v in zip(names, vals[n_costs:n_costs + len(names)]) if -v >= 0.0}
-            vals = vals[n_costs + len(names):]
-            agreed = {(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order)
-                      for j, nm in enumerate(names)}
-            decisions[level] = decide(
-                buckets, model, self.world_size, agreed, {nm: codecs[nm] for nm in names},
-                hidden_tolerance=self.options.hidden_tolerance,
-                retained=retained, min_retained=self.options.min_retained,
-            )
+        free = {(i, nm): 0.0 for i in order for nm in names}
+        decisions = {level: decide(buckets, model, self.world_size, free, {nm: codecs[nm] for nm in names},
+                                   hidden_tolerance=self.options.hidden_tolerance)
+                     for level, model in models.items()}
+        # The buckets a free codec would compress on some level: the others are not timed
+        # (their communication is hidden, or queued behind nothing that compression shortens),
+        # and keep all-reduce.
+        timed = [i for i in order if any(d.choices.get(i, "allreduce") != "allreduce" for d in decisions.values())]
+        if not timed:
+            for d in decisions.values():
+                d.reason += "; codecs not timed: none helps even at no compute cost"
+        else:
+            decisions = self.decide_timed(timed, last, clock, device, layouts, codecs, models, buckets)
+        last.outputs.clear()
         if len(decisions) > 1:
             self.level_predicted_s = {lv: d.predicted_s for lv, d in decisions.items()}
             self.level = choose_level(self.level_predicted_s)
@@ -193,6 +187,57 @@ class AutoPolicy:
             for line in self.decision.explain_buckets():
                 log.info("sync %s: %s", self.name, line)
         return True
+
+    def decide_timed(self, order: list[int], last: StepRecord, clock: Any, device: torch.device,
+                      layouts: Mapping[Hashable, Layout | None], codecs: Mapping[str, Codec],
+                      models: Mapping[str, Link | FlatCost | HierarchicalCost],
+                      buckets: list[BucketInfo]) -> dict[str, Decision]:
+        """Time the candidate codecs on each level's codec input for the buckets in ``order``,
+        agree the figures, and decide once per level (the ready times in ``buckets`` are
+        agreed already; a bucket not in ``order`` can only keep all-reduce)."""
+        names = list(self.candidates)
+        # The codecs are timed on one level's codec input: the smallest (with two levels, the
+        # hierarchical 1/k shard). The other level's costs are those scaled by the ratio of
+        # the inputs' sizes: a cast's cost is linear in the values it converts, PowerSGD's in
+        # its matrices' values at a fixed rank, top-k's and sign's nearly so. Timing both
+        # levels doubled the 2x2 decision step (MLP at 1 Gbit/s: 1.6 s flat + 0.5 s
+        # hierarchical). The retained shares come from the same runs (a separate pass cost
+        # the MLP's decision step about 0.25 s), on that input.
+        cost_models = {level: as_cost(model, self.world_size) for level, model in models.items()}
+
+        def input_numel(level: str, i: int) -> int:
+            return cost_models[level].codec_input(last.numel[i], layouts.get(last.keys.get(i)))[0]
+
+        timed_level = min(cost_models, key=lambda lv: sum(input_numel(lv, i) for i in order))
+        retained: dict[str, float] = {}
+        timed = self.measure_costs(order, last, clock, device, layouts, link=models[timed_level], shares=retained)
+        level_costs = [{(i, nm): t * input_numel(level, i) / max(1, input_numel(timed_level, i))
+                        for (i, nm), t in timed.items()} for level in models]
+        kept = [retained.get(nm, -1.0) for nm in names]
+        local: list[float] = []
+        for costs in level_costs:
+            local += [costs[(i, nm)] for i in order for nm in names] + kept
+        # Codec costs MIN: the ranks run the same code on the same sizes, so the lower figure
+        # is the one a transient burst of other load on one rank did not inflate. The retained
+        # shares are computed from the same averaged gradient everywhere; MIN makes any
+        # rounding difference between devices agree too (-1: not measured). Both levels'
+        # figures go in the same collective, so the level too is chosen from agreed figures.
+        vals = self.control.agree(local, op=dist.ReduceOp.MIN)
+        n_costs = len(order) * len(names)
+        decisions: dict[str, Decision] = {}
+        for level, model in models.items():
+            flat_costs = vals[:n_costs]
+            retained = {nm: v for nm, v in zip(names, vals[n_costs:n_costs + len(names)]) if v >= 0.0}
+            vals = vals[n_costs + len(names):]
+            agreed = {(b.index, nm): 0.0 if nm == "allreduce" else math.inf for b in buckets for nm in names}
+            agreed.update({(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order)
+                           for j, nm in enumerate(names)})
+            decisions[level] = decide(
+                buckets, model, self.world_size, agreed, {nm: codecs[nm] for nm in names},
+                hidden_tolerance=self.options.hidden_tolerance,
+                retained=retained, min_retained=self.options.min_retained,
+            )
+        return decisions
 
     def compressing(self) -> bool:
         """Whether the current plan compresses any bucket."""
@@ -252,6 +297,9 @@ class AutoPolicy:
         cost_model = as_cost(link, self.world_size)
         costs: dict[tuple[int, str], float] = {}
         gen = torch.Generator(device=device).manual_seed(0)
+        scratch: torch.Tensor | None = None
+        largest = max((cost_model.codec_input(step.numel[i], layouts.get(step.keys.get(i)))[0] for i in order),
+                      default=0)
         with_shares = shares is not None and bool(order) and all(i in step.outputs for i in order)
         lost: dict[str, torch.Tensor] = {}
         energy = torch.zeros((), dtype=torch.float64, device=device)
@@ -260,9 +308,12 @@ class AutoPolicy:
             numel, layout = cost_model.codec_input(step.numel[i], layouts.get(step.keys.get(i)))
             out = step.outputs.get(i)
             g = out.detach().reshape(-1)[:numel] if out is not None else None
+            dtype = g.dtype if g is not None else torch.float32
             if with_shares:
                 energy += torch.dot(g, g).double()
             key = step.keys.get(i, i)
+            uncompressed_s = cost_model.bucket_seconds(BucketInfo(i, step.numel[i], 0.0, layouts.get(step.keys.get(i))),
+                                                       Codec())
             for name in self.candidates:
                 if name == "allreduce":
                     costs[(i, name)] = 0.0
@@ -271,18 +322,34 @@ class AutoPolicy:
                 # On the training device, timed by its clock: a codec's cost on the GPU
                 # is kernel time, not the host time of launching it. A private generator:
                 # measuring must not move the training's RNG streams.
-                x = g.clone() if g is not None else torch.randn(numel, device=device, generator=gen)
+                # One scratch buffer for every trial: a fresh copy of a large bucket per codec
+                # costs more than the copy itself (new pages on the host; measured on the MLP,
+                # 8 clones of 25 MiB took a quarter of the decision step).
+                if scratch is None or scratch.numel() < numel or scratch.dtype != dtype:
+                    scratch = torch.empty(largest, dtype=dtype, device=device)
+                x = scratch[:numel]
+                if g is not None:
+                    x.copy_(g)
+                else:
+                    x.normal_(generator=gen)
                 marks = [clock.mark()]
-                for _ in range(COST_RUNS):  # later runs have warm-start state, like steady state
+                for run in range(COST_RUNS):  # later runs have warm-start state, like steady state
                     trial.reduce(x, solo, key, layout)
                     marks.append(clock.mark())
+                    if run == 1 and COST_RUNS > 2:
+                        # A codec whose first warm run costs more than twice the bucket's whole
+                        # uncompressed wire time cannot make that bucket faster (its compute
+                        # alone outlasts the all-reduce it replaces): no more runs for it.
+                        clock.synchronize(marks[-1:])
+                        if duration_s(marks[1], marks[2]) > 2.0 * uncompressed_s:
+                            break
                 clock.synchronize(marks[-1:])
                 times = [duration_s(a, b) for a, b in zip(marks, marks[1:])]
                 costs[(i, name)] = min(times[1:])  # the least disturbed by other processes
                 if with_shares:
                     if isinstance(trial, ErrorFeedback):
                         trial.forget_residuals()
-                    diff = g - trial.reduce(g.clone(), solo, key, layout).reshape(-1)
+                    diff = g - trial.reduce(x.copy_(g), solo, key, layout).reshape(-1)
                     lost[name] = lost.get(name, torch.zeros_like(energy)) + torch.dot(diff, diff).double()
         if with_shares:
             total = float(energy)  # one host read per codec, at the decision only

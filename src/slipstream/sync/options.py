@@ -66,10 +66,13 @@ class SyncOptions:
     # -- auto: tune these -------------------------------------------------------------------
     candidates: tuple[str, ...] = ("allreduce", "bf16", "powersgd")
     """Codecs ``auto`` chooses among per bucket; ``allreduce`` is always added."""
-    observe_steps: int = 2
-    """Uncompressed steps ``auto`` observes (after DDP's first) before it decides. Two (was
-    three): the link's figures come from the start-up probe, so the window only has to show
-    when each bucket becomes ready, and per bucket the earliest of two readings is kept."""
+    observe_steps: int = 1
+    """Uncompressed steps ``auto`` observes (after DDP's first) before it decides. One (was
+    two, and three before that): the link's figures come from the start-up probe, so the
+    window only has to show when each bucket becomes ready, and a plan that compresses is
+    verified over ``verify_steps`` steps anyway. With one, ``auto`` compresses from step 3,
+    the step torch's PowerSGD hook starts at with ``start_powerSGD_iter=2``. Raise it where
+    the first steps are not typical (a warming data pipeline, a compile)."""
     hidden_tolerance: float = 0.05
     """All-reduce predicted within this fraction of backward counts as hidden: compress nothing."""
     verify_steps: int = 5

@@ -45,6 +45,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -163,7 +165,8 @@ class Decision:
         for name in self.choices.values():
             counts[name] = counts.get(name, 0) + 1
         plan = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
-        alts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.alternatives.items())
+        alts = ", ".join(f"{k} {v * 1e3:.1f} ms" if math.isfinite(v) else f"{k} n/a"
+                         for k, v in self.alternatives.items())
         return (
             f"sync auto: {plan}; predicted backward+exposed comm {self.predicted_s * 1e3:.1f} ms "
             f"(all-reduce {self.predicted_allreduce_s * 1e3:.1f} ms, backward {self.backward_s * 1e3:.1f} ms; "
