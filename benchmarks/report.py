@@ -448,7 +448,9 @@ def markdown(results: dict, out: Path, images: list[Path]) -> str:
             f"{_fmt(doc.get('params', 0) / 1e6, '.1f')}M parameters, {_fmt(doc.get('grad_bytes', 0) / 1e6, '.1f')} MB of "
             f"fp32 gradients, {doc.get('samples_per_step', '?')} samples per step over {doc.get('world_size', '?')} ranks; "
             f"DDP bucket tuned to {doc.get('tuned_bucket_cap_mb', '?')} MiB "
-            f"(sweep, median step s: {_sweep(doc.get('bucket_sweep_median_step_s'))}). "
+            f"(sweep, median step s: {_sweep(doc.get('bucket_sweep_median_step_s'))}); "
+            + ("the slipstream systems on the same bucket. " if doc.get("slipstream_bucket") == "tuned"
+               else "the slipstream systems on Slipstream's default bucket (25 MiB). ")
             + limit_line(doc, figures.get(doc.get("workload"))),
             "",
             train_table(doc, figures.get(doc.get("workload"))),

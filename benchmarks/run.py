@@ -190,7 +190,8 @@ def run_training(runner: Runner, workload: str, topology: str, link: str, system
         path = out / f"train_{workload}_{topology}_{link}_{tag}.json"
         args = ["--workload", workload, "--systems", ",".join(names), "--repeats", str(preset["repeats"]),
                 "--steps", str(preset["steps"]), "--warmup", str(preset["warmup"]),
-                "--bucket-sweep", preset["bucket_sweep"], "--out", str(path)]
+                "--bucket-sweep", preset["bucket_sweep"],
+                "--slipstream-bucket", preset.get("slipstream_bucket", "tuned"), "--out", str(path)]
         code, err = runner.job("benchmarks.train_worker", args, topology, link, timeout_s=3600)
         if code == 0 and path.exists():
             return json.loads(path.read_text()), ""
@@ -233,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--collectives", metavar="TOPO@LINK[:MAXBYTES],...",
                    help="collective runs instead of the preset's, e.g. 2x2@1gbit:64M")
     p.add_argument("--bucket-sweep", help="DDP bucket sizes (MiB) to tune over, e.g. 5,25 (one value: no tuning)")
+    p.add_argument("--slipstream-bucket", choices=("tuned", "default"),
+                   help="DDP bucket of the slipstream:* systems: the DDP peers' tuned one (default), or Slipstream's default")
     p.add_argument("--no-collectives", action="store_true")
     p.add_argument("--no-training", action="store_true")
     p.add_argument("--codec-cost-repeats", type=int, default=20,
@@ -254,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         preset["collectives"] = [_collective_spec(c) for c in args.collectives.split(",") if c]
     if args.bucket_sweep:
         preset["bucket_sweep"] = args.bucket_sweep
+    if args.slipstream_bucket:
+        preset["slipstream_bucket"] = args.slipstream_bucket
     for key in ("repeats", "steps"):
         if getattr(args, key) is not None:
             preset[key] = getattr(args, key)
