@@ -3,7 +3,7 @@ machine with a GPU runs once, and that CI runs on the CPU so that run is not
 spent on bugs in this script.
 
     python -m benchmarks.gpu_acceptance --out DIR [--device cuda|cpu] [--only REGEX]
-                                        [--budget-s 480] [--steps-scale X]
+                                        [--budget-s 480] [--steps-scale X] [--jobs 1]
 
 Steps (each a subprocess with its own timeout; a failure does not stop the
 others; a step that cannot apply on this device is "skipped" with the reason):
@@ -28,6 +28,12 @@ training these models); a configuration that fails ends its launch and the
 configurations not yet started are launched again, so one failure costs the
 others nothing but a restart.
 
+--jobs N runs up to N one-process steps (the examples, perf) side by side, each
+still with its own processes, folder and timeout; the ranks steps always run
+alone. The default, 1, runs every step after the one before (what the GPU run
+does: its timings are not shared with a neighbour). CI's CPU run uses 2: an
+example is one process, and the second core would otherwise sit idle.
+
 Writes DIR/acceptance.json and DIR/acceptance.md after every step (a killed run
 still leaves a report), prints a line per step, exits 1 if any step failed.
 See docs/gpu.md.
@@ -47,7 +53,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,6 +187,7 @@ class Acceptance:
         self.environment: dict = {}
         self.device = args.device
         self.only = re.compile(args.only) if args.only else None
+        self.report_lock = threading.Lock()  # --jobs > 1: steps finish in several threads
 
     # --- time ---------------------------------------------------------------
     def remaining_s(self) -> float:
@@ -255,13 +264,14 @@ class Acceptance:
         est = ESTIMATES[self.device]
         env_step.estimate_s = est["environment"]
 
-        def example(name: str, precision: str) -> tuple[list[Step], Any]:
+        # A unit: its steps, what runs them, and whether it is one process (--jobs may run it beside others).
+        def example(name: str, precision: str) -> tuple[list[Step], Any, bool]:
             step = Step(f"example/{name}/{precision}", est["example"])
-            return [step], lambda: self.example_step(step, name, precision, sizes)
+            return [step], lambda: self.example_step(step, name, precision, sizes), True
 
-        def ranks(nproc: int, backend: str, steps: list[Step], nccl_refusal: bool = False) -> tuple[list[Step], Any]:
+        def ranks(nproc: int, backend: str, steps: list[Step], nccl_refusal: bool = False) -> tuple[list[Step], Any, bool]:
             group = Group(nproc, self.ranks_env(backend), steps, nccl_refusal=nccl_refusal)
-            return steps, lambda: self.ranks_group(group, sizes)
+            return steps, lambda: self.ranks_group(group, sizes), False
 
         perf = Step("perf", est["perf"])
         if self.environment.get("sync_available"):
@@ -274,25 +284,42 @@ class Acceptance:
         # examples, then the profile figures, the NCCL refusal, the 2-rank matrix, the rest.
         units = [
             example("gpt", "fp32"), example("resnet", "fp32"),
-            ([perf], lambda: self.perf_step(perf, sizes)),
+            ([perf], lambda: self.perf_step(perf, sizes), True),
             ranks(2, "nccl", [Step("nccl/2-ranks-1-gpu", est["nccl"])], nccl_refusal=True),
             ranks(2, "gloo", syncs + layouts2),
             example("gpt", "bf16"), example("resnet", "bf16"), example("gpt", "fp16"), example("resnet", "fp16"),
             ranks(4, "gloo", layouts4),
         ]
-        for unit_steps, _ in units:
+        for unit_steps, _, _ in units:
             self.steps.extend(unit_steps)
 
-        for unit_steps, action in units:
+        def run_unit(unit_steps: list[Step], action: Any) -> None:
             for step in unit_steps:
                 self.apply_device_and_selection(step, placement_ok, env_step)
             if any(step.status == "pending" for step in unit_steps):
                 action()
-            for step in unit_steps:
-                if step.status == "pending":  # a group member the action left (should not happen)
-                    step.status, step.reason = FAIL, "not run: internal error in the acceptance script"
-                self.report_progress(step)
-            self.write_reports()
+            with self.report_lock:
+                for step in unit_steps:
+                    if step.status == "pending":  # a group member the action left (should not happen)
+                        step.status, step.reason = FAIL, "not run: internal error in the acceptance script"
+                    self.report_progress(step)
+                self.write_reports()
+
+        # Consecutive one-process units form a batch that --jobs > 1 runs side by side, in order.
+        batches: list[list[tuple[list[Step], Any, bool]]] = []
+        for unit in units:
+            if batches and unit[2] and batches[-1][-1][2]:
+                batches[-1].append(unit)
+            else:
+                batches.append([unit])
+        for batch in batches:
+            if self.args.jobs > 1 and len(batch) > 1:
+                with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
+                    for future in [pool.submit(run_unit, unit_steps, action) for unit_steps, action, _ in batch]:
+                        future.result()
+            else:
+                for unit_steps, action, _ in batch:
+                    run_unit(unit_steps, action)
         self.write_reports()
         failed = [s for s in self.steps if s.status == FAIL]
         total = round(time.monotonic() - self.started, 1)
@@ -645,11 +672,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="wall-clock budget for the whole run; steps that no longer fit are skipped (default 480)")
     p.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every step's training steps (e.g. 0.5 on a slow CPU); each keeps a minimum")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="run up to N one-process steps (examples, perf) side by side; ranks steps always run "
+                        "alone (default 1: one step at a time, as on the GPU)")
     p.add_argument("--no-fork", action="store_true",
                    help="start every example run as a new python process (default: fork from a warm parent)")
     args = p.parse_args(argv)
     if args.budget_s <= 0 or not math.isfinite(args.budget_s):
         p.error(f"--budget-s must be > 0, got {args.budget_s}")
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.steps_scale <= 0:
         p.error(f"--steps-scale must be > 0, got {args.steps_scale}")
     if args.only:

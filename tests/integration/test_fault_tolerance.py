@@ -37,6 +37,32 @@ def launch(*args: str, env: dict | None = None, timeout: float = 240, **kw) -> s
     )
 
 
+class Background:
+    """A `slipstream run` started now and waited for later: an uninterrupted reference run
+    goes alongside the run it is compared with (most of either is starting processes)."""
+
+    def __init__(self, *args: str, log: Path) -> None:
+        self.log = log
+        with open(log, "w") as fh:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "slipstream", "run", *args], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                env={**os.environ, "SLIPSTREAM_PREEMPTION_DEADLINE_S": "3"}, start_new_session=True,
+            )
+
+    def wait(self, timeout: float = 240) -> None:
+        """Wait for a clean exit; its output in the assertion otherwise."""
+        try:
+            code = self.proc.wait(timeout=timeout)
+        finally:
+            self.stop()
+        assert code == 0, self.log.read_text()[-3000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+
+
 def final(out: Path) -> dict:
     return torch.load(out / "final.pt", weights_only=False)
 
@@ -106,11 +132,14 @@ def test_compressed_sync_state_is_restored_bitwise(tmp_path):
     """PowerSGD's error-feedback buffers and low-rank factors are per-rank checkpoint state."""
     common = ["--sync", "powersgd", "--sync-options", '{"rank": 2, "min_compression": 1.0}', "-n", "2"]
     ref = tmp_path / "ref"
-    proc = launch(*common, SCRIPT, "--out", str(ref), "--steps", "8", "--dropout", "0")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = tmp_path / "killed"
-    proc = launch(*common, "--max-restarts", "1", SCRIPT, "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
-                  "--every", "2", "--steps", "8", "--dropout", "0", "--mode", "sigkill", "--fail-step", "5")
+    reference = Background(*common, SCRIPT, "--out", str(ref), "--steps", "8", "--dropout", "0", log=tmp_path / "ref.log")
+    try:
+        out = tmp_path / "killed"
+        proc = launch(*common, "--max-restarts", "1", SCRIPT, "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
+                      "--every", "2", "--steps", "8", "--dropout", "0", "--mode", "sigkill", "--fail-step", "5")
+        reference.wait()
+    finally:
+        reference.stop()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "ckpt" / "step_00000004" / "rank1.pt").exists()
     assert_state_equal(final(ref), final(out), exact=True)
@@ -168,12 +197,15 @@ def test_sigterm_writes_an_emergency_checkpoint_and_a_relaunch_finishes(referenc
 def test_resharding_4_to_2_to_4(tmp_path):
     ckpt = tmp_path / "ckpt"
     common = [SCRIPT, "--ckpt", str(ckpt), "--every", "100", "--dropout", "0"]
-    for world, steps, name in ((4, 4, "a"), (2, 8, "b"), (4, 12, "c")):
-        proc = launch("-n", str(world), *common, "--out", str(tmp_path / name), "--steps", str(steps))
-        assert proc.returncode == 0, proc.stderr[-3000:]
     ref = tmp_path / "ref"
-    proc = launch("-n", "4", SCRIPT, "--dropout", "0", "--out", str(ref), "--steps", "12")
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    reference = Background("-n", "4", SCRIPT, "--dropout", "0", "--out", str(ref), "--steps", "12", log=tmp_path / "ref.log")
+    try:
+        for world, steps, name in ((4, 4, "a"), (2, 8, "b"), (4, 12, "c")):
+            proc = launch("-n", str(world), *common, "--out", str(tmp_path / name), "--steps", str(steps))
+            assert proc.returncode == 0, proc.stderr[-3000:]
+        reference.wait()
+    finally:
+        reference.stop()
     # What a run at another world size loads is exactly what was saved.
     assert_state_equal(final(tmp_path / "a"), torch.load(tmp_path / "b" / "resumed_0.pt", weights_only=False))
     assert_state_equal(final(tmp_path / "b"), torch.load(tmp_path / "c" / "resumed_0.pt", weights_only=False))
@@ -233,8 +265,13 @@ def test_elastic_node_loss_and_rejoin(tmp_path):
         raise AssertionError(f"timed out waiting for {what}; worlds so far {worlds()}; "
                              f"log: {(tmp_path / 'a.out').read_text()[-2000:]}")
 
+    def store_listening() -> bool:
+        with socket.socket() as s:
+            s.settimeout(0.5)
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
     a = start("a")
-    time.sleep(2)  # a hosts the rendezvous store
+    wait_for(store_listening, "node a's rendezvous store", timeout_s=60)  # a hosts it; b joins it
     b = start("b")
     c = None
     try:
