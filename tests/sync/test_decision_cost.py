@@ -1,5 +1,5 @@
-"""What ``auto``'s decision step costs: the codecs are timed once, on the smallest codec
-input, and not at all, or not for long, where they cannot help (single process: timing
+"""What ``auto``'s decision step costs: the codecs are timed once, on the whole bucket,
+and not at all, or not for long, where they cannot help (single process: timing
 needs no collectives)."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class _Counting:
         return codec
 
 
-def test_two_levels_are_timed_once_on_the_shard_and_flat_is_scaled(monkeypatch):
+def test_two_levels_are_timed_once_on_the_whole_bucket_and_the_shard_is_scaled(monkeypatch):
     levels = LevelLinks(SLOW, HierarchicalCost(SLOW, SLOW, local_world_size=2, num_nodes=2))
     auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=4, link=levels, prober=lambda: levels)
     step, layouts = _step([(512, 512), (512,)])
@@ -73,14 +73,36 @@ def test_two_levels_are_timed_once_on_the_shard_and_flat_is_scaled(monkeypatch):
     models = {FLAT: levels.flat, HIERARCHICAL: levels.hierarchical}
     decisions = auto.decide_timed([0], step, clock_for(CPU), CPU, layouts, codecs, models, buckets)
     shard = -(-step.numel[0] // 2)
-    # Every application was on the 1/2 shard: the flat bucket was not timed.
-    assert counting.calls and {n for _, n in counting.calls} == {shard}, counting.calls
+    # Every application was on the whole bucket (the gate's share must see all of the
+    # gradient): the 1/2 shard was not timed.
+    assert counting.calls and {n for _, n in counting.calls} == {step.numel[0]}, counting.calls
     flat = {b.codec: b.compute_s for b in decisions[FLAT].per_bucket}
     hier = {b.codec: b.compute_s for b in decisions[HIERARCHICAL].per_bucket}
-    # Same plan on both levels here (PowerSGD at 200 Mbit/s): flat's cost is the shard's, scaled.
+    # Same plan on both levels here (PowerSGD at 200 Mbit/s): the shard's cost is flat's, scaled.
     assert set(flat) == set(hier) == {"powersgd"}, (decisions[FLAT].explain(), decisions[HIERARCHICAL].explain())
-    assert abs(flat["powersgd"] - hier["powersgd"] * step.numel[0] / shard) < 1e-12
+    assert abs(hier["powersgd"] - flat["powersgd"] * shard / step.numel[0]) < 1e-12
     assert set(decisions[FLAT].retained) == {"bf16", "powersgd"}
+
+
+def test_the_gate_share_covers_the_whole_bucket_on_two_levels(monkeypatch):
+    # A bucket whose first half is rank 1 (PowerSGD keeps it) and second half full rank
+    # (PowerSGD keeps a few percent): the share is the whole bucket's, not the first shard's.
+    torch.manual_seed(0)
+    low = torch.outer(torch.randn(256), torch.randn(256)).reshape(-1)
+    high = torch.randn(256 * 256)
+    step = StepRecord(t_backward_start=None)
+    step.numel[0], step.keys[0], step.outputs[0] = 2 * 256 * 256, (0, 1), torch.cat([low, high])
+    layouts = {(0, 1): layout_from_shapes([(256, 256), (256, 256)])}
+    levels = LevelLinks(SLOW, HierarchicalCost(SLOW, SLOW, local_world_size=2, num_nodes=2))
+    auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=4, link=levels, prober=lambda: levels)
+    buckets = [BucketInfo(0, step.numel[0], 0.01, layouts[(0, 1)])]
+    codecs = {n: make_codec(n) for n in ("allreduce", "bf16", "powersgd")}
+    decisions = auto.decide_timed([0], step, clock_for(CPU), CPU, layouts, codecs,
+                                  {FLAT: levels.flat, HIERARCHICAL: levels.hierarchical}, buckets)
+    kept = decisions[FLAT].retained["powersgd"]
+    energy_low = float(low.double().dot(low.double()))
+    whole = energy_low / (energy_low + float(high.double().dot(high.double())))
+    assert kept < 0.99 and abs(kept - whole) < 0.1, (kept, whole)
 
 
 def test_a_codec_slower_than_the_wire_it_saves_is_timed_twice_not_every_run(monkeypatch):

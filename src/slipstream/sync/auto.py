@@ -21,9 +21,10 @@ running engine and agrees them across ranks:
    steps under it are timed; a plan that is not faster is reverted.
 
 Where the topology has both levels (``link`` is a :class:`~.levels.LevelLinks`),
-the codecs are timed once, on the hierarchical level's codec input (a
-hierarchical codec compresses the 1/k shard), and the flat level's costs are
-those scaled by the inputs' sizes; one agreement carries both,
+the codecs are timed once, on the flat level's codec input (the whole bucket,
+which the convergence gate's shares need; a hierarchical codec compresses the
+1/k shard), and the hierarchical level's costs are those scaled by the inputs'
+sizes; one agreement carries both,
 :func:`.policy.decide` runs once per level and :func:`~.levels.choose_level`
 takes the level predicted faster (``level``). A plan on the hierarchical level
 is verified like a compressing one, against the flat uncompressed steps
@@ -196,19 +197,22 @@ class AutoPolicy:
         agree the figures, and decide once per level (the ready times in ``buckets`` are
         agreed already; a bucket not in ``order`` can only keep all-reduce)."""
         names = list(self.candidates)
-        # The codecs are timed on one level's codec input: the smallest (with two levels, the
-        # hierarchical 1/k shard). The other level's costs are those scaled by the ratio of
-        # the inputs' sizes: a cast's cost is linear in the values it converts, PowerSGD's in
-        # its matrices' values at a fixed rank, top-k's and sign's nearly so. Timing both
-        # levels doubled the 2x2 decision step (MLP at 1 Gbit/s: 1.6 s flat + 0.5 s
-        # hierarchical). The retained shares come from the same runs (a separate pass cost
-        # the MLP's decision step about 0.25 s), on that input.
+        # The codecs are timed on one level's codec input: the largest, the whole bucket (with
+        # two levels, flat's). The other level's costs are those scaled by the ratio of the
+        # inputs' sizes: a cast's cost is linear in the values it converts, PowerSGD's in its
+        # matrices' values at a fixed rank, top-k's and sign's nearly so. Timing both levels
+        # added the hierarchical shard's runs to the 2x2 decision step (MLP at 1 Gbit/s:
+        # 0.5 s). The retained shares come from the same runs (a separate pass cost the MLP's
+        # decision step about 0.25 s), so they must see the whole gradient: timed on the
+        # hierarchical shard (the bucket's first half: on the ResNet its last layers), PowerSGD
+        # kept 0.65 of it where the whole gradient gives 0.35-0.41, and auto planned PowerSGD
+        # on the ResNet 2x2 at 200 Mbit/s, which then missed the loss target.
         cost_models = {level: as_cost(model, self.world_size) for level, model in models.items()}
 
         def input_numel(level: str, i: int) -> int:
             return cost_models[level].codec_input(last.numel[i], layouts.get(last.keys.get(i)))[0]
 
-        timed_level = min(cost_models, key=lambda lv: sum(input_numel(lv, i) for i in order))
+        timed_level = max(cost_models, key=lambda lv: sum(input_numel(lv, i) for i in order))
         retained: dict[str, float] = {}
         timed = self.measure_costs(order, last, clock, device, layouts, link=models[timed_level], shares=retained)
         level_costs = [{(i, nm): t * input_numel(level, i) / max(1, input_numel(timed_level, i))
