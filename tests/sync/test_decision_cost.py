@@ -1,11 +1,14 @@
-"""What ``auto``'s decision step costs: the codecs are timed once, on the whole bucket,
-and not at all, or not for long, where they cannot help (single process: timing
-needs no collectives)."""
+"""What ``auto``'s decision step costs: the codecs are timed once, each rank of a node on
+its own slice of the bucket, and not at all, or not for long, where they cannot help
+(one process: timing needs no collectives, and the ranks' agreement is played by threads)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from slipstream.link import Link
 from slipstream.sync import auto as engine_auto
@@ -62,31 +65,86 @@ class _Counting:
         return codec
 
 
-def test_two_levels_are_timed_once_on_the_whole_bucket_and_the_shard_is_scaled(monkeypatch):
+class _ThreadWire:
+    """The control wire of ``n`` ranks played by ``n`` threads of this process: ``agree``
+    reduces the ranks' lists elementwise (MIN, MAX or SUM), as the gloo group does."""
+
+    def __init__(self, n: int):
+        self.size, self._barrier, self._lists = n, threading.Barrier(n, timeout=60), {}
+
+    def rank(self, r: int) -> "_ThreadWire._Rank":
+        return _ThreadWire._Rank(self, r)
+
+    class _Rank:
+        def __init__(self, wire: "_ThreadWire", r: int):
+            self.wire, self.r, self.size = wire, r, wire.size
+
+        def agree(self, values, op=None):
+            w = self.wire
+            w._lists[self.r] = list(values)
+            w._barrier.wait()
+            columns = list(zip(*(w._lists[r] for r in range(w.size))))
+            reduce = {dist.ReduceOp.MIN: min, dist.ReduceOp.MAX: max}.get(op, sum)
+            out = [float(reduce(c)) for c in columns]
+            w._barrier.wait()
+            return out
+
+
+def _decide_on_ranks(levels, step, layouts, buckets, names, n_ranks):
+    """decide_timed on ``n_ranks`` ranks (threads) of nodes of ``levels``' size; each rank's decisions."""
+    k = levels.hierarchical.local_world_size
+    wire = _ThreadWire(n_ranks)
+    codecs = {n: make_codec(n) for n in names}
+    models = {FLAT: levels.flat, HIERARCHICAL: levels.hierarchical}
+    results: dict[int, object] = {}
+
+    def run(r: int) -> None:
+        try:
+            auto = AutoPolicy(SyncOptions(), wire.rank(r), world_size=n_ranks, link=levels, prober=lambda: levels,
+                              local_rank=r % k)
+            results[r] = auto.decide_timed([0], step, clock_for(CPU), CPU, layouts, codecs, models, buckets)
+        except BaseException as e:  # surfaced below, not lost in the thread
+            results[r] = e
+            wire._barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n_ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for r in range(n_ranks):
+        if isinstance(results.get(r), BaseException):
+            raise results[r]
+    return [results[r] for r in range(n_ranks)]
+
+
+def test_two_levels_each_local_rank_times_its_own_shard_and_the_node_adds_them(monkeypatch):
     levels = LevelLinks(SLOW, HierarchicalCost(SLOW, SLOW, local_world_size=2, num_nodes=2))
-    auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=4, link=levels, prober=lambda: levels)
     step, layouts = _step([(512, 512), (512,)])
     counting = _Counting()
     monkeypatch.setattr(engine_auto, "make_codec", counting)
     buckets = [BucketInfo(0, step.numel[0], 0.01, layouts[step.keys[0]])]
-    codecs = {n: make_codec(n) for n in ("allreduce", "bf16", "powersgd")}
-    models = {FLAT: levels.flat, HIERARCHICAL: levels.hierarchical}
-    decisions = auto.decide_timed([0], step, clock_for(CPU), CPU, layouts, codecs, models, buckets)
-    shard = -(-step.numel[0] // 2)
-    # Every application was on the whole bucket (the gate's share must see all of the
-    # gradient): the 1/2 shard was not timed.
-    assert counting.calls and {n for _, n in counting.calls} == {step.numel[0]}, counting.calls
+    per_rank = _decide_on_ranks(levels, step, layouts, buckets, ("allreduce", "bf16", "powersgd"), n_ranks=4)
+    n = step.numel[0]
+    shard = -(-n // 2)
+    # No rank timed the whole bucket: each timed its half (local rank 0 the first, 1 the rest).
+    assert counting.calls and {size for _, size in counting.calls} == {shard, n - shard}, counting.calls
+    explained = {(lv, d.explain()) for decisions in per_rank for lv, d in decisions.items()}
+    assert len(explained) == 2, explained  # every rank decided the same on each level
+    decisions = per_rank[0]
     flat = {b.codec: b.compute_s for b in decisions[FLAT].per_bucket}
     hier = {b.codec: b.compute_s for b in decisions[HIERARCHICAL].per_bucket}
-    # Same plan on both levels here (PowerSGD at 200 Mbit/s): the shard's cost is flat's, scaled.
+    # Same plan on both levels here (PowerSGD at 200 Mbit/s): the whole bucket's cost (the
+    # two halves') on flat, the 1/2 shard's share of it on hierarchical.
     assert set(flat) == set(hier) == {"powersgd"}, (decisions[FLAT].explain(), decisions[HIERARCHICAL].explain())
-    assert abs(hier["powersgd"] - flat["powersgd"] * shard / step.numel[0]) < 1e-12
+    assert flat["powersgd"] > 0 and abs(hier["powersgd"] - flat["powersgd"] * shard / n) < 1e-12
     assert set(decisions[FLAT].retained) == {"bf16", "powersgd"}
 
 
-def test_the_gate_share_covers_the_whole_bucket_on_two_levels(monkeypatch):
+def test_the_gate_share_covers_the_whole_bucket_on_two_levels():
     # A bucket whose first half is rank 1 (PowerSGD keeps it) and second half full rank
-    # (PowerSGD keeps a few percent): the share is the whole bucket's, not the first shard's.
+    # (PowerSGD keeps a few percent): the share is the whole bucket's, not the first shard's
+    # (local rank 0's alone gives 1.0).
     torch.manual_seed(0)
     low = torch.outer(torch.randn(256), torch.randn(256)).reshape(-1)
     high = torch.randn(256 * 256)
@@ -94,15 +152,12 @@ def test_the_gate_share_covers_the_whole_bucket_on_two_levels(monkeypatch):
     step.numel[0], step.keys[0], step.outputs[0] = 2 * 256 * 256, (0, 1), torch.cat([low, high])
     layouts = {(0, 1): layout_from_shapes([(256, 256), (256, 256)])}
     levels = LevelLinks(SLOW, HierarchicalCost(SLOW, SLOW, local_world_size=2, num_nodes=2))
-    auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=4, link=levels, prober=lambda: levels)
     buckets = [BucketInfo(0, step.numel[0], 0.01, layouts[(0, 1)])]
-    codecs = {n: make_codec(n) for n in ("allreduce", "bf16", "powersgd")}
-    decisions = auto.decide_timed([0], step, clock_for(CPU), CPU, layouts, codecs,
-                                  {FLAT: levels.flat, HIERARCHICAL: levels.hierarchical}, buckets)
-    kept = decisions[FLAT].retained["powersgd"]
+    per_rank = _decide_on_ranks(levels, step, layouts, buckets, ("allreduce", "bf16", "powersgd"), n_ranks=2)
+    kept = [decisions[FLAT].retained["powersgd"] for decisions in per_rank]
     energy_low = float(low.double().dot(low.double()))
     whole = energy_low / (energy_low + float(high.double().dot(high.double())))
-    assert kept < 0.99 and abs(kept - whole) < 0.1, (kept, whole)
+    assert kept[0] == kept[1] and kept[0] < 0.99 and abs(kept[0] - whole) < 0.1, (kept, whole)
 
 
 def test_a_codec_slower_than_the_wire_it_saves_is_timed_twice_not_every_run(monkeypatch):

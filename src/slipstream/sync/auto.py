@@ -14,17 +14,18 @@ running engine and agrees them across ranks:
    buckets, timed locally on the last observed step's averaged gradient (a run far
    slower than the bucket's wire time ends its codec's timing), and from the same
    runs the share of that gradient one application of each codec keeps: the
-   convergence gate;
-4. one all-reduce on the control group (costs and shares MIN), then
-   :func:`.policy.decide` on the same figures on every rank;
+   convergence gate. With k ranks per node each times its own 1/k slice of every
+   bucket (the slice the hierarchical reducer gives its codec);
+4. one all-reduce on the control group (each slice's figures MIN over the nodes,
+   summed over the slices: the whole bucket's), then :func:`.policy.decide` on the
+   same figures on every rank;
 5. :meth:`AutoPolicy.verify`: after a plan that compresses, ``verify_steps``
    steps under it are timed; a plan that is not faster is reverted.
 
 Where the topology has both levels (``link`` is a :class:`~.levels.LevelLinks`),
-the codecs are timed once, on the flat level's codec input (the whole bucket,
-which the convergence gate's shares need; a hierarchical codec compresses the
-1/k shard), and the hierarchical level's costs are those scaled by the inputs'
-sizes; one agreement carries both,
+the codecs are timed once (the node's k slices make the whole bucket, flat's codec
+input and what the convergence gate's shares need), and each level's costs are the
+whole bucket's scaled by its codec input's size; one agreement carries both,
 :func:`.policy.decide` runs once per level and :func:`~.levels.choose_level`
 takes the level predicted faster (``level``). A plan on the hierarchical level
 is verified like a compressing one, against the flat uncompressed steps
@@ -52,7 +53,7 @@ import torch.distributed as dist
 
 from .accounting import StepRecord
 from .compress import make_codec
-from .compress.base import Codec, ErrorFeedback, Layout, Wire
+from .compress.base import Codec, ErrorFeedback, Layout, Wire, shard_of
 from .control import ControlWire
 from .levels import FLAT, HIERARCHICAL, LevelLinks, choose_level, explain_level
 from .options import SyncOptions
@@ -86,8 +87,9 @@ class AutoPolicy:
     """
 
     def __init__(self, options: SyncOptions, control: ControlWire, world_size: int, link: LinkModel | None,
-                 prober: Callable[[], LinkModel], name: str = "auto"):
+                 prober: Callable[[], LinkModel], name: str = "auto", local_rank: int = 0):
         self.options = options
+        self.local_rank = local_rank  # this rank's place in its node: the slice it times
         self.candidates = options.auto_candidates
         self.control = control
         self.world_size = world_size
@@ -193,49 +195,54 @@ class AutoPolicy:
                       layouts: Mapping[Hashable, Layout | None], codecs: Mapping[str, Codec],
                       models: Mapping[str, Link | FlatCost | HierarchicalCost],
                       buckets: list[BucketInfo]) -> dict[str, Decision]:
-        """Time the candidate codecs on each level's codec input for the buckets in ``order``,
-        agree the figures, and decide once per level (the ready times in ``buckets`` are
-        agreed already; a bucket not in ``order`` can only keep all-reduce)."""
+        """Time the candidate codecs on the buckets in ``order``, agree the figures, and decide
+        once per level (the ready times in ``buckets`` are agreed already; a bucket not in
+        ``order`` can only keep all-reduce).
+
+        Each rank of a node times its own 1/k of every bucket (k ranks per node where a level
+        is hierarchical, else k = 1: the whole bucket), the slice the hierarchical reducer
+        gives that rank's codec. The ranks agree each slice's figures (MIN over the nodes:
+        the run a transient burst of other load on one rank did not inflate), and their sum
+        over the k slices is the whole bucket's: its codec cost, and its gradient's energy
+        and what each codec loses of it (the convergence gate's share). A level's cost is the
+        whole bucket's scaled by that level's codec input (flat: the bucket; hierarchical:
+        a 1/k shard): a cast's cost is linear in the values it converts, PowerSGD's in its
+        matrices' values at a fixed rank, top-k's and sign's nearly so.
+
+        Why slices: every rank timing the whole bucket repeats the node's work k times (on a
+        2x2 of 2 cores, 4 whole-bucket timings of the MLP's 25 MiB buckets), and timing only
+        local rank 0's shard blinds the gate: on the ResNet that shard is the bucket's last
+        layers, where PowerSGD kept 0.65 of the gradient against 0.35-0.41 of the whole, and
+        auto planned PowerSGD at 200 Mbit/s on 2x2, which then missed the loss target."""
         names = list(self.candidates)
-        # The codecs are timed on one level's codec input: the largest, the whole bucket (with
-        # two levels, flat's). The other level's costs are those scaled by the ratio of the
-        # inputs' sizes: a cast's cost is linear in the values it converts, PowerSGD's in its
-        # matrices' values at a fixed rank, top-k's and sign's nearly so. Timing both levels
-        # added the hierarchical shard's runs to the 2x2 decision step (MLP at 1 Gbit/s:
-        # 0.5 s). The retained shares come from the same runs (a separate pass cost the MLP's
-        # decision step about 0.25 s), so they must see the whole gradient: timed on the
-        # hierarchical shard (the bucket's first half: on the ResNet its last layers), PowerSGD
-        # kept 0.65 of it where the whole gradient gives 0.35-0.41, and auto planned PowerSGD
-        # on the ResNet 2x2 at 200 Mbit/s, which then missed the loss target.
         cost_models = {level: as_cost(model, self.world_size) for level, model in models.items()}
-
-        def input_numel(level: str, i: int) -> int:
-            return cost_models[level].codec_input(last.numel[i], layouts.get(last.keys.get(i)))[0]
-
-        timed_level = max(cost_models, key=lambda lv: sum(input_numel(lv, i) for i in order))
-        retained: dict[str, float] = {}
-        timed = self.measure_costs(order, last, clock, device, layouts, link=models[timed_level], shares=retained)
-        level_costs = [{(i, nm): t * input_numel(level, i) / max(1, input_numel(timed_level, i))
-                        for (i, nm), t in timed.items()} for level in models]
-        kept = [retained.get(nm, -1.0) for nm in names]
-        local: list[float] = []
-        for costs in level_costs:
-            local += [costs[(i, nm)] for i in order for nm in names] + kept
-        # Codec costs MIN: the ranks run the same code on the same sizes, so the lower figure
-        # is the one a transient burst of other load on one rank did not inflate. The retained
-        # shares are computed from the same averaged gradient everywhere; MIN makes any
-        # rounding difference between devices agree too (-1: not measured). Both levels'
-        # figures go in the same collective, so the level too is chosen from agreed figures.
-        vals = self.control.agree(local, op=dist.ReduceOp.MIN)
+        k = max((m.local_world_size for m in cost_models.values() if isinstance(m, HierarchicalCost)), default=1)
+        # The early stop's yardstick: the bucket's uncompressed wire time on the slower level.
+        slowest = max(cost_models.values(), key=lambda m: sum(
+            m.bucket_seconds(BucketInfo(i, last.numel[i], 0.0, layouts.get(last.keys.get(i))), Codec()) for i in order))
+        costs, energy, lost = self._time_slice(order, last, clock, device, layouts, self.local_rank % k, k, slowest)
+        # One slot of figures per local rank; a rank fills its own, +inf elsewhere (MIN ignores it).
+        width = len(order) * len(names) + 1 + len(names)
+        mine = ([costs[(i, nm)] for i in order for nm in names] + [energy]
+                + [lost.get(nm, -1.0) for nm in names])
+        local = [math.inf] * (k * width)
+        local[(self.local_rank % k) * width:(self.local_rank % k + 1) * width] = mine
+        slots = self.control.agree(local, op=dist.ReduceOp.MIN)
+        whole = [sum(slots[r * width + j] for r in range(k)) for j in range(width)]
         n_costs = len(order) * len(names)
+        total_energy = whole[n_costs]
+        retained: dict[str, float] = {}
+        if all(slots[r * width + n_costs] >= 0.0 for r in range(k)) and total_energy > 0.0:
+            retained = {nm: max(0.0, 1.0 - v / total_energy)
+                        for nm, v in zip(names, whole[n_costs + 1:]) if v >= 0.0}
         decisions: dict[str, Decision] = {}
         for level, model in models.items():
-            flat_costs = vals[:n_costs]
-            retained = {nm: v for nm, v in zip(names, vals[n_costs:n_costs + len(names)]) if v >= 0.0}
-            vals = vals[n_costs + len(names):]
+            cost_model = cost_models[level]
             agreed = {(b.index, nm): 0.0 if nm == "allreduce" else math.inf for b in buckets for nm in names}
-            agreed.update({(i, nm): flat_costs[k * len(names) + j] for k, i in enumerate(order)
-                           for j, nm in enumerate(names)})
+            for b, i in enumerate(order):
+                share = cost_model.codec_input(last.numel[i], None)[0] / max(1, last.numel[i])
+                for j, nm in enumerate(names):
+                    agreed[(i, nm)] = whole[b * len(names) + j] * share
             decisions[level] = decide(
                 buckets, model, self.world_size, agreed, {nm: codecs[nm] for nm in names},
                 hidden_tolerance=self.options.hidden_tolerance,
@@ -285,41 +292,77 @@ class AutoPolicy:
                       layouts: Mapping[Hashable, Layout | None],
                       link: Link | FlatCost | HierarchicalCost | None = None,
                       shares: dict[str, float] | None = None) -> dict[tuple[int, str], float]:
-        """Local compute time (seconds) of each candidate codec on each bucket (no communication);
-        ``link``: the level's cost model, whose codec input is timed (default: the policy's link).
-
-        The codecs run on ``step``'s reduced gradients where the step kept them (auto's last
-        observe step), else on random data of the same size. With ``shares`` (a dict to fill)
-        and real gradients for every bucket, the same runs also give each lossy codec's
-        retained share, 1 - sum ||g - C(g)||^2 / sum ||g||^2 over the buckets (the convergence
-        gate's figure): after the timed runs on the same gradient (so PowerSGD's warm start
-        has settled, as over steps) the residuals are dropped and one more application is
-        compared with its input. A copy of one bucket at a time; DDP's buffers are not written."""
-        solo = Wire(None, size=1)
+        """Local compute time (seconds) of each candidate codec on each bucket's codec input at
+        ``link``'s level (default: the policy's link); no communication. With ``shares`` (a dict
+        to fill), each lossy codec's retained share of those inputs (see :meth:`_time_codecs`)."""
         link = link if link is not None else self.link
         assert link is not None and not isinstance(link, LevelLinks)
         cost_model = as_cost(link, self.world_size)
+
+        def codec_input(i: int) -> tuple[int, int, Layout | None]:
+            numel, layout = cost_model.codec_input(step.numel[i], layouts.get(step.keys.get(i)))
+            return 0, min(numel, step.numel[i]), layout
+
+        costs, energy, lost = self._time_codecs(order, step, clock, device, layouts, codec_input, 1.0, cost_model,
+                                                with_shares=shares is not None)
+        if shares is not None and energy > 0.0:
+            shares.update({name: max(0.0, 1.0 - v / energy) for name, v in lost.items()})
+        return costs
+
+    def _time_slice(self, order: list[int], step: StepRecord, clock: Any, device: torch.device,
+                    layouts: Mapping[Hashable, Layout | None], part: int, parts: int,
+                    wire_model: FlatCost | HierarchicalCost
+                    ) -> tuple[dict[tuple[int, str], float], float, dict[str, float]]:
+        """:meth:`_time_codecs` on slice ``part`` of ``parts`` of every bucket (the hierarchical
+        reducer's shards: local rank ``part``'s of a node of ``parts`` ranks)."""
+
+        def piece(i: int) -> tuple[int, int, Layout | None]:
+            return shard_of(step.numel[i], layouts.get(step.keys.get(i)), part, parts)
+
+        return self._time_codecs(order, step, clock, device, layouts, piece, float(parts), wire_model, with_shares=True)
+
+    def _time_codecs(self, order: list[int], step: StepRecord, clock: Any, device: torch.device,
+                     layouts: Mapping[Hashable, Layout | None],
+                     piece: Callable[[int], tuple[int, int, Layout | None]], scale: float,
+                     wire_model: FlatCost | HierarchicalCost, with_shares: bool
+                     ) -> tuple[dict[tuple[int, str], float], float, dict[str, float]]:
+        """Time each candidate codec on ``piece(i)`` = (start, length, layout) of each bucket i.
+
+        Returns (costs, energy, lost): the least of the warm runs' times per (bucket, codec);
+        and, with ``with_shares`` where ``step`` kept every bucket's reduced gradient, the
+        pieces' energy sum ||g||^2 and per lossy codec sum ||g - C(g)||^2 (the convergence
+        gate's retained share is 1 - lost / energy): after the timed runs on the same gradient
+        (so PowerSGD's warm start has settled, as over steps) the residuals are dropped and
+        one more application is compared with its input (energy -1: not measured).
+
+        The codecs run on ``step``'s reduced gradients where the step kept them (auto's last
+        observe step), else on random data of the same size, in one scratch buffer; DDP's
+        buffers are not written. A codec whose first warm run, times ``scale`` (the pieces in
+        a bucket), costs more than twice the bucket's whole uncompressed wire time gets no
+        more runs: its compute alone outlasts the all-reduce it replaces."""
+        solo = Wire(None, size=1)
         costs: dict[tuple[int, str], float] = {}
         gen = torch.Generator(device=device).manual_seed(0)
+        pieces = {i: piece(i) for i in order}
+        largest = max((length for _, length, _ in pieces.values()), default=0)
         scratch: torch.Tensor | None = None
-        largest = max((cost_model.codec_input(step.numel[i], layouts.get(step.keys.get(i)))[0] for i in order),
-                      default=0)
-        with_shares = shares is not None and bool(order) and all(i in step.outputs for i in order)
-        lost: dict[str, torch.Tensor] = {}
+        with_shares = with_shares and bool(order) and all(i in step.outputs for i in order)
         energy = torch.zeros((), dtype=torch.float64, device=device)
+        # Every lossy candidate has a figure, 0 where its pieces are empty (a node's last slice
+        # of a small bucket): the slices' figures are summed.
+        lost = {name: torch.zeros_like(energy) for name in self.candidates if name != "allreduce"}
         for i in order:
-            # What the codec is given: the bucket, or (hierarchical) its 1/k shard.
-            numel, layout = cost_model.codec_input(step.numel[i], layouts.get(step.keys.get(i)))
+            start, numel, layout = pieces[i]
             out = step.outputs.get(i)
-            g = out.detach().reshape(-1)[:numel] if out is not None else None
+            g = out.detach().reshape(-1)[start:start + numel] if out is not None else None
             dtype = g.dtype if g is not None else torch.float32
             if with_shares:
                 energy += torch.dot(g, g).double()
             key = step.keys.get(i, i)
-            uncompressed_s = cost_model.bucket_seconds(BucketInfo(i, step.numel[i], 0.0, layouts.get(step.keys.get(i))),
+            uncompressed_s = wire_model.bucket_seconds(BucketInfo(i, step.numel[i], 0.0, layouts.get(step.keys.get(i))),
                                                        Codec())
             for name in self.candidates:
-                if name == "allreduce":
+                if name == "allreduce" or numel == 0:
                     costs[(i, name)] = 0.0
                     continue
                 trial = make_codec(name, **self.options.codec_kwargs(name))
@@ -341,11 +384,8 @@ class AutoPolicy:
                     trial.reduce(x, solo, key, layout)
                     marks.append(clock.mark())
                     if run == 1 and COST_RUNS > 2:
-                        # A codec whose first warm run costs more than twice the bucket's whole
-                        # uncompressed wire time cannot make that bucket faster (its compute
-                        # alone outlasts the all-reduce it replaces): no more runs for it.
                         clock.synchronize(marks[-1:])
-                        if duration_s(marks[1], marks[2]) > 2.0 * uncompressed_s:
+                        if duration_s(marks[1], marks[2]) * scale > 2.0 * uncompressed_s:
                             break
                 clock.synchronize(marks[-1:])
                 times = [duration_s(a, b) for a, b in zip(marks, marks[1:])]
@@ -354,13 +394,11 @@ class AutoPolicy:
                     if isinstance(trial, ErrorFeedback):
                         trial.forget_residuals()
                     diff = g - trial.reduce(x.copy_(g), solo, key, layout).reshape(-1)
-                    lost[name] = lost.get(name, torch.zeros_like(energy)) + torch.dot(diff, diff).double()
-        if with_shares:
-            total = float(energy)  # one host read per codec, at the decision only
-            if total > 0.0:
-                assert shares is not None
-                shares.update({name: max(0.0, 1.0 - float(v) / total) for name, v in lost.items()})
-        return costs
+                    lost[name] += torch.dot(diff, diff).double()
+        if not with_shares:
+            return costs, -1.0, {}
+        # One host read per codec, at the decision only.
+        return costs, float(energy), {name: float(v) for name, v in lost.items()}
 
     def measure_retained(self, order: list[int], step: StepRecord, device: torch.device,
                          layouts: Mapping[Hashable, Layout | None],

@@ -22,7 +22,7 @@ from collections.abc import Hashable
 
 import torch
 
-from .compress.base import Codec, Layout, Piece, Wire, sub_layout
+from .compress.base import Codec, Layout, Piece, Wire, shard_of
 from ..link import allreduce_bytes
 from .topology import Groups
 
@@ -89,10 +89,9 @@ class Hierarchical:
         else:
             padded = flat
         shard = self.intra.reduce_scatter(padded).div_(k)
-        start = self.topology.local_rank * shard_numel
-        shard_layout = sub_layout(layout, start, min(shard_numel, max(0, numel - start)))
-        if self.inter.size > 1 and numel > start:
-            real = max(0, min(shard_numel, numel - start))
+        # This rank's part of the bucket (auto times its codecs on the same cut: shard_of).
+        start, real, shard_layout = shard_of(numel, layout, self.topology.local_rank, k)
+        if self.inter.size > 1 and real > 0:
             head = shard[:real]
             # The padded tail (zeros) need not cross the slow link.
             head_out = codec.reduce(head, self.inter, (key, "h"), shard_layout)

@@ -120,7 +120,11 @@ class HookSync:
         self.guard = guard
         self._prober = prober if prober is not None else self._probe_flat
         self.world_size = self.control.size
-        self.auto = AutoPolicy(self.options, self.control, self.world_size, link, self._prober, name) if auto else None
+        # With two levels each rank of a node times the codecs on its own shard (auto.decide_timed).
+        hierarchical = levels[HIERARCHICAL] if levels is not None else reducer
+        local_rank = hierarchical.topology.local_rank if isinstance(hierarchical, Hierarchical) else 0
+        self.auto = (AutoPolicy(self.options, self.control, self.world_size, link, self._prober, name,
+                                local_rank=local_rank) if auto else None)
         # Where the gradients live (set by install): data collectives and clocks follow it.
         self.device = torch.device("cpu")
         self.clock: Any = HostClock()

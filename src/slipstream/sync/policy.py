@@ -50,7 +50,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .compress.base import Codec, Layout, sub_layout
+from .compress.base import Codec, Layout, shard_of
 from .options import DEFAULTS
 from ..link import Link, allreduce_bytes
 
@@ -96,11 +96,9 @@ class HierarchicalCost:
 
     def codec_input(self, numel: int, layout: Layout | None) -> tuple[int, Layout | None]:
         """The shard the codec compresses (local rank 0's: every rank predicts from the same one)."""
-        k = self.local_world_size
-        if k == 1:
+        if self.local_world_size == 1:
             return numel, layout
-        shard = -(-numel // k)
-        return shard, sub_layout(layout, 0, min(shard, numel))
+        return -(-numel // self.local_world_size), shard_of(numel, layout, 0, self.local_world_size)[2]
 
     def bucket_seconds(self, bucket: BucketInfo, codec: Codec) -> float:
         k = self.local_world_size

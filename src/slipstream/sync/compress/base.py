@@ -97,6 +97,17 @@ def sub_layout(layout: Layout | None, start: int, length: int) -> list[Piece] | 
     return out
 
 
+def shard_of(numel: int, layout: Layout | None, part: int, parts: int) -> tuple[int, int, Layout | None]:
+    """Slice ``part`` of ``parts`` of a bucket of ``numel`` values, as the hierarchical reducer
+    cuts it (ceil(numel/parts) each, the last shorter or empty): (start, length, layout)."""
+    if not 0 <= part < parts:
+        raise ValueError(f"slice {part} of a bucket cut in {parts}")
+    size = -(-numel // parts)
+    start = min(numel, part * size)
+    length = min(size, numel - start)
+    return start, length, sub_layout(layout, start, length)
+
+
 class Wire:
     """Collectives on one process group that count the bytes this rank sends.
 
