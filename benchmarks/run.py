@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 BASELINES = ["floor", "ddp", "ddp_bf16", "ddp_powersgd", "deepspeed_z0", "deepspeed_z2"]
+# Systems run only when named: torch's own all-reduce hook (what any comm hook costs over DDP).
+DIAGNOSTICS = ["ddp_hook_allreduce"]
 
 
 def slipstream_systems(names: list[str] | None = None) -> list[str]:
@@ -267,6 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     links = args.links.split(",") if args.links else preset["links"]
     if args.systems:
         systems = args.systems.split(",")
+        known = BASELINES + DIAGNOSTICS + slipstream_systems()
+        unknown = [s for s in systems if s not in known]
+        if unknown:
+            p.error(f"unknown system(s) {', '.join(unknown)}; known: {', '.join(known)}")
     else:
         ss = None if args.slipstream == "all" else (args.slipstream.split(",") if args.slipstream else preset["slipstream"])
         systems = BASELINES + slipstream_systems(ss)

@@ -14,6 +14,10 @@ Systems (all in the same training loop, same data, same initial weights):
                        step on this machine (same CPU share, zero network).
 ``ddp``                DDP with a tuned bucket size (the fastest of ``--bucket-sweep``).
 ``ddp_bf16``           DDP (tuned bucket) + torch's ``bf16_compress_hook``.
+``ddp_hook_allreduce``  DDP (tuned bucket) + torch's own ``allreduce_hook``: not a peer, the
+                       measure of what any comm hook costs over DDP's built-in all-reduce
+                       (with no hook DDP divides each gradient as it lands in the bucket;
+                       with one, the hook divides the whole bucket in its own pass).
 ``ddp_powersgd``       DDP + torch's ``powerSGD_hook``, rank 4, one bucket (it aborts under
                        gloo with more), start_powerSGD_iter 2, error feedback, warm start.
 ``deepspeed_z0/_z2``   DeepSpeed engine, ZeRO stage 0 / 2 (DS_ACCELERATOR=cpu on CPUs).
@@ -92,10 +96,14 @@ class System:
             self.opt = work.optimizer(list(model.parameters()))
         elif name.startswith("deepspeed_z"):
             self._deepspeed(model, int(name[-1]))
-        elif name in ("ddp", "ddp_bf16"):
+        elif name in ("ddp", "ddp_bf16", "ddp_hook_allreduce"):
             self.model = DDP(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=True)
             if name == "ddp_bf16":
                 self.model.register_comm_hook(None, _torch_bf16_hook)
+            elif name == "ddp_hook_allreduce":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                self.model.register_comm_hook(None, default_hooks.allreduce_hook)
             self.opt = work.optimizer(list(self.model.parameters()))
         elif name == "ddp_powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -261,7 +269,7 @@ def main() -> None:
 
     sweep = [float(c) for c in args.bucket_sweep.split(",") if c]
     slip_tuned = args.slipstream_bucket == "tuned"
-    needs_tuning = any(s in ("ddp", "ddp_bf16") or (slip_tuned and s.startswith("slipstream:")) for s in systems)
+    needs_tuning = any(s in ("ddp", "ddp_bf16", "ddp_hook_allreduce") or (slip_tuned and s.startswith("slipstream:")) for s in systems)
     tuned, sweep_result = (tune_bucket(work, sweep, max(6, args.warmup + 3)) if needs_tuning and len(sweep) > 1
                            else (sweep[0] if sweep else 25.0, {}))
 

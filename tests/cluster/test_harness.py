@@ -111,3 +111,13 @@ def test_slipstream_bench_side_by_side(tmp_path, prefix):
         assert res["samples_per_s"] and res["samples_per_s"][0] > 0, res  # parsed from the JSONL metrics
         assert res["final_loss"] and res["final_loss"][0] > 0
     assert list_namespaces(prefix) == []
+
+
+def test_an_unknown_system_is_refused_before_anything_runs(tmp_path):
+    # A typo must not cost a job start (and a retry per system) on an emulated cluster.
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--topologies", "1x2", "--systems",
+                           "ddp,ddp_hook_allreduce,slipstream:nope", "--out", str(tmp_path / "r"), "--no-markdown"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "unknown system(s) slipstream:nope" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "r").exists()
