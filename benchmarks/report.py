@@ -273,6 +273,81 @@ def targets_table(cells: list[tuple[str, str, str, list[dict]]]) -> str:
     return "\n".join(lines)
 
 
+STARTUP_STEPS = 4
+"""Steps counted as a system's start (auto: DDP's first step, one observed, the decision, the first planned)."""
+
+
+def _startup_s(run: dict, k: int = STARTUP_STEPS) -> float | None:
+    """Seconds one run's first ``k`` steps took beyond ``k`` of its own steady (median) steps."""
+    times = run.get("step_times_max_s") or run.get("step_times_s") or []
+    if len(times) < k or not run.get("median_step_s"):
+        return None
+    return sum(times[:k]) - k * run["median_step_s"]
+
+
+def cell_diagnostics(doc: dict, rows: list[dict]) -> dict:
+    """Figures that explain a cell's target misses (not targets themselves).
+
+    * ``hook_x_ddp``: DDP + torch's own ``allreduce_hook`` over DDP (run only where
+      ``ddp_hook_allreduce`` was named): what any comm hook costs over DDP's built-in reducer.
+    * ``allreduce_x_hook``: ``slipstream:allreduce`` over that: Slipstream's hook path against
+      torch's, with the same collective.
+    * ``ddp_spread`` / ``auto_spread``: the slowest repeat's median step over the fastest, for
+      DDP and ``auto``: the run-to-run noise of one system in this cell.
+    * ``ttt_gap_s``: ``auto``'s time to target minus the first peer's; ``auto_startup_s`` /
+      ``peer_startup_s``: what the first :data:`STARTUP_STEPS` steps cost beyond that many
+      steady steps (median over repeats), for ``auto`` and for that peer. A gap no larger
+      than the start-up difference is the start-up's.
+    """
+    runs_by: dict[str, list[dict]] = {}
+    for r in doc.get("runs", []):
+        runs_by.setdefault(r["system"], []).append(r)
+    by = {r["system"]: r for r in rows}
+
+    def step(name: str) -> float | None:
+        r = by.get(name)
+        return r["step_s"] if r and r.get("step_s") else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a and b else None
+
+    def spread(name: str) -> float | None:
+        vals = [r["median_step_s"] for r in runs_by.get(name, []) if r.get("median_step_s")]
+        return max(vals) / min(vals) if len(vals) > 1 else None
+
+    def startup(name: str) -> float | None:
+        return _median([_startup_s(r) for r in runs_by.get(name, [])])
+
+    reached = {p: by[p]["time_to_target_s"] for p in PEERS if p in by and by[p].get("time_to_target_s")}
+    first = min(reached, key=reached.get) if reached else None
+    auto_ttt = (by.get("slipstream:auto") or {}).get("time_to_target_s")
+    return {
+        "hook_x_ddp": ratio(step("ddp_hook_allreduce"), step("ddp")),
+        "allreduce_x_hook": ratio(step("slipstream:allreduce"), step("ddp_hook_allreduce")),
+        "ddp_spread": spread("ddp"),
+        "auto_spread": spread("slipstream:auto"),
+        "first_peer": first,
+        "ttt_gap_s": auto_ttt - reached[first] if first and auto_ttt else None,
+        "auto_startup_s": startup("slipstream:auto"),
+        "peer_startup_s": startup(first) if first else None,
+    }
+
+
+def diagnostics_table(cells: list[tuple[str, str, str, dict, list[dict]]]) -> str:
+    """One line per cell of :func:`cell_diagnostics` (``cells``: workload, topology, link, doc, rows)."""
+    head = ("| cell | hook_x_ddp | allreduce_x_hook | ddp_spread | auto_spread | "
+            "ttt gap (s) | start-up extra: auto / first peer (s) |")
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|"]
+    for workload, topology, link, doc, rows in cells:
+        d = cell_diagnostics(doc, rows)
+        peer = f" ({d['first_peer']})" if d["first_peer"] else ""
+        lines.append(
+            f"| {workload} {topology} @ {link} | {_fmt(d['hook_x_ddp'])} | {_fmt(d['allreduce_x_hook'])} | "
+            f"{_fmt(d['ddp_spread'])} | {_fmt(d['auto_spread'])} | {_fmt(d['ttt_gap_s'], '+.2f')} | "
+            f"{_fmt(d['auto_startup_s'], '.2f')} / {_fmt(d['peer_startup_s'], '.2f')}{peer} |")
+    return "\n".join(lines)
+
+
 def _fmt(v, spec: str = ".2f", none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
@@ -518,19 +593,27 @@ def render(results: dict, out: Path, update_markdown: bool = True) -> str:
 
 def render_many(paths: list[Path], update_markdown: bool = True) -> str:
     """Plots and summaries for several results files; one BENCHMARKS.md section holding them all."""
-    sections, cells = [], []
+    sections, cells, diag = [], [], []
     for path in paths:
         results = json.loads(Path(path).read_text())
         sections.append(render(results, Path(path).parent, update_markdown=False))
         figures = results.get("codec_cost") or {}
         for d in results.get("train", []):
-            cells.append((d.get("workload"), d.get("topology"), d.get("link"),
-                          summarize_train(d, figures.get(d.get("workload")))))
+            rows = summarize_train(d, figures.get(d.get("workload")))
+            cells.append((d.get("workload"), d.get("topology"), d.get("link"), rows))
+            diag.append((d.get("workload"), d.get("topology"), d.get("link"), d, rows))
     section = "\n\n---\n\n".join(sections)
     if cells:
         section = ("#### Targets (issue #14), every cell below\n\nRatios inside each cell's table; "
                    "MISS where a bound does not hold (`benchmarks/report.py`, `TARGETS`).\n\n"
-                   + targets_table(cells) + "\n\n---\n\n" + section)
+                   + targets_table(cells) + "\n\n"
+                   "#### What explains a miss (diagnostics, not targets)\n\n"
+                   "`benchmarks/report.py`, `cell_diagnostics`: hook_x_ddp is DDP + torch's own "
+                   "allreduce_hook over DDP (the price of any comm hook; '-' where it did not run), "
+                   "allreduce_x_hook is slipstream:allreduce over that; a spread is one system's slowest "
+                   "repeat over its fastest; the time-to-target gap is auto's minus the first peer's, and "
+                   f"the start-up extra is what the first {STARTUP_STEPS} steps cost beyond as many steady ones.\n\n"
+                   + diagnostics_table(diag) + "\n\n---\n\n" + section)
     if update_markdown:
         update_benchmarks_md(section)
     return section
