@@ -174,3 +174,59 @@ def test_a_codec_slower_than_the_wire_it_saves_is_timed_twice_not_every_run(monk
     counting.calls.clear()
     auto.measure_costs([0], step, clock_for(CPU), CPU, layouts, link=Link.measured(ranks=2, alpha_s=0.0, bytes_per_s=1e5))
     assert sum(1 for n, _ in counting.calls if n == "powersgd") == COST_RUNS, counting.calls
+
+
+def _two_buckets(shapes: list[tuple[int, int]]) -> tuple[StepRecord, dict]:
+    """One observed step of two buckets (one matrix each, random full-rank gradients)."""
+    torch.manual_seed(0)
+    step, layouts = StepRecord(t_backward_start=None), {}
+    for i, shape in enumerate(shapes):
+        key = (i,)
+        step.numel[i], step.keys[i] = shape[0] * shape[1], key
+        step.outputs[i] = torch.randn(shape[0] * shape[1])
+        layouts[key] = layout_from_shapes([shape])
+    return step, layouts
+
+
+def test_a_codec_too_slow_on_one_bucket_is_not_run_on_the_next(monkeypatch):
+    fast = Link.measured(ranks=2, alpha_s=1e-7, bytes_per_s=1e13)  # every bucket's all-reduce: ~1 us
+    auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=2, link=fast, prober=lambda: fast)
+    step, layouts = _two_buckets([(256, 256), (256, 512)])
+    counting = _Counting()
+    monkeypatch.setattr(engine_auto, "make_codec", counting)
+    shares: dict[str, float] = {}
+    costs = auto.measure_costs([0, 1], step, clock_for(CPU), CPU, layouts, shares=shares)
+    for name in ("bf16", "powersgd"):
+        sizes = [size for n, size in counting.calls if n == name]
+        # Bucket 0: the cold run, one warm run (twice too slow: stop), the share's application.
+        # Bucket 1: not run; its cost is bucket 0's time per value times its size.
+        assert sizes == [256 * 256] * 3, (name, sizes)
+        assert costs[(1, name)] == pytest.approx(costs[(0, name)] * 2, rel=1e-9)
+    # The gate's share comes from the bucket each codec ran on.
+    assert set(shares) == {"bf16", "powersgd"} and 0.0 < shares["powersgd"] < 0.5 and shares["bf16"] > 0.99
+
+
+def test_a_codec_is_still_timed_where_its_predicted_compute_would_pay(monkeypatch):
+    # Twice too slow on the first bucket of a fast link, but the second bucket's wire time is
+    # large (a latency of 1 s per message): its prediction is not a verdict, so it is timed.
+    auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=2, link=None, prober=lambda: None)
+    step, layouts = _two_buckets([(256, 256), (256, 256)])
+
+    class _Wire:  # bucket 0: 1 us on the wire; bucket 1: 10 s
+        def bucket_seconds(self, b, codec):
+            return 1e-6 if b.index == 0 else 10.0
+
+    counting = _Counting()
+    monkeypatch.setattr(engine_auto, "make_codec", counting)
+    auto._time_codecs([0, 1], step, clock_for(CPU), CPU, layouts, lambda i: (0, step.numel[i], layouts[step.keys[i]]),
+                      1.0, _Wire(), with_shares=False)
+    runs = sum(1 for n, _ in counting.calls if n == "powersgd")
+    assert runs == 2 + COST_RUNS, counting.calls  # 2 on bucket 0 (stopped early), every run on bucket 1
+
+
+def test_shares_kept_leaves_unmeasured_codecs_ungated():
+    import math
+
+    assert engine_auto.shares_kept(["powersgd", "sign", "topk"], [4.0, -math.inf, 0.0], [1.0, -math.inf, 0.0]) == {
+        "powersgd": 0.75}
+    assert engine_auto.shares_kept(["bf16"], [1.0], [2.0]) == {"bf16": 0.0}  # clamped

@@ -221,20 +221,18 @@ class AutoPolicy:
         slowest = max(cost_models.values(), key=lambda m: sum(
             m.bucket_seconds(BucketInfo(i, last.numel[i], 0.0, layouts.get(last.keys.get(i))), Codec()) for i in order))
         costs, energy, lost = self._time_slice(order, last, clock, device, layouts, self.local_rank % k, k, slowest)
-        # One slot of figures per local rank; a rank fills its own, +inf elsewhere (MIN ignores it).
-        width = len(order) * len(names) + 1 + len(names)
-        mine = ([costs[(i, nm)] for i in order for nm in names] + [energy]
-                + [lost.get(nm, -1.0) for nm in names])
+        # One slot of figures per local rank; a rank fills its own, +inf elsewhere (MIN ignores
+        # it): the costs, then per codec the energy of the pieces it was applied to and what it
+        # lost of it (-inf where not measured: the sum over slices stays negative).
+        width = len(order) * len(names) + 2 * len(names)
+        mine = ([costs[(i, nm)] for i in order for nm in names]
+                + [energy.get(nm, -math.inf) for nm in names] + [lost.get(nm, -math.inf) for nm in names])
         local = [math.inf] * (k * width)
         local[(self.local_rank % k) * width:(self.local_rank % k + 1) * width] = mine
         slots = self.control.agree(local, op=dist.ReduceOp.MIN)
         whole = [sum(slots[r * width + j] for r in range(k)) for j in range(width)]
         n_costs = len(order) * len(names)
-        total_energy = whole[n_costs]
-        retained: dict[str, float] = {}
-        if all(slots[r * width + n_costs] >= 0.0 for r in range(k)) and total_energy > 0.0:
-            retained = {nm: max(0.0, 1.0 - v / total_energy)
-                        for nm, v in zip(names, whole[n_costs + 1:]) if v >= 0.0}
+        retained = shares_kept(names, whole[n_costs:n_costs + len(names)], whole[n_costs + len(names):])
         decisions: dict[str, Decision] = {}
         for level, model in models.items():
             cost_model = cost_models[level]
@@ -305,14 +303,15 @@ class AutoPolicy:
 
         costs, energy, lost = self._time_codecs(order, step, clock, device, layouts, codec_input, 1.0, cost_model,
                                                 with_shares=shares is not None)
-        if shares is not None and energy > 0.0:
-            shares.update({name: max(0.0, 1.0 - v / energy) for name, v in lost.items()})
+        if shares is not None:
+            names = list(lost)
+            shares.update(shares_kept(names, [energy[nm] for nm in names], [lost[nm] for nm in names]))
         return costs
 
     def _time_slice(self, order: list[int], step: StepRecord, clock: Any, device: torch.device,
                     layouts: Mapping[Hashable, Layout | None], part: int, parts: int,
                     wire_model: FlatCost | HierarchicalCost
-                    ) -> tuple[dict[tuple[int, str], float], float, dict[str, float]]:
+                    ) -> tuple[dict[tuple[int, str], float], dict[str, float], dict[str, float]]:
         """:meth:`_time_codecs` on slice ``part`` of ``parts`` of every bucket (the hierarchical
         reducer's shards: local rank ``part``'s of a node of ``parts`` ranks)."""
 
@@ -325,21 +324,28 @@ class AutoPolicy:
                      layouts: Mapping[Hashable, Layout | None],
                      piece: Callable[[int], tuple[int, int, Layout | None]], scale: float,
                      wire_model: FlatCost | HierarchicalCost, with_shares: bool
-                     ) -> tuple[dict[tuple[int, str], float], float, dict[str, float]]:
+                     ) -> tuple[dict[tuple[int, str], float], dict[str, float], dict[str, float]]:
         """Time each candidate codec on ``piece(i)`` = (start, length, layout) of each bucket i.
 
         Returns (costs, energy, lost): the least of the warm runs' times per (bucket, codec);
-        and, with ``with_shares`` where ``step`` kept every bucket's reduced gradient, the
-        pieces' energy sum ||g||^2 and per lossy codec sum ||g - C(g)||^2 (the convergence
-        gate's retained share is 1 - lost / energy): after the timed runs on the same gradient
-        (so PowerSGD's warm start has settled, as over steps) the residuals are dropped and
-        one more application is compared with its input (energy -1: not measured).
+        and, with ``with_shares`` where ``step`` kept every bucket's reduced gradient, per lossy
+        codec the energy sum ||g||^2 of the pieces it was applied to and its loss there,
+        sum ||g - C(g)||^2 (the convergence gate's retained share is 1 - lost / energy):
+        after the timed runs on the same gradient (so PowerSGD's warm start has settled, as
+        over steps) the residuals are dropped and one more application is compared with its
+        input (both empty: not measured).
 
         The codecs run on ``step``'s reduced gradients where the step kept them (auto's last
         observe step), else on random data of the same size, in one scratch buffer; DDP's
         buffers are not written. A codec whose first warm run, times ``scale`` (the pieces in
         a bucket), costs more than twice the bucket's whole uncompressed wire time gets no
-        more runs: its compute alone outlasts the all-reduce it replaces."""
+        more runs: its compute alone outlasts the all-reduce it replaces. Such a codec is
+        not run at all on a later bucket where its compute, predicted from that run's time
+        per value, again outlasts twice the bucket's wire time: the prediction is its cost
+        there (a codec's compute is linear in the values it converts, near enough for a
+        verdict of twice too slow), and its share is measured on the pieces it ran on.
+        Measured on the MLP over loopback: sign and top-k, five times too slow on every
+        bucket, took most of a 0.7-0.9 s decision step by running on each of its buckets."""
         solo = Wire(None, size=1)
         costs: dict[tuple[int, str], float] = {}
         gen = torch.Generator(device=device).manual_seed(0)
@@ -347,23 +353,28 @@ class AutoPolicy:
         largest = max((length for _, length, _ in pieces.values()), default=0)
         scratch: torch.Tensor | None = None
         with_shares = with_shares and bool(order) and all(i in step.outputs for i in order)
-        energy = torch.zeros((), dtype=torch.float64, device=device)
+        zero = torch.zeros((), dtype=torch.float64, device=device)
         # Every lossy candidate has a figure, 0 where its pieces are empty (a node's last slice
         # of a small bucket): the slices' figures are summed.
-        lost = {name: torch.zeros_like(energy) for name in self.candidates if name != "allreduce"}
+        lossy = [name for name in self.candidates if name != "allreduce"]
+        energy = {name: zero.clone() for name in lossy}
+        lost = {name: zero.clone() for name in lossy}
+        too_slow: dict[str, float] = {}  # codec -> seconds per value, where it was twice too slow
         for i in order:
             start, numel, layout = pieces[i]
             out = step.outputs.get(i)
             g = out.detach().reshape(-1)[start:start + numel] if out is not None else None
             dtype = g.dtype if g is not None else torch.float32
-            if with_shares:
-                energy += torch.dot(g, g).double()
+            g_sq = torch.dot(g, g).double() if with_shares and numel else None
             key = step.keys.get(i, i)
             uncompressed_s = wire_model.bucket_seconds(BucketInfo(i, step.numel[i], 0.0, layouts.get(step.keys.get(i))),
                                                        Codec())
             for name in self.candidates:
                 if name == "allreduce" or numel == 0:
                     costs[(i, name)] = 0.0
+                    continue
+                if name in too_slow and too_slow[name] * numel * scale > 2.0 * uncompressed_s:
+                    costs[(i, name)] = too_slow[name] * numel  # predicted: not run here
                     continue
                 trial = make_codec(name, **self.options.codec_kwargs(name))
                 # On the training device, timed by its clock: a codec's cost on the GPU
@@ -386,19 +397,21 @@ class AutoPolicy:
                     if run == 1 and COST_RUNS > 2:
                         clock.synchronize(marks[-1:])
                         if duration_s(marks[1], marks[2]) * scale > 2.0 * uncompressed_s:
+                            too_slow[name] = duration_s(marks[1], marks[2]) / numel
                             break
                 clock.synchronize(marks[-1:])
                 times = [duration_s(a, b) for a, b in zip(marks, marks[1:])]
                 costs[(i, name)] = min(times[1:])  # the least disturbed by other processes
-                if with_shares:
+                if g_sq is not None:
                     if isinstance(trial, ErrorFeedback):
                         trial.forget_residuals()
                     diff = g - trial.reduce(x.copy_(g), solo, key, layout).reshape(-1)
                     lost[name] += torch.dot(diff, diff).double()
+                    energy[name] += g_sq
         if not with_shares:
-            return costs, -1.0, {}
+            return costs, {}, {}
         # One host read per codec, at the decision only.
-        return costs, float(energy), {name: float(v) for name, v in lost.items()}
+        return costs, {name: float(v) for name, v in energy.items()}, {name: float(v) for name, v in lost.items()}
 
     def measure_retained(self, order: list[int], step: StepRecord, device: torch.device,
                          layouts: Mapping[Hashable, Layout | None],
@@ -434,4 +447,16 @@ class AutoPolicy:
         }
 
 
-__all__ = ["COST_RUNS", "AutoPolicy"]
+def shares_kept(names: list[str], energy: list[float], lost: list[float]) -> dict[str, float]:
+    """Per codec, the convergence gate's retained share ``1 - lost / energy`` (clamped at 0)
+    of the gradient pieces it was applied to; a codec with no energy measured (negative: not
+    measured, or zero) has none, and the gate does not judge it.
+
+    Example::
+
+        shares_kept(["powersgd", "sign"], [4.0, -math.inf], [1.0, -math.inf])   # {'powersgd': 0.75}
+    """
+    return {nm: max(0.0, 1.0 - v / e) for nm, e, v in zip(names, energy, lost, strict=True) if e > 0.0 and v >= 0.0}
+
+
+__all__ = ["COST_RUNS", "AutoPolicy", "shares_kept"]
