@@ -20,7 +20,10 @@ running engine and agrees them across ranks:
    summed over the slices: the whole bucket's), then :func:`.policy.decide` on the
    same figures on every rank;
 5. :meth:`AutoPolicy.verify`: after a plan that compresses, ``verify_steps``
-   steps under it are timed; a plan that is not faster is reverted.
+   steps under it are timed; a plan that is not faster is reverted. Where the plan
+   has an error-feedback codec and the best plan of casts alone is predicted close
+   to it (``verify_runner_up``), the cast plan is timed first and the lossy plan
+   is kept only if it measures clearly faster than the casts too.
 
 Where the topology has both levels (``link`` is a :class:`~.levels.LevelLinks`),
 the codecs are timed once (the node's k slices make the whole bucket, flat's codec
@@ -74,6 +77,11 @@ COST_RUNS = 4
 LinkModel = Link | FlatCost | HierarchicalCost | LevelLinks
 
 
+def _logs() -> bool:
+    """Whether this rank writes auto's log lines: rank 0 (or a process outside any group)."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 class AutoPolicy:
     """The observe -> decide -> verify loop of ``auto`` (see the module docstring).
 
@@ -105,6 +113,9 @@ class AutoPolicy:
         self._observed: list[StepRecord] = []
         self._verify_baseline_s: float | None = None
         self._verify_samples: list[StepRecord] = []
+        # Verifying two plans: the lossy plan still to time, and the cast plan's measured step.
+        self._lossy_plan: dict[int, str] | None = None
+        self._cast_measured: tuple[dict[int, str], float] | None = None
         self._lossy: set[str] = set()  # the candidates with error feedback (set at the decision)
 
     @property
@@ -116,11 +127,13 @@ class AutoPolicy:
         """Forget the plan and observe again (after a re-probe), on flat."""
         self.choices, self._observed = {}, []
         self._verify_baseline_s, self.verification = None, None
+        self._lossy_plan, self._cast_measured = None, None
         self.level = FLAT
 
     def stop_verifying(self) -> None:
         """Nothing left to verify (the engine fell back)."""
         self._verify_baseline_s = None
+        self._lossy_plan, self._cast_measured = None, None
 
     def observe(self, step: StepRecord, steps_done: int, clock: Any, device: torch.device,
                 layouts: Mapping[Hashable, Layout | None], codecs: Mapping[str, Codec]) -> bool:
@@ -175,21 +188,49 @@ class AutoPolicy:
         else:
             self.decision = decisions["reducer"]
         self.choices = dict(self.decision.choices)
-        self._lossy = {nm for nm in names if codecs[nm].error_feedback}
         # Verified against the observed (flat, uncompressed) steps: a plan that compresses, or
         # that moved to the hierarchical level.
-        if (self.compressing() or self.level != FLAT) and self.options.verify_steps > 0:
-            spans = sorted(s.span_s for s in self._observed)
-            self._verify_baseline_s = spans[len(spans) // 2]
-            self._verify_samples = []
+        spans = sorted(s.span_s for s in self._observed)
+        runner_up = self.begin_verification(spans[len(spans) // 2],
+                                            {nm for nm in names if codecs[nm].error_feedback})
         self._observed = []
-        if dist.get_rank() == 0:
+        if _logs():
             if len(decisions) > 1:
                 log.info("sync %s: %s", self.name, self.level_decision)
             log.info("%s", self.decision.explain())
             for line in self.decision.explain_buckets():
                 log.info("sync %s: %s", self.name, line)
+            if runner_up is not None:
+                assert self.decision.cast_predicted_s is not None
+                log.info("sync %s: the plan of casts alone is predicted at %.1f ms, within %.0f%% of it: "
+                         "verifying both, the casts first", self.name, self.decision.cast_predicted_s * 1e3,
+                         self.options.verify_runner_up * 100)
         return True
+
+    def begin_verification(self, uncompressed_s: float, lossy: set[str]) -> dict[int, str] | None:
+        """After a decision (``decision``, ``choices`` and ``level`` set): start timing the plan
+        against ``uncompressed_s`` (the observed steps' median), where it compresses or moved to
+        the hierarchical level and ``verify_steps`` > 0. ``lossy``: the candidates with error
+        feedback. Where ``decision`` has a cast plan predicted within ``verify_runner_up`` of a
+        lossy plan, that cast plan runs first (``choices``) and is returned; else None.
+
+        Example::
+
+            auto.decision, auto.choices = d, dict(d.choices)
+            auto.begin_verification(0.120, {"powersgd"})   # {0: 'bf16', 1: 'allreduce'}: the casts first
+        """
+        self._lossy = set(lossy)
+        self._lossy_plan, self._cast_measured, self._verify_samples = None, None, []
+        if not (self.compressing() or self.level != FLAT) or self.options.verify_steps <= 0:
+            return None
+        self._verify_baseline_s = uncompressed_s
+        d, margin = self.decision, self.options.verify_runner_up
+        if (d is None or margin <= 0 or not d.cast_choices or d.cast_predicted_s is None
+                or not any(codec in self._lossy for codec in self.choices.values())
+                or d.cast_predicted_s > d.predicted_s * (1 + margin)):
+            return None
+        self._lossy_plan, self.choices = self.choices, dict(d.cast_choices)
+        return self.choices
 
     def decide_timed(self, order: list[int], last: StepRecord, clock: Any, device: torch.device,
                       layouts: Mapping[Hashable, Layout | None], codecs: Mapping[str, Codec],
@@ -253,9 +294,11 @@ class AutoPolicy:
         return any(n != "allreduce" for n in self.choices.values())
 
     def verify(self, step: StepRecord, clock: Any) -> bool:
-        """Time ``verify_steps`` steps under the plan (after one to warm up); True when the
-        plan measured no faster than the uncompressed steps and was reverted to all-reduce
-        (on flat, the level those steps were observed on)."""
+        """Time ``verify_steps`` steps under the plan (after one to warm up); True when the plan
+        changed: it measured no faster than the uncompressed steps and was reverted to
+        all-reduce (on flat, the level those steps were observed on), or, verifying two plans,
+        the cast plan's steps are in and the lossy plan's begin, or the cast plan measured as
+        fast as the lossy one and is kept."""
         self._verify_samples.append(step)
         if len(self._verify_samples) < 1 + self.options.verify_steps:
             return False
@@ -265,24 +308,39 @@ class AutoPolicy:
         assert self._verify_baseline_s is not None
         planned, uncompressed = self.control.agree([spans[len(spans) // 2], self._verify_baseline_s],
                                                    op=dist.ReduceOp.MAX)
-        self._verify_baseline_s = None
         self._verify_samples = []
+        if self._lossy_plan is not None:  # the cast plan's steps are in: now the lossy plan's
+            self._cast_measured = (self.choices, planned)
+            self.choices, self._lossy_plan = self._lossy_plan, None
+            return True
+        self._verify_baseline_s = None
+        changed = False
+        against = ""
+        min_gain = self.options.verify_min_gain
+        if self._cast_measured is not None:
+            cast_choices, cast_s = self._cast_measured
+            self._cast_measured = None
+            against = f", the plan of casts alone {cast_s * 1e3:.1f} ms"
+            # The lossy plan must measure clearly faster than the casts too, not merely tie them.
+            if not planned < cast_s * (1 - min_gain):
+                against = f"; the lossy plan measured {planned * 1e3:.1f} ms, not {min_gain:.0%} faster"
+                self.choices, planned, changed = cast_choices, cast_s, True
         # A plan with an error-feedback codec trades some accuracy: it must measure clearly
         # faster, not merely tie all-reduce (seen: GPT at 1 Gbit/s kept PowerSGD on a
         # 121.6 ms against 121.6 ms measurement). A cast need only be faster.
         lossy = any(name in self._lossy for name in self.choices.values())
-        reason = verify_plan(uncompressed, planned, min_gain=self.options.verify_min_gain if lossy else 0.0)
+        reason = verify_plan(uncompressed, planned, min_gain=min_gain if lossy else 0.0)
         if reason is None:
             self.verification = (f"kept: measured {planned * 1e3:.1f} ms per backward+sync against "
-                                 f"{uncompressed * 1e3:.1f} ms uncompressed")
-            if dist.get_rank() == 0:
+                                 f"{uncompressed * 1e3:.1f} ms uncompressed{against}")
+            if _logs():
                 log.info("sync %s: plan %s", self.name, self.verification)
-            return False
+            return changed
         where = f" (flat, from {self.level})" if self.level != FLAT else ""
         self.verification = f"reverted to allreduce{where}: {reason}"
         self.choices = {i: "allreduce" for i in self.choices}
         self.level = FLAT
-        if dist.get_rank() == 0:
+        if _logs():
             log.warning("sync %s: %s", self.name, self.verification)
         return True
 

@@ -49,6 +49,7 @@ import math
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .compress.base import Codec, Layout, shard_of
 from .options import DEFAULTS
@@ -149,6 +150,10 @@ class Decision:
     per_bucket: list[BucketChoice] = field(default_factory=list)  # in backward order
     retained: dict[str, float] = field(default_factory=dict)  # per codec: energy kept by one application
     excluded: dict[str, str] = field(default_factory=dict)  # codec -> why the convergence gate left it out
+    # Where the plan has an error-feedback codec: the best plan of casts and all-reduce alone, and
+    # its predicted step, when it beats all-reduce (else empty / None). auto may time both.
+    cast_choices: dict[int, str] = field(default_factory=dict)
+    cast_predicted_s: float | None = None
 
     def explain_buckets(self) -> list[str]:
         """One line per bucket: its choice and the predicted figures behind it."""
@@ -269,8 +274,14 @@ def decide(
             reason = f"compression predicted to save only {gain:.0%} (< {min_total_gain:.0%}): nothing compressed"
     else:
         reason = "communication exposed: compressing where it lowers the predicted step"
+    runner_up: dict[str, Any] = {}
+    if any(candidates[n].error_feedback for n in choices.values()) and len(lossless) > 1:
+        cast_choices, cast_best = greedy(lossless)
+        if cast_best < base:
+            runner_up = {"cast_choices": cast_choices, "cast_predicted_s": cast_best}
     return Decision(choices, best, base, backward, link, alternatives=alternatives, reason=reason,
-                    per_bucket=_per_bucket(buckets, choices, link, world_size, compute_s, candidates), **gate)
+                    per_bucket=_per_bucket(buckets, choices, link, world_size, compute_s, candidates), **gate,
+                    **runner_up)
 
 
 def convergence_gate(retained: Mapping[str, float], min_retained: float) -> dict[str, str]:
