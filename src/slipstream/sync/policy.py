@@ -49,7 +49,6 @@ import math
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from .compress.base import Codec, Layout, shard_of
 from .options import DEFAULTS
@@ -274,14 +273,15 @@ def decide(
             reason = f"compression predicted to save only {gain:.0%} (< {min_total_gain:.0%}): nothing compressed"
     else:
         reason = "communication exposed: compressing where it lowers the predicted step"
-    runner_up: dict[str, Any] = {}
+    cast_choices: dict[int, str] = {}
+    cast_predicted_s: float | None = None
     if any(candidates[n].error_feedback for n in choices.values()) and len(lossless) > 1:
-        cast_choices, cast_best = greedy(lossless)
-        if cast_best < base:
-            runner_up = {"cast_choices": cast_choices, "cast_predicted_s": cast_best}
+        plan, predicted = greedy(lossless)
+        if predicted < base:  # the casts beat all-reduce: auto may verify them beside the plan
+            cast_choices, cast_predicted_s = plan, predicted
     return Decision(choices, best, base, backward, link, alternatives=alternatives, reason=reason,
                     per_bucket=_per_bucket(buckets, choices, link, world_size, compute_s, candidates), **gate,
-                    **runner_up)
+                    cast_choices=cast_choices, cast_predicted_s=cast_predicted_s)
 
 
 def convergence_gate(retained: Mapping[str, float], min_retained: float) -> dict[str, str]:
