@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
 
 # Options of `slipstream bench` that may also be written after the script's own
@@ -187,7 +188,8 @@ def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
     previous = signal.getsignal(signal.SIGTERM)
     in_main = threading.current_thread() is threading.main_thread()
     if in_main:
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+        # Raised outside stdlib code only: inside proc.wait it would leave the Popen's lock held.
+        signal.signal(signal.SIGTERM, safe_signals.handler(lambda signum: KeyboardInterrupt()))
     try:
         try:
             return proc.wait(timeout=timeout_s)
@@ -201,10 +203,6 @@ def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-
-
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def bench(args: argparse.Namespace, out=sys.stdout) -> list[BenchResult]:

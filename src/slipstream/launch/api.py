@@ -23,6 +23,9 @@ What differs from torchrun, and why:
 * Workers run ``python -u -m slipstream.launch.worker SCRIPT`` (the script as
   ``__main__``, as Python runs it, plus a safe exit under gloo), not ``python -u
   SCRIPT``; ``--no-python`` runs the program itself, as torchrun does.
+* A stop signal (SIGTERM, ...) raises torch's ``SignalException`` only outside
+  standard-library code, so it cannot leave a worker's Popen lock held and the
+  agent blind to that worker's exit (:mod:`slipstream.launch.agent_signals`).
 * Workers die with the agent: a launcher killed with SIGKILL takes its workers
   with it (SIGKILL from the kernel, see :mod:`slipstream.launch.parent_death`)
   instead of leaving them training beside the relaunch. Not under
@@ -55,6 +58,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE
+from . import agent_signals
 from .parent_death import ENV_AGENT_PID
 
 log = logging.getLogger(__name__)
@@ -247,6 +251,8 @@ def launch(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    # A stop signal must not land inside the agent's Popen.poll (slipstream.launch.agent_signals).
+    agent_signals.install()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", str(_default_threads(opts.nproc_per_node)))
     os.environ.setdefault("LOGLEVEL", "WARNING")

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE
+from .. import safe_signals
 from .api import LaunchOptions
 from .proc import stop_processes
 
@@ -473,10 +474,6 @@ class _Terminated(Exception):
     pass
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated(signum)
-
-
 def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions) -> int:
     """Run ``base`` on an emulated cluster of ``nodes`` x ``procs_per_node`` with ``link`` per node.
 
@@ -504,7 +501,8 @@ def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions
 
     cluster = EmulatedCluster(nodes, link=link)
     in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
+    # Raised outside stdlib code only: a SIGTERM inside Popen.poll must not blind the wait for the agents.
+    previous = signal.signal(signal.SIGTERM, safe_signals.handler(_Terminated)) if in_main else None
     try:
         cluster.up()
         log.info(
