@@ -41,7 +41,8 @@ import signal
 import sysconfig
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import FrameType
 
 REDELIVER_S = 0.005
@@ -164,3 +165,24 @@ def handler(make_exception: Callable[[int], BaseException], *,
 def is_safe_handler(candidate: object) -> bool:
     """Whether ``candidate`` was made by :func:`handler`."""
     return bool(getattr(candidate, "slipstream_safe", False))
+
+
+@contextmanager
+def installed(signum: int, make_exception: Callable[[int], BaseException]) -> Iterator[None]:
+    """Within the block, ``signum`` raises ``make_exception(signum)`` through :func:`handler`;
+    the previous handler is back after it. Outside the main thread (where Python allows no
+    handler) the block runs with the handlers as they are.
+
+    Example::
+
+        with installed(signal.SIGINT, lambda signum: KeyboardInterrupt()):
+            wait_for(children)     # Ctrl-C cannot land inside their Popen.poll
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signum, handler(make_exception))
+    try:
+        yield
+    finally:
+        signal.signal(signum, previous if previous is not None else signal.SIG_DFL)

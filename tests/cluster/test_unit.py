@@ -188,6 +188,30 @@ def test_bench_timeout_stops_the_trial_gently(tmp_path):
     assert time.monotonic() - t0 < 15
 
 
+def test_a_bench_told_to_stop_stops_its_trial_and_exits_130(tmp_path):
+    """SIGTERM to `slipstream bench` mid-trial: the trial gets SIGINT (an emulated run deletes
+    its namespaces), the bench returns 130. In a child interpreter: signals are per process."""
+    import subprocess
+    import sys
+    import textwrap
+
+    marker = tmp_path / "trial-got-sigint"
+    trial = (f"import signal, sys, time; signal.signal(signal.SIGINT, lambda *a: (open({str(marker)!r}, 'w').close(), "
+             "sys.exit(3))); time.sleep(60)")
+    code = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        from slipstream.bench import cli
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        began = time.monotonic()
+        print(cli.run_one([sys.executable, "-c", {trial!r}], timeout_s=60, grace_s=10), round(time.monotonic() - began, 1))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    returned, after = proc.stdout.split()
+    assert returned == "130" and float(after) < 10, proc.stdout
+    assert marker.exists()
+
+
 class _Exited:
     """A finished agent process, as `subprocess.Popen.poll` sees it."""
 

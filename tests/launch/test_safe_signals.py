@@ -108,3 +108,21 @@ def test_the_agent_registers_the_safe_handler_on_every_start():
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["True", "True"], proc.stdout
+
+
+def test_installed_raises_within_its_block_and_restores_the_previous_handler():
+    proc = _run("""
+        import os, signal, time
+        from slipstream import safe_signals
+
+        before = signal.getsignal(signal.SIGINT)
+        try:
+            with safe_signals.installed(signal.SIGINT, lambda signum: KeyboardInterrupt()):
+                inside = safe_signals.is_safe_handler(signal.getsignal(signal.SIGINT))
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)                      # our frame: raised at once
+        except KeyboardInterrupt:
+            print(inside, signal.getsignal(signal.SIGINT) is before)
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["True", "True"], proc.stdout

@@ -33,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,24 +184,21 @@ def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
     from ..launch.proc import stop_processes
 
     proc = subprocess.Popen(cmd, start_new_session=True)
-    previous = signal.getsignal(signal.SIGTERM)
-    in_main = threading.current_thread() is threading.main_thread()
-    if in_main:
-        # Raised outside stdlib code only: inside proc.wait it would leave the Popen's lock held.
-        signal.signal(signal.SIGTERM, safe_signals.handler(lambda signum: KeyboardInterrupt()))
-    try:
+    # SIGTERM raises outside stdlib code only, and the wait is a loop of our own (a
+    # signal inside Popen.wait could leave the Popen's lock held, its exit unseen).
+    with safe_signals.installed(signal.SIGTERM, lambda signum: KeyboardInterrupt()):
+        deadline = time.monotonic() + timeout_s
         try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            print(f"[bench] run exceeded {timeout_s:.0f} s; stopping it", file=sys.stderr)
-            stop_processes([proc], sig=signal.SIGTERM, grace_s=grace_s)
-            return 124
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    print(f"[bench] run exceeded {timeout_s:.0f} s; stopping it", file=sys.stderr)
+                    stop_processes([proc], sig=signal.SIGTERM, grace_s=grace_s)
+                    return 124
+                time.sleep(0.05)
+            return proc.returncode
         except KeyboardInterrupt:
             stop_processes([proc], sig=signal.SIGINT, grace_s=grace_s)
             return EXIT_INTERRUPTED
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def bench(args: argparse.Namespace, out=sys.stdout) -> list[BenchResult]:

@@ -42,6 +42,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, ConfigError, UsageError
 from ..launch.proc import stop_processes
 from ..log import CONSOLE
@@ -235,7 +236,10 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
             if devices[i] is not None:
                 child_env["CUDA_VISIBLE_DEVICES"] = devices[i]
             procs.append(subprocess.Popen(argv, env=child_env))
-        return _wait_all(procs)
+        # Ctrl-C raises outside stdlib code only: inside a replica's Popen.poll it would
+        # leave that Popen's lock held, and the replica's exit unseen.
+        with safe_signals.installed(signal.SIGINT, lambda signum: KeyboardInterrupt()):
+            return _wait_all(procs)
     except KeyboardInterrupt:
         stop_processes(procs, grace_s=KILL_GRACE_S)
         log.info("slipstream run: interrupted", extra=CONSOLE)
