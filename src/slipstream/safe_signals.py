@@ -68,10 +68,18 @@ def in_standard_library(frame: FrameType | None) -> bool:
     if frame is None:
         return False
     filename = frame.f_code.co_filename
-    if filename.startswith("<frozen "):
-        return True
-    path = os.path.realpath(filename) if os.path.isabs(filename) else filename
-    return path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+    known = _CLASSIFIED.get(filename)
+    if known is None:  # once per file: realpath costs a syscall per path component
+        if filename.startswith("<frozen "):
+            known = True
+        else:
+            path = os.path.realpath(filename) if os.path.isabs(filename) else filename
+            known = path.startswith(_STDLIB) and not path.startswith(_INSTALLED)
+        _CLASSIFIED[filename] = known
+    return known
+
+
+_CLASSIFIED: dict[str, bool] = {}
 
 
 class _Redeliverer:
