@@ -7,6 +7,8 @@ One spawn runs every check (starting torch in 4 processes on 2 cores costs secon
   training goes on through the two-level reducer, equal to DDP's flat all-reduce
   (uncompressed plan), and ``request_probe()`` observes again on flat;
 * ``reverted``: hierarchical forced and made slow: verification reverts to flat all-reduce;
+* ``retreat``: hierarchical + PowerSGD forced, the guard tripping: to the flat plan once, then
+  the fallback; bitwise resume from before the first trip;
 * ``resume/CODEC``: hierarchical + CODEC forced, state saved after the decision, bitwise resume.
 """
 
@@ -171,11 +173,44 @@ def resume(codec: str) -> dict:
     return out
 
 
+def retreat() -> dict:
+    """Hierarchical + PowerSGD forced, the guard made to trip at every check: the first trip moves
+    ``auto`` to its flat plan (PowerSGD, as forced), the second falls back; a state saved on the
+    hierarchical level, before the first trip, resumes to the same weights, bitwise."""
+    opts = {"candidates": ("powersgd",), "observe_steps": 2, "verify_steps": 0, "check_every_steps": 2,
+            "max_error_ratio": 1e-9}
+    with _Forced(level="hierarchical", codec="powersgd"):
+        model, ddp, st, opt = _auto(**opts)
+        seen = _steps(ddp, st, opt, 0, 9)
+        out = {"seen": seen, "verification": st.verification, "fallback": st.fallback_reason,
+               "same_on_ranks": same_on_all_ranks(list(model.parameters())), "agree": _agree(seen)}
+        st.close()
+        m_full, _, _, st_full, _ = run("auto", WIDTHS, 9, **opts)
+        m_a, _, _, st_a, opt_a = run("auto", WIDTHS, 3, **opts)
+        path = f"/tmp/_sync_retreat_{os.getpid()}.pt"
+        torch.save(st_a.state_dict(), path)
+        saved = torch.load(path, weights_only=False)
+        os.unlink(path)
+        common = dict(start_step=3, model_state=m_a.state_dict(), opt_state=opt_a.state_dict(), **opts)
+        m_b, _, _, st_b, _ = run("auto", WIDTHS, 6, sync_state=saved, **common)
+        # Without the flat plan in the state, the resumed run cannot move to it (the check can fail).
+        no_flat = {k: v for k, v in saved.items() if k != "flat_choices"}
+        m_c, _, _, st_c, _ = run("auto", WIDTHS, 6, sync_state=no_flat, **common)
+    full = list(m_full.parameters())
+    out.update({"saved_level": saved.get("level"), "saved_flat_choices": saved.get("flat_choices"),
+                "full_verification": st_full.verification, "resumed_verification": st_b.verification,
+                "bitwise": all(torch.equal(a, b) for a, b in zip(m_b.parameters(), full)),
+                "no_flat_verification": st_c.verification, "no_flat_diff": max_rel_diff(list(m_c.parameters()), full)})
+    for s in (st_full, st_a, st_b, st_c):
+        s.close()
+    return out
+
+
 def levels(rank: int, world: int, port: int, out_path: str, local_world: int) -> None:
     init(rank, world, port, local_world)
     res: dict = {}
     t0 = time.perf_counter()
-    checks = [("natural", natural), ("forced", forced), ("reverted", reverted)]
+    checks = [("natural", natural), ("forced", forced), ("reverted", reverted), ("retreat", retreat)]
     checks += [(f"resume/{c}", lambda c=c: resume(c)) for c in RESUME_CODECS]
     for name, fn in checks:
         t = time.perf_counter()

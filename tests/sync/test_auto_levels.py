@@ -144,6 +144,26 @@ def test_verification_reverts_a_slow_hierarchical_level_to_flat_allreduce(levels
 
 
 @pytest.mark.distributed
+def test_a_guard_trip_on_the_hierarchical_level_moves_to_the_flat_plan_once(levels_results):
+    r = _ok(levels_results["retreat"])
+    assert r["agree"] and r["same_on_ranks"], r
+    runs = [s[:2] for s in r["seen"] if s[0] != "observe"]
+    # The hierarchical plan, then (first trip) the flat plan, then (second trip) uncompressed.
+    assert runs[0] == ["run", HIERARCHICAL], r["seen"]
+    first_flat = runs.index(["run", FLAT])
+    assert all(s == ["run", HIERARCHICAL] for s in runs[:first_flat]), r["seen"]
+    assert runs[-1] == ["fallback", FLAT] and ["run", HIERARCHICAL] not in runs[first_flat:], r["seen"]
+    assert r["verification"].startswith("moved to flat (powersgd:"), r["verification"]
+    assert "the guard stopped the hierarchical plan: error-feedback residual" in r["verification"], r
+    assert r["fallback"].startswith("error-feedback residual"), r
+    # Resumed from a state saved on the hierarchical level, before the trip: the same end, bitwise.
+    assert r["saved_level"] == HIERARCHICAL and r["saved_flat_choices"], r
+    assert r["resumed_verification"] == r["full_verification"] and r["full_verification"].startswith("moved"), r
+    assert r["bitwise"], r
+    assert not str(r["no_flat_verification"]).startswith("moved") and r["no_flat_diff"] > 1e-6, r
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("codec", _level_workers.RESUME_CODECS)
 def test_resume_restores_the_level_bitwise(levels_results, codec):
     r = _ok(levels_results[f"resume/{codec}"])

@@ -110,6 +110,10 @@ class AutoPolicy:
         self.level = FLAT
         self.level_predicted_s: dict[str, float] = {}
         self.level_decision = ""  # the log line of the last choice between levels
+        # Where the decision took the hierarchical level: the flat level's plan, which the
+        # guard's trip on the hierarchical plan moves to (retreat_to_flat), once.
+        self.flat_choices: dict[int, str] | None = None
+        self.hierarchical_off: str | None = None  # why the hierarchical level is no longer taken
         self._observed: list[StepRecord] = []
         self._verify_baseline_s: float | None = None
         self._verify_samples: list[StepRecord] = []
@@ -128,7 +132,28 @@ class AutoPolicy:
         self.choices, self._observed = {}, []
         self._verify_baseline_s, self.verification = None, None
         self._lossy_plan, self._cast_measured = None, None
-        self.level = FLAT
+        self.level, self.flat_choices = FLAT, None
+
+    def retreat_to_flat(self, reason: str) -> bool:
+        """The guard tripped under a plan on the hierarchical level: take the flat level's plan
+        of the same decision instead, and the hierarchical level no more this run. False (the
+        engine falls back to uncompressed) where the plan is flat already.
+
+        Why not the fallback: on the GPT at 2x2 over 200 Mbit/s, PowerSGD on the node's
+        shard tripped the guard in 10 of 15 benchmark runs and PowerSGD on the flat level
+        in 1 of 118 (BENCHMARKS.md); uncompressed, those runs' remaining steps took about
+        1.6x as long as flat PowerSGD's."""
+        if self.level != HIERARCHICAL or self.flat_choices is None:
+            return False
+        self.level, self.choices = FLAT, dict(self.flat_choices)
+        self.flat_choices, self.hierarchical_off = None, reason
+        self.stop_verifying()
+        counts: dict[str, int] = {}
+        for name in self.choices.values():
+            counts[name] = counts.get(name, 0) + 1
+        plan = ",".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+        self.verification = f"moved to flat ({plan}): the guard stopped the hierarchical plan: {reason}"
+        return True
 
     def stop_verifying(self) -> None:
         """Nothing left to verify (the engine fell back)."""
@@ -182,9 +207,12 @@ class AutoPolicy:
         last.outputs.clear()
         if len(decisions) > 1:
             self.level_predicted_s = {lv: d.predicted_s for lv, d in decisions.items()}
-            self.level = choose_level(self.level_predicted_s)
+            self.level = choose_level(self.level_predicted_s) if self.hierarchical_off is None else FLAT
             self.level_decision = explain_level(self.level, self.level_predicted_s, self.link)
+            if self.hierarchical_off is not None:
+                self.level_decision += f" (hierarchical is off for this run: {self.hierarchical_off})"
             self.decision = decisions[self.level]
+            self.flat_choices = dict(decisions[FLAT].choices) if self.level == HIERARCHICAL else None
         else:
             self.decision = decisions["reducer"]
         self.choices = dict(self.decision.choices)

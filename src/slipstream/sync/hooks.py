@@ -242,6 +242,8 @@ class HookSync:
             "fallback_reason": self.fallback_reason,
             "verification": self.verification,
             "level": self.level,
+            "flat_choices": dict(self.auto.flat_choices) if self.auto is not None and self.auto.flat_choices else None,
+            "hierarchical_off": self.auto.hierarchical_off if self.auto is not None else None,
             "bytes_sent_total": self.bytes_sent_total,
             "codecs": {k: c.state_dict() for k, c in self.codecs.items()},
             "guard": self.guard.state_dict() if self.guard is not None else None,
@@ -256,6 +258,9 @@ class HookSync:
         if self.auto is not None:
             self.auto.choices = {int(k): v for k, v in state["decisions"].items()}
             self.auto.verification = state.get("verification")
+            flat = state.get("flat_choices")
+            self.auto.flat_choices = {int(k): v for k, v in flat.items()} if flat else None
+            self.auto.hierarchical_off = state.get("hierarchical_off")
         self._load_level(state.get("level"))
         self.fallback_reason = state.get("fallback_reason")
         self.ledger.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
@@ -473,8 +478,23 @@ class HookSync:
                 self._set_guard_state()
         if self._guarded() and self.steps % self.guard.check_every_steps == 0:
             reason = self.guard.check(self.control, self.codecs.values())
-            if reason is not None:
+            if reason is not None and not self._retreat_to_flat(reason):
                 self.fallback(reason)
+
+    def _retreat_to_flat(self, reason: str) -> bool:
+        """``auto`` on the hierarchical level: the guard's trip moves it to its flat plan, once
+        (:meth:`.auto.AutoPolicy.retreat_to_flat`); False where that does not apply. The
+        residuals the hierarchical plan carried are dropped, as a fallback drops them."""
+        if self.auto is None or self.levels is None or not self.auto.retreat_to_flat(reason):
+            return False
+        for codec in self.codecs.values():
+            if isinstance(codec, ErrorFeedback):
+                codec.forget_residuals()
+        self._use_level()
+        self._set_guard_state()
+        if dist.get_rank() == 0:
+            log.warning("sync %s: %s", self.name, self.auto.verification)
+        return True
 
 
 def _to_device(tree: Any, device: torch.device) -> Any:
