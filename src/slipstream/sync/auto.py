@@ -139,10 +139,10 @@ class AutoPolicy:
         of the same decision instead, and the hierarchical level no more this run. False (the
         engine falls back to uncompressed) where the plan is flat already.
 
-        Why not the fallback: on the GPT at 2x2 over 200 Mbit/s, PowerSGD on the node's
-        shard tripped the guard in 10 of 15 benchmark runs and PowerSGD on the flat level
-        in 1 of 118 (BENCHMARKS.md); uncompressed, those runs' remaining steps took about
-        1.6x as long as flat PowerSGD's."""
+        Why not the fallback: on the GPT at 2x2, ``auto``'s PowerSGD plans on the
+        hierarchical level tripped the guard in 5 of 9 benchmark matrix runs and on the
+        flat level in 1 of 38 (BENCHMARKS.md); uncompressed, the steps after the trip took
+        about 1.6x as long as flat PowerSGD's."""
         if self.level != HIERARCHICAL or self.flat_choices is None:
             return False
         self.level, self.choices = FLAT, dict(self.flat_choices)
