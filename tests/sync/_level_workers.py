@@ -64,6 +64,16 @@ class _Forced:
         engine_auto.choose_level, engine_auto.decide = self.real_choose, self.real_decide
 
 
+def _through_a_file(state: dict) -> dict:
+    """``state`` as a checkpoint would give it back: saved with torch.save, loaded again."""
+    path = f"/tmp/_sync_levels_{os.getpid()}.pt"
+    torch.save(state, path)
+    try:
+        return torch.load(path, weights_only=False)
+    finally:
+        os.unlink(path)
+
+
 def _steps(ddp, st, opt, start: int, steps: int) -> list[list[str]]:
     """Train ``steps`` steps; after each, [mode, level, decision summary]."""
     seen = []
@@ -150,10 +160,7 @@ def resume(codec: str) -> dict:
     with _Forced(level="hierarchical", codec=codec):
         m_full, _, _, st_full, _ = run("auto", WIDTHS, 8, **opts)
         m_a, _, _, st_a, opt_a = run("auto", WIDTHS, 5, **opts)
-        path = f"/tmp/_sync_levels_{os.getpid()}.pt"
-        torch.save(st_a.state_dict(), path)
-        saved = torch.load(path, weights_only=False)
-        os.unlink(path)
+        saved = _through_a_file(st_a.state_dict())
         m_b, _, _, st_b, _ = run("auto", WIDTHS, 3, sync_state=saved, start_step=5, model_state=m_a.state_dict(),
                                  opt_state=opt_a.state_dict(), **opts)
         # The same state without its level: the run reduces flat and must differ (the check can fail).
@@ -187,10 +194,7 @@ def retreat() -> dict:
         st.close()
         m_full, _, _, st_full, _ = run("auto", WIDTHS, 9, **opts)
         m_a, _, _, st_a, opt_a = run("auto", WIDTHS, 3, **opts)
-        path = f"/tmp/_sync_retreat_{os.getpid()}.pt"
-        torch.save(st_a.state_dict(), path)
-        saved = torch.load(path, weights_only=False)
-        os.unlink(path)
+        saved = _through_a_file(st_a.state_dict())
         common = dict(start_step=3, model_state=m_a.state_dict(), opt_state=opt_a.state_dict(), **opts)
         m_b, _, _, st_b, _ = run("auto", WIDTHS, 6, sync_state=saved, **common)
         # Without the flat plan in the state, the resumed run cannot move to it (the check can fail).

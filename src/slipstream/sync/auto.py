@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
@@ -148,10 +149,7 @@ class AutoPolicy:
         self.level, self.choices = FLAT, dict(self.flat_choices)
         self.flat_choices, self.hierarchical_off = None, reason
         self.stop_verifying()
-        counts: dict[str, int] = {}
-        for name in self.choices.values():
-            counts[name] = counts.get(name, 0) + 1
-        plan = ",".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+        plan = ",".join(f"{k}:{v}" for k, v in sorted(Counter(self.choices.values()).items()))
         self.verification = f"moved to flat ({plan}): the guard stopped the hierarchical plan: {reason}"
         return True
 
