@@ -22,10 +22,11 @@ import hashlib
 import json
 import os
 import re
+import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Mapping, NoReturn
+from typing import Mapping, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,6 +75,37 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
 
 
+def slurm_tasks_per_node(text: str) -> tuple[int, ...]:
+    """Expand Slurm's per-node task counts (SLURM_TASKS_PER_NODE), node by node.
+
+    Slurm writes them in the order of SLURM_JOB_NODELIST, a count repeated on
+    consecutive nodes as ``count(xN)``. Raises :class:`ConfigError` on any other text.
+
+    Example::
+
+        slurm_tasks_per_node("2(x3),1")   # (2, 2, 2, 1)
+    """
+    counts: list[int] = []
+    for part in text.strip().split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise ConfigError(f"SLURM_TASKS_PER_NODE must be counts such as '2(x3),1', got {text!r}")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return tuple(counts)
+
+
+def _slurm_local_world(env: Mapping[str, str], world: int) -> int:
+    """Tasks on this node: --ntasks-per-node if given, else this node's entry (SLURM_NODEID)
+    of the step's (or the job's) per-node counts, else the whole world."""
+    node = int(env["SLURM_NODEID"]) if env.get("SLURM_NODEID", "").isdigit() else 0
+    for key in ("SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(key, "").strip():
+            counts = slurm_tasks_per_node(env[key])
+            # --ntasks-per-node is one number for every node; the others are per node.
+            return counts[0] if len(counts) == 1 else counts[min(node, len(counts) - 1)]
+    return world
+
+
 def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
     """Read rank, world size and rendezvous address from the environment.
 
@@ -108,8 +140,7 @@ def detect_launch_env(env: Mapping[str, str] | None = None) -> LaunchEnv:
                         "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         world = _int(env, "SLURM_NTASKS")
-        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
-        local_world = int(per_node) if per_node.isdigit() else world
+        local_world = _slurm_local_world(env, world)
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
         rank = _int(env, "SLURM_PROCID")
         return LaunchEnv(
@@ -234,9 +265,13 @@ def choose_device(
 ) -> torch.device:
     """This rank's device, from the backend, the device asked for and the GPUs this process sees.
 
-    * NCCL: ``cuda:local_rank``, one GPU per rank. Fewer visible GPUs than ranks
-      on the node is refused: NCCL would later fail with an obscure error when
-      two ranks share a GPU.
+    * NCCL: a rank that sees one GPU uses it (``srun --gpus-per-task=1``, an MPI
+      wrapper setting CUDA_VISIBLE_DEVICES per rank); one that sees at least as
+      many GPUs as the node has ranks takes ``cuda:local_rank``. Between the
+      two (4 ranks, 2 GPUs each) is refused on every rank of the node. Whether
+      ranks that each see one GPU see the same one is only known across ranks:
+      :func:`init` checks the GPUs' identities once the group has started
+      (:func:`agree_gpu_binding`), since NCCL fails obscurely on a shared GPU.
     * gloo with ``requested="cuda"``: ``cuda:(local_rank % device_count)``. Ranks
       may share a GPU on purpose (two ranks on one GPU for a test).
     * gloo otherwise: the CPU (also on a CUDA machine).
@@ -248,6 +283,7 @@ def choose_device(
 
         choose_device("nccl", None, local_rank=1, local_world_size=2, device_count=2)   # cuda:1
         choose_device("gloo", "cuda", local_rank=1, local_world_size=2, device_count=1) # cuda:0 (shared)
+        choose_device("nccl", None, local_rank=5, local_world_size=8, device_count=1)   # cuda:0 (per-task binding)
         choose_device("nccl", None, local_rank=2, local_world_size=4, device_count=2)   # ConfigError
     """
     if requested is not None and requested not in DEVICES:
@@ -261,6 +297,8 @@ def choose_device(
     if device_count < 1:
         raise ConfigError(f"device 'cuda' with backend {backend!r} needs a GPU, and none is visible "
                           f"(CUDA_VISIBLE_DEVICES={visible if visible is not None else 'unset'}); use device 'cpu'")
+    if backend == "nccl" and device_count == 1:
+        return torch.device("cuda", 0)  # one GPU per task; a shared one is refused after the group starts
     if backend == "nccl" and (local_world_size > device_count or local_rank >= device_count):
         raise ConfigError(
             f"local rank {local_rank} of {local_world_size} on this node but only {device_count} GPU(s) visible "
@@ -269,6 +307,74 @@ def choose_device(
             "device='cuda' (slipstream run --backend gloo --device cuda) to share GPUs on purpose"
         )
     return torch.device("cuda", local_rank % device_count)
+
+
+def visible_gpus() -> tuple[str, ...]:
+    """The identities (UUIDs) of the GPUs this process sees, in CUDA index order; () without CUDA.
+
+    Two processes that see the same UUID use the same physical GPU, whatever
+    their CUDA_VISIBLE_DEVICES say. :func:`init` reads GPUs only through this
+    function (tests replace it to fake a machine).
+
+    Example::
+
+        visible_gpus()   # ("GPU-5d3c9b1e-...",) under srun --gpus-per-task=1
+    """
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
+
+
+@dataclass(frozen=True)
+class GpuClaim:
+    """The GPU one rank uses, as the ranks exchange it to find two on the same device."""
+
+    rank: int
+    host: str
+    gpu: str  # the device's identity (UUID), from visible_gpus()
+    index: int  # its CUDA index in this process
+    visible: str | None  # CUDA_VISIBLE_DEVICES of this process, for the message
+
+
+def refuse_shared_gpus(claims: Sequence[GpuClaim]) -> None:
+    """Raise :class:`ConfigError` when two ranks on one host claim the same GPU (NCCL needs one GPU per rank).
+
+    Example::
+
+        refuse_shared_gpus([GpuClaim(0, "n1", "GPU-a", 0, "0"), GpuClaim(1, "n1", "GPU-a", 0, "0")])  # ConfigError
+    """
+    by_gpu: dict[tuple[str, str], list[GpuClaim]] = {}
+    for claim in claims:
+        by_gpu.setdefault((claim.host, claim.gpu), []).append(claim)
+    shared = [group for group in by_gpu.values() if len(group) > 1]
+    if not shared:
+        return
+    lines = []
+    for group in shared:
+        ranks = ", ".join(str(c.rank) for c in group)
+        visible = ", ".join(c.visible if c.visible is not None else "unset" for c in group)
+        indexes = ", ".join(f"cuda:{c.index}" for c in group)
+        lines.append(f"ranks {ranks} on host {group[0].host} use the same GPU {group[0].gpu} "
+                     f"({indexes}; CUDA_VISIBLE_DEVICES={visible})")
+    raise ConfigError(
+        "; ".join(lines) + ": NCCL needs one GPU per rank; give each rank its own GPU "
+        "(srun --gpus-per-task=1, or a distinct CUDA_VISIBLE_DEVICES per rank), start fewer processes per node, "
+        "or pass backend='gloo', device='cuda' (slipstream run --backend gloo --device cuda) to share GPUs on purpose"
+    )
+
+
+def agree_gpu_binding(mine: GpuClaim, timeout: datetime.timedelta) -> None:
+    """Exchange every rank's :class:`GpuClaim` on a gloo group; every rank raises the same
+    :class:`ConfigError` when two ranks of a host share a GPU (a collective: all ranks call it).
+
+    Example::
+
+        agree_gpu_binding(GpuClaim(rt.rank, socket.gethostname(), visible_gpus()[0], 0, "3"), group_timeout())
+    """
+    group = dist.new_group(backend="gloo", timeout=timeout)
+    claims: list[GpuClaim | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(claims, mine, group=group)
+    refuse_shared_gpus([c for c in claims if c is not None])
 
 
 def requested_placement(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
@@ -327,9 +433,9 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
     backend = choose_backend(backend, device, cuda_available)
     if launch.rank < 0 or launch.rank >= launch.world_size:
         raise ConfigError(f"rank must be in [0, {launch.world_size}), got {launch.rank}")
+    gpus = visible_gpus() if cuda_available else ()
     where = choose_device(
-        backend, device, launch.local_rank, launch.local_world_size,
-        torch.cuda.device_count() if cuda_available else 0, os.environ.get("CUDA_VISIBLE_DEVICES"),
+        backend, device, launch.local_rank, launch.local_world_size, len(gpus), os.environ.get("CUDA_VISIBLE_DEVICES"),
     )
     if where.type == "cuda":
         # Also under gloo: side threads and CUDA RNG state (checkpoints) follow the current device.
@@ -345,6 +451,11 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
         os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
     if not dist.is_initialized():
         _join_process_group(launch, backend, where, timeout)
+        if backend == "nccl" and launch.world_size > 1:
+            # Ranks that each see one GPU may see the same one: only their identities tell.
+            claim = GpuClaim(launch.rank, socket.gethostname(), gpus[where.index or 0], where.index or 0,
+                             os.environ.get("CUDA_VISIBLE_DEVICES"))
+            agree_gpu_binding(claim, timeout)
     _install_excepthook()  # after init_process_group, which installs a hook of its own
     gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
     _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)

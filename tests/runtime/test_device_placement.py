@@ -20,8 +20,8 @@ def test_nccl_gives_each_local_rank_its_own_gpu():
     assert runtime.choose_device("nccl", "cuda", 1, 2, 4) == torch.device("cuda", 1)
 
 
-@pytest.mark.parametrize("local_rank,local_world,count", [(2, 4, 2), (0, 4, 2), (1, 2, 1)])
-def test_nccl_refuses_two_ranks_on_one_gpu(local_rank, local_world, count):
+@pytest.mark.parametrize("local_rank,local_world,count", [(2, 4, 2), (0, 4, 2), (3, 4, 3)])
+def test_nccl_refuses_fewer_gpus_than_ranks(local_rank, local_world, count):
     # Every rank of the node refuses (rank 0 too), so none waits for a peer that failed.
     with pytest.raises(ConfigError) as err:
         runtime.choose_device("nccl", None, local_rank, local_world, count, visible="0,1")
@@ -90,6 +90,9 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(runtime, "_RUNTIME", None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(runtime, "visible_gpus", lambda: tuple(f"GPU-{i}" for i in range(count)))
+        # The GPU-identity exchange after the group starts (a gloo collective): recorded instead.
+        monkeypatch.setattr(runtime, "agree_gpu_binding", lambda claim, timeout: calls.__setitem__("claim", claim))
         monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.__setitem__("set_device", d))
         monkeypatch.setattr(runtime.dist, "is_initialized", lambda: False)
         monkeypatch.setattr(runtime.dist, "init_process_group",
@@ -113,10 +116,11 @@ def test_init_nccl_passes_device_id(fake_gpus):
     assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(os.environ["TORCH_FR_BUFFER_SIZE"]) > 0
 
 
-def test_init_refuses_two_nccl_ranks_on_one_gpu(fake_gpus):
-    calls = fake_gpus(1, {**TORCHRUN, "CUDA_VISIBLE_DEVICES": "3"})
-    with pytest.raises(ConfigError, match=r"local rank 1 of 2 on this node but only 1 GPU\(s\) visible "
-                                          r"\(CUDA_VISIBLE_DEVICES=3\)"):
+def test_init_refuses_two_nccl_ranks_on_fewer_gpus_than_ranks(fake_gpus):
+    calls = fake_gpus(2, {"RANK": "1", "WORLD_SIZE": "3", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "3",
+                          "CUDA_VISIBLE_DEVICES": "3,4"})
+    with pytest.raises(ConfigError, match=r"local rank 1 of 3 on this node but only 2 GPU\(s\) visible "
+                                          r"\(CUDA_VISIBLE_DEVICES=3,4\)"):
         runtime.init()
     assert "backend" not in calls  # refused before any process group started
 
