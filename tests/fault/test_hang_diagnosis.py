@@ -377,3 +377,63 @@ def test_configure_reads_the_real_process_environment(monkeypatch, tmp_path):
     wanted = configure_flight_recorder(str(tmp_path))
     assert "TORCH_FR_BUFFER_SIZE" not in wanted  # the user's older name wins
     assert wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+
+
+# --- default options: the launcher's verdict finds the dumps (issue #32) ------------------------
+
+_HANG_SCRIPT = '''
+import datetime, os, pickle, sys, time
+import torch, torch.distributed as dist
+from torch._C._distributed_c10d import _dump_fr_trace
+from slipstream.fault.flight_recorder import configure_flight_recorder
+
+# What slipstream.init() does before an NCCL group starts (NCCL needs a GPU; this runs on gloo,
+# whose collectives torch 2.13 records in the same format).
+os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
+prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3))
+dist.all_reduce(torch.ones(8))
+dist.all_reduce(torch.ones(8))
+work = dist.all_reduce(torch.ones(16), async_op=True) if rank == 0 else None
+deadline = time.monotonic() + 30
+trace = _dump_fr_trace()
+while time.monotonic() < deadline:  # both finished collectives read as completed, as after a real timeout
+    if sum(1 for e in pickle.loads(trace).get("entries", []) if e.get("state") == "completed" or e.get("retired")) >= 2:
+        break
+    time.sleep(0.05)
+    trace = _dump_fr_trace()
+if prefix:  # where NCCL's watchdog writes each rank's buffer on a timeout
+    with open(prefix + str(rank), "wb") as f:
+        f.write(trace)
+store = dist.distributed_c10d._get_default_store()
+store.set(f"dumped{rank}", "1")
+store.wait([f"dumped{1 - rank}"], datetime.timedelta(seconds=60))
+if work is None:
+    store.wait(["waited0"], datetime.timedelta(seconds=60))
+    os._exit(0)
+try:
+    work.wait()
+except RuntimeError:
+    pass
+store.set("waited0", "1")
+os._exit(1)
+'''
+
+
+@pytest.mark.distributed
+def test_with_default_options_the_dumps_land_where_the_launchers_verdict_reads(tmp_path):
+    """`slipstream run` without --run-dir: the workers' flight recorder writes into the run
+    directory the launcher chose, and its failure summary names the rank that never entered."""
+    import subprocess
+    import sys
+
+    (tmp_path / "hang.py").write_text(_HANG_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLIPSTREAM_RUN_DIR", "TORCH_FR_", "TORCH_NCCL_"))}
+    r = subprocess.run([sys.executable, "-m", "slipstream", "run", "--nproc-per-node", "2", "hang.py"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1, r.stderr[-3000:]
+    # Read, then archived under flight_recorder/attempt-<ns>/ by the diagnosis.
+    dumps = sorted(p.name for p in tmp_path.glob("runs/*/flight_recorder/**/nccl_trace_rank_*"))
+    assert dumps == ["nccl_trace_rank_0", "nccl_trace_rank_1"], r.stderr[-3000:]
+    assert "hang (from the ranks' flight-recorder dumps)" in r.stderr and "rank 1 never entered it" in r.stderr

@@ -53,6 +53,7 @@ import socket
 import sys
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -239,6 +240,7 @@ def launch(opts: LaunchOptions) -> int:
     the worker's message, not restarted), 130 when interrupted.
     """
     opts.validate()
+    opts = with_run_dir(opts)
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
     host, port = parse_endpoint(endpoint)
     if opts.is_rdzv_host and opts.rdzv_backend == "c10d":  # another backend's store is not ours to host
@@ -295,6 +297,31 @@ def launch(opts: LaunchOptions) -> int:
         agent_log.removeHandler(history)
         os.environ.pop(ENV_AGENT_PID, None)
     return EXIT_OK
+
+
+def with_run_dir(opts: LaunchOptions, now: float | None = None) -> LaunchOptions:
+    """``opts`` with SLIPSTREAM_RUN_DIR in its worker environment, chosen now when no one chose it.
+
+    The workers' flight recorder (set up in ``slipstream.init()``, before the process
+    group) writes its dumps into the run directory, and the launcher's hang verdict
+    reads them there: both must know it before any worker starts. Without --run-dir
+    (or SLIPSTREAM_RUN_DIR in the launcher's environment) it is ``runs/<rdzv id>`` when
+    several nodes share an explicit rendezvous id (the same on every node), else
+    ``runs/<local time %Y%m%d-%H%M%S>``, the training loop's own default, made absolute
+    so a worker that changes directory still writes there.
+
+    Example::
+
+        with_run_dir(LaunchOptions("train.py")).worker_env["SLIPSTREAM_RUN_DIR"]   # "/cwd/runs/20261202-043100"
+    """
+    if opts.worker_env.get("SLIPSTREAM_RUN_DIR") or os.environ.get("SLIPSTREAM_RUN_DIR"):
+        return opts
+    if opts.max_nodes > 1 and opts.rdzv_id not in (None, "", "none"):
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(opts.rdzv_id))
+    else:
+        name = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    run_dir = os.path.abspath(os.path.join("runs", name))
+    return dataclasses.replace(opts, worker_env={**opts.worker_env, "SLIPSTREAM_RUN_DIR": run_dir})
 
 
 REJOIN_PAUSE_S = 3.0
