@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import ipaddress
 import json
+import logging
 import os
 import re
 import socket
@@ -33,6 +35,9 @@ import torch.distributed as dist
 
 from . import gloo_exit
 from .errors import ConfigError, SlipstreamError, TrainingFailed
+from .log import CONSOLE
+
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29500
 
@@ -377,6 +382,136 @@ def agree_gpu_binding(mine: GpuClaim, timeout: datetime.timedelta) -> None:
     refuse_shared_gpus([c for c in claims if c is not None])
 
 
+def interface_addresses() -> dict[str, tuple[str, ...]]:
+    """Every network interface of this host and its addresses (IPv4 and IPv6), read from the kernel.
+
+    IPv4 from the SIOCGIFADDR ioctl (an interface's primary address), IPv6 from
+    /proc/net/if_inet6. :func:`init` reads interfaces only through this function.
+
+    Example::
+
+        interface_addresses()   # {"lo": ("127.0.0.1", "::1"), "eth0": ("192.0.2.2", "fd00::2", ...)}
+    """
+    import fcntl
+    import struct
+
+    found: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for name in found:
+            try:
+                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
+            except OSError:  # no IPv4 address (or the interface went away)
+                continue
+            found[name].append(socket.inet_ntoa(raw[20:24]))
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) >= 6 and fields[5] in found:
+                    found[fields[5]].append(str(ipaddress.IPv6Address(int(fields[0], 16))))
+    except OSError:  # no IPv6 on this host
+        pass
+    return {name: tuple(addrs) for name, addrs in found.items()}
+
+
+def route_source(host: str, port: int) -> str | None:
+    """The local address the kernel would send from to reach ``host`` (None: unresolvable or unroutable).
+
+    A UDP socket's connect() only chooses the route; nothing is sent.
+
+    Example::
+
+        route_source("10.0.0.1", 29500)   # "10.0.0.7", this host's address on the interface towards it
+    """
+    try:
+        infos = socket.getaddrinfo(host, port or DEFAULT_PORT, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, sockaddr in infos:
+        try:
+            with socket.socket(family, kind, proto) as sock:
+                sock.connect(sockaddr)
+                return str(sock.getsockname()[0])
+        except OSError:
+            continue
+    return None
+
+
+def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(text.split("%")[0])
+    except ValueError:
+        return None
+
+
+def _outside_interfaces(interfaces: Mapping[str, Sequence[str]]) -> list[str]:
+    """The interfaces with an address other than loopback."""
+    def outside(addr: str) -> bool:
+        ip = _ip(addr)
+        return ip is not None and not ip.is_loopback
+
+    return [name for name, addrs in interfaces.items() if any(outside(a) for a in addrs)]
+
+
+def choose_gloo_interface(source: str | None, interfaces: Mapping[str, Sequence[str]]) -> str | None:
+    """The interface gloo should bind: the one holding ``source`` (the address that reaches the
+    rendezvous host), when the host has more than one interface with a non-loopback address.
+
+    None when gloo's own choice is safe (one such interface), or when the rendezvous is
+    reached over loopback (one node) or by no interface listed.
+
+    Example::
+
+        choose_gloo_interface("10.1.0.5", {"lo": ("127.0.0.1",), "eth0": ("192.0.2.2",), "ib0": ("10.1.0.5",)})  # "ib0"
+    """
+    candidates = _outside_interfaces(interfaces)
+    src = _ip(source) if source is not None else None
+    if len(candidates) < 2 or src is None or src.is_loopback:
+        return None
+    return next((name for name in candidates if any(_ip(a) == src for a in interfaces[name])), None)
+
+
+_GLOO_INTERFACE_NOTE = ""
+
+
+def gloo_interface_note() -> str:
+    """How gloo picked its network interface in this process, for an error about a gloo
+    connection ("" before :func:`init`, or when nothing was decided).
+
+    Example::
+
+        raise TrainingFailed(f"checkpoint group failed: {exc}{runtime.gloo_interface_note()}")
+    """
+    return _GLOO_INTERFACE_NOTE
+
+
+def _configure_gloo_interface(launch: LaunchEnv) -> None:
+    """Set GLOO_SOCKET_IFNAME for this process (never over the user's) when the host has several
+    interfaces: the one that reaches the rendezvous host. Every gloo group of the run (also the
+    control and checkpoint groups of an NCCL run) reads it when created."""
+    global _GLOO_INTERFACE_NOTE
+    if launch.world_size < 2:
+        return
+    mine = os.environ.get("GLOO_SOCKET_IFNAME")
+    if mine:
+        _GLOO_INTERFACE_NOTE = f"; gloo used GLOO_SOCKET_IFNAME={mine}, as set"
+        return
+    interfaces = interface_addresses()
+    name = choose_gloo_interface(route_source(launch.master_addr, launch.master_port), interfaces)
+    if name is None:
+        others = sorted(_outside_interfaces(interfaces))
+        if len(others) > 1:
+            _GLOO_INTERFACE_NOTE = (f"; this host has interfaces {', '.join(others)} and none was chosen for gloo: "
+                                    "set GLOO_SOCKET_IFNAME to the one that reaches the other nodes")
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    _GLOO_INTERFACE_NOTE = (f"; gloo used interface {name}, chosen as the one that reaches the rendezvous host "
+                            f"{launch.master_addr}: set GLOO_SOCKET_IFNAME to override")
+    if launch.local_rank == 0:  # once per node
+        log.info("slipstream: gloo uses interface %s (it reaches the rendezvous host %s; "
+                 "set GLOO_SOCKET_IFNAME to choose another)", name, launch.master_addr, extra=CONSOLE)
+
+
 def requested_placement(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """(backend, device) asked for in SLIPSTREAM_BACKEND / SLIPSTREAM_DEVICE (None: not set).
 
@@ -450,12 +585,17 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
 
         os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
     if not dist.is_initialized():
+        _configure_gloo_interface(launch)  # before the first gloo group, NCCL runs create them too
         _join_process_group(launch, backend, where, timeout)
         if backend == "nccl" and launch.world_size > 1:
             # Ranks that each see one GPU may see the same one: only their identities tell.
             claim = GpuClaim(launch.rank, socket.gethostname(), gpus[where.index or 0], where.index or 0,
                              os.environ.get("CUDA_VISIBLE_DEVICES"))
-            agree_gpu_binding(claim, timeout)
+            try:
+                agree_gpu_binding(claim, timeout)
+            except RuntimeError as exc:  # the gloo group could not connect
+                raise TrainingFailed(f"rank {launch.rank} could not create a gloo group: "
+                                     f"{_first_line(exc)}{gloo_interface_note()}") from exc
     _install_excepthook()  # after init_process_group, which installs a hook of its own
     gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
     _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)
@@ -484,12 +624,16 @@ def _join_process_group(launch: LaunchEnv, backend: str, where: torch.device, ti
                 backend, init_method=init_method, rank=launch.rank, world_size=launch.world_size, timeout=timeout
             )
     except RuntimeError as exc:  # DistNetworkError, DistStoreError and gloo's errors are RuntimeErrors
-        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
         _install_excepthook()  # init_process_group may have put a hook of its own before failing
         raise TrainingFailed(
             f"rank {launch.rank} could not join the process group of {launch.world_size} ranks "
-            f"({backend}): {first}; if another rank failed first, its error is the cause"
+            f"({backend}): {_first_line(exc)}; if another rank failed first, its error is the cause"
+            + (gloo_interface_note() if backend == "gloo" else "")
         ) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
 
 
 def _install_excepthook() -> None:

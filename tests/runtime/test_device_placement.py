@@ -84,9 +84,10 @@ def fake_gpus(monkeypatch):
             monkeypatch.setenv(key, value)
         # init() on NCCL sets the flight recorder's variables in os.environ: undone after
         # the test (set then deleted, so monkeypatch restores "absent").
-        for key in FLIGHT_RECORDER_VARS:
+        for key in (*FLIGHT_RECORDER_VARS, "GLOO_SOCKET_IFNAME"):  # init() may set GLOO_SOCKET_IFNAME too
             monkeypatch.setenv(key, "")
             monkeypatch.delenv(key)
+        monkeypatch.setattr(runtime, "_GLOO_INTERFACE_NOTE", "")
         monkeypatch.setattr(runtime, "_RUNTIME", None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
