@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import ipaddress
 import json
 import logging
 import os
@@ -28,14 +27,14 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Mapping, NoReturn, Sequence
+from typing import Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from . import gloo_exit
+from . import gloo_exit, gloo_interface
 from .errors import ConfigError, SlipstreamError, TrainingFailed
-from .log import CONSOLE
+from .gpu_binding import GpuClaim, agree_gpu_binding, refuse_shared_gpus, visible_gpus  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
 
@@ -314,204 +313,6 @@ def choose_device(
     return torch.device("cuda", local_rank % device_count)
 
 
-def visible_gpus() -> tuple[str, ...]:
-    """The identities (UUIDs) of the GPUs this process sees, in CUDA index order; () without CUDA.
-
-    Two processes that see the same UUID use the same physical GPU, whatever
-    their CUDA_VISIBLE_DEVICES say. :func:`init` reads GPUs only through this
-    function (tests replace it to fake a machine).
-
-    Example::
-
-        visible_gpus()   # ("GPU-5d3c9b1e-...",) under srun --gpus-per-task=1
-    """
-    if not torch.cuda.is_available():
-        return ()
-    return tuple(str(torch.cuda.get_device_properties(i).uuid) for i in range(torch.cuda.device_count()))
-
-
-@dataclass(frozen=True)
-class GpuClaim:
-    """The GPU one rank uses, as the ranks exchange it to find two on the same device."""
-
-    rank: int
-    host: str
-    gpu: str  # the device's identity (UUID), from visible_gpus()
-    index: int  # its CUDA index in this process
-    visible: str | None  # CUDA_VISIBLE_DEVICES of this process, for the message
-
-
-def refuse_shared_gpus(claims: Sequence[GpuClaim]) -> None:
-    """Raise :class:`ConfigError` when two ranks on one host claim the same GPU (NCCL needs one GPU per rank).
-
-    Example::
-
-        refuse_shared_gpus([GpuClaim(0, "n1", "GPU-a", 0, "0"), GpuClaim(1, "n1", "GPU-a", 0, "0")])  # ConfigError
-    """
-    by_gpu: dict[tuple[str, str], list[GpuClaim]] = {}
-    for claim in claims:
-        by_gpu.setdefault((claim.host, claim.gpu), []).append(claim)
-    shared = [group for group in by_gpu.values() if len(group) > 1]
-    if not shared:
-        return
-    lines = []
-    for group in shared:
-        ranks = ", ".join(str(c.rank) for c in group)
-        visible = ", ".join(c.visible if c.visible is not None else "unset" for c in group)
-        indexes = ", ".join(f"cuda:{c.index}" for c in group)
-        lines.append(f"ranks {ranks} on host {group[0].host} use the same GPU {group[0].gpu} "
-                     f"({indexes}; CUDA_VISIBLE_DEVICES={visible})")
-    raise ConfigError(
-        "; ".join(lines) + ": NCCL needs one GPU per rank; give each rank its own GPU "
-        "(srun --gpus-per-task=1, or a distinct CUDA_VISIBLE_DEVICES per rank), start fewer processes per node, "
-        "or pass backend='gloo', device='cuda' (slipstream run --backend gloo --device cuda) to share GPUs on purpose"
-    )
-
-
-def agree_gpu_binding(mine: GpuClaim, timeout: datetime.timedelta) -> None:
-    """Exchange every rank's :class:`GpuClaim` on a gloo group; every rank raises the same
-    :class:`ConfigError` when two ranks of a host share a GPU (a collective: all ranks call it).
-
-    Example::
-
-        agree_gpu_binding(GpuClaim(rt.rank, socket.gethostname(), visible_gpus()[0], 0, "3"), group_timeout())
-    """
-    group = dist.new_group(backend="gloo", timeout=timeout)
-    claims: list[GpuClaim | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(claims, mine, group=group)
-    refuse_shared_gpus([c for c in claims if c is not None])
-
-
-def interface_addresses() -> dict[str, tuple[str, ...]]:
-    """Every network interface of this host and its addresses (IPv4 and IPv6), read from the kernel.
-
-    IPv4 from the SIOCGIFADDR ioctl (an interface's primary address), IPv6 from
-    /proc/net/if_inet6. :func:`init` reads interfaces only through this function.
-
-    Example::
-
-        interface_addresses()   # {"lo": ("127.0.0.1", "::1"), "eth0": ("192.0.2.2", "fd00::2", ...)}
-    """
-    import fcntl
-    import struct
-
-    found: dict[str, list[str]] = {name: [] for _, name in socket.if_nameindex()}
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        for name in found:
-            try:
-                raw = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))  # SIOCGIFADDR
-            except OSError:  # no IPv4 address (or the interface went away)
-                continue
-            found[name].append(socket.inet_ntoa(raw[20:24]))
-    try:
-        with open("/proc/net/if_inet6", encoding="ascii") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) >= 6 and fields[5] in found:
-                    found[fields[5]].append(str(ipaddress.IPv6Address(int(fields[0], 16))))
-    except OSError:  # no IPv6 on this host
-        pass
-    return {name: tuple(addrs) for name, addrs in found.items()}
-
-
-def route_source(host: str, port: int) -> str | None:
-    """The local address the kernel would send from to reach ``host`` (None: unresolvable or unroutable).
-
-    A UDP socket's connect() only chooses the route; nothing is sent.
-
-    Example::
-
-        route_source("10.0.0.1", 29500)   # "10.0.0.7", this host's address on the interface towards it
-    """
-    try:
-        infos = socket.getaddrinfo(host, port or DEFAULT_PORT, type=socket.SOCK_DGRAM)
-    except OSError:
-        return None
-    for family, kind, proto, _, sockaddr in infos:
-        try:
-            with socket.socket(family, kind, proto) as sock:
-                sock.connect(sockaddr)
-                return str(sock.getsockname()[0])
-        except OSError:
-            continue
-    return None
-
-
-def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.ip_address(text.split("%")[0])
-    except ValueError:
-        return None
-
-
-def _outside_interfaces(interfaces: Mapping[str, Sequence[str]]) -> list[str]:
-    """The interfaces with an address other than loopback."""
-    def outside(addr: str) -> bool:
-        ip = _ip(addr)
-        return ip is not None and not ip.is_loopback
-
-    return [name for name, addrs in interfaces.items() if any(outside(a) for a in addrs)]
-
-
-def choose_gloo_interface(source: str | None, interfaces: Mapping[str, Sequence[str]]) -> str | None:
-    """The interface gloo should bind: the one holding ``source`` (the address that reaches the
-    rendezvous host), when the host has more than one interface with a non-loopback address.
-
-    None when gloo's own choice is safe (one such interface), or when the rendezvous is
-    reached over loopback (one node) or by no interface listed.
-
-    Example::
-
-        choose_gloo_interface("10.1.0.5", {"lo": ("127.0.0.1",), "eth0": ("192.0.2.2",), "ib0": ("10.1.0.5",)})  # "ib0"
-    """
-    candidates = _outside_interfaces(interfaces)
-    src = _ip(source) if source is not None else None
-    if len(candidates) < 2 or src is None or src.is_loopback:
-        return None
-    return next((name for name in candidates if any(_ip(a) == src for a in interfaces[name])), None)
-
-
-_GLOO_INTERFACE_NOTE = ""
-
-
-def gloo_interface_note() -> str:
-    """How gloo picked its network interface in this process, for an error about a gloo
-    connection ("" before :func:`init`, or when nothing was decided).
-
-    Example::
-
-        raise TrainingFailed(f"checkpoint group failed: {exc}{runtime.gloo_interface_note()}")
-    """
-    return _GLOO_INTERFACE_NOTE
-
-
-def _configure_gloo_interface(launch: LaunchEnv) -> None:
-    """Set GLOO_SOCKET_IFNAME for this process (never over the user's) when the host has several
-    interfaces: the one that reaches the rendezvous host. Every gloo group of the run (also the
-    control and checkpoint groups of an NCCL run) reads it when created."""
-    global _GLOO_INTERFACE_NOTE
-    if launch.world_size < 2:
-        return
-    mine = os.environ.get("GLOO_SOCKET_IFNAME")
-    if mine:
-        _GLOO_INTERFACE_NOTE = f"; gloo used GLOO_SOCKET_IFNAME={mine}, as set"
-        return
-    interfaces = interface_addresses()
-    name = choose_gloo_interface(route_source(launch.master_addr, launch.master_port), interfaces)
-    if name is None:
-        others = sorted(_outside_interfaces(interfaces))
-        if len(others) > 1:
-            _GLOO_INTERFACE_NOTE = (f"; this host has interfaces {', '.join(others)} and none was chosen for gloo: "
-                                    "set GLOO_SOCKET_IFNAME to the one that reaches the other nodes")
-        return
-    os.environ["GLOO_SOCKET_IFNAME"] = name
-    _GLOO_INTERFACE_NOTE = (f"; gloo used interface {name}, chosen as the one that reaches the rendezvous host "
-                            f"{launch.master_addr}: set GLOO_SOCKET_IFNAME to override")
-    if launch.local_rank == 0:  # once per node
-        log.info("slipstream: gloo uses interface %s (it reaches the rendezvous host %s; "
-                 "set GLOO_SOCKET_IFNAME to choose another)", name, launch.master_addr, extra=CONSOLE)
-
-
 def requested_placement(env: Mapping[str, str] | None = None) -> tuple[str | None, str | None]:
     """(backend, device) asked for in SLIPSTREAM_BACKEND / SLIPSTREAM_DEVICE (None: not set).
 
@@ -585,7 +386,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
 
         os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
     if not dist.is_initialized():
-        _configure_gloo_interface(launch)  # before the first gloo group, NCCL runs create them too
+        gloo_interface.configure(launch.world_size, launch.local_rank, launch.master_addr, launch.master_port)  # before the first gloo group, NCCL runs create them too
         _join_process_group(launch, backend, where, timeout)
         if backend == "nccl" and launch.world_size > 1:
             # Ranks that each see one GPU may see the same one: only their identities tell.
@@ -595,7 +396,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
                 agree_gpu_binding(claim, timeout)
             except RuntimeError as exc:  # the gloo group could not connect
                 raise TrainingFailed(f"rank {launch.rank} could not create a gloo group: "
-                                     f"{_first_line(exc)}{gloo_interface_note()}") from exc
+                                     f"{_first_line(exc)}{gloo_interface.note()}") from exc
     _install_excepthook()  # after init_process_group, which installs a hook of its own
     gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
     _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)
@@ -628,7 +429,7 @@ def _join_process_group(launch: LaunchEnv, backend: str, where: torch.device, ti
         raise TrainingFailed(
             f"rank {launch.rank} could not join the process group of {launch.world_size} ranks "
             f"({backend}): {_first_line(exc)}; if another rank failed first, its error is the cause"
-            + (gloo_interface_note() if backend == "gloo" else "")
+            + (gloo_interface.note() if backend == "gloo" else "")
         ) from exc
 
 

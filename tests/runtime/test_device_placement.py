@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from slipstream import runtime
+from slipstream import gloo_interface, runtime
 from slipstream.errors import ConfigError
 
 
@@ -87,7 +87,7 @@ def fake_gpus(monkeypatch):
         for key in (*FLIGHT_RECORDER_VARS, "GLOO_SOCKET_IFNAME"):  # init() may set GLOO_SOCKET_IFNAME too
             monkeypatch.setenv(key, "")
             monkeypatch.delenv(key)
-        monkeypatch.setattr(runtime, "_GLOO_INTERFACE_NOTE", "")
+        monkeypatch.setattr(gloo_interface, "_GLOO_INTERFACE_NOTE", "")
         monkeypatch.setattr(runtime, "_RUNTIME", None)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)

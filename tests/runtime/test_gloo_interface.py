@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from slipstream import runtime
+from slipstream import gloo_interface, runtime
 from slipstream.errors import TrainingFailed
 from tests.conftest import require_root
 from tests.runtime.test_device_placement import fake_gpus  # noqa: F401 - the fixture
@@ -21,16 +21,16 @@ TWO_NICS = {"lo": ("127.0.0.1", "::1"), "eth0": ("192.0.2.2", "fe80::1"), "ib0":
 
 
 def test_the_interface_that_reaches_the_rendezvous_host_is_chosen():
-    assert runtime.choose_gloo_interface("10.1.0.5", TWO_NICS) == "ib0"
-    assert runtime.choose_gloo_interface("192.0.2.2", TWO_NICS) == "eth0"
+    assert gloo_interface.choose("10.1.0.5", TWO_NICS) == "ib0"
+    assert gloo_interface.choose("192.0.2.2", TWO_NICS) == "eth0"
 
 
 def test_nothing_is_chosen_when_gloos_own_choice_is_safe_or_nothing_fits():
     one_nic = {"lo": ("127.0.0.1",), "eth0": ("192.0.2.2",), "ifb0": ()}
-    assert runtime.choose_gloo_interface("192.0.2.2", one_nic) is None  # one interface besides loopback
-    assert runtime.choose_gloo_interface("127.0.0.1", TWO_NICS) is None  # one node: rendezvous on loopback
-    assert runtime.choose_gloo_interface(None, TWO_NICS) is None  # rendezvous host unresolvable
-    assert runtime.choose_gloo_interface("172.16.0.1", TWO_NICS) is None  # a secondary address, not listed
+    assert gloo_interface.choose("192.0.2.2", one_nic) is None  # one interface besides loopback
+    assert gloo_interface.choose("127.0.0.1", TWO_NICS) is None  # one node: rendezvous on loopback
+    assert gloo_interface.choose(None, TWO_NICS) is None  # rendezvous host unresolvable
+    assert gloo_interface.choose("172.16.0.1", TWO_NICS) is None  # a secondary address, not listed
 
 
 @pytest.fixture
@@ -38,9 +38,9 @@ def two_nics(monkeypatch):
     """A host with eth0 and ib0, whose route to 10.1.0.1 leaves from ib0 (10.1.0.5)."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")  # absent now, and restored to absent after the test
-    monkeypatch.setattr(runtime, "_GLOO_INTERFACE_NOTE", "")
-    monkeypatch.setattr(runtime, "interface_addresses", lambda: TWO_NICS)
-    monkeypatch.setattr(runtime, "route_source", lambda host, port: "10.1.0.5" if host == "10.1.0.1" else None)
+    monkeypatch.setattr(gloo_interface, "_GLOO_INTERFACE_NOTE", "")
+    monkeypatch.setattr(gloo_interface, "interface_addresses", lambda: TWO_NICS)
+    monkeypatch.setattr(gloo_interface, "route_source", lambda host, port: "10.1.0.5" if host == "10.1.0.1" else None)
 
 
 GLOO_TWO_NODES = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
