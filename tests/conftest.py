@@ -1,24 +1,93 @@
 """Shared pytest fixtures and CI conventions.
 
-Root-only tests (network namespaces, tc) are marked ``root``: outside CI they
-skip when not root; in CI (CI=true) they must run, so they fail instead.
+**One rule for what a test needs.** A test that needs something installed or
+running (a Python package, a command, root, a service, a file CI provides)
+asks through :func:`need` (or :func:`need_module`, :func:`need_command`,
+:func:`require_root`): outside CI a missing need skips the test; under CI
+(``CI`` set to 1, true or yes, any case: :func:`in_ci`) it fails, because CI
+installs everything (``bash scripts/install.sh test``) and a skip there would
+hide a test that never ran. A test that cannot run on a machine for a reason
+no install changes (a GPU is visible, another operating system) calls
+:func:`cannot_run_here`, which skips everywhere and says so.
+``tests/architecture/test_ci_strict.py`` fails on any other skip in tests/.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
+from types import ModuleType
 
 import pytest
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+def in_ci() -> bool:
+    """Whether this run is CI's: ``CI`` is 1, true or yes (any case). Read at each call."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+IN_CI = in_ci()
+
+
+def need(met: bool, reason: str) -> None:
+    """Skip (locally) or fail (under CI) unless ``met``; ``reason`` says what is missing.
+
+    Usable in a test, a fixture, or at module level (the whole module skips).
+
+    Example::
+
+        need(shutil.which("sbatch") is not None, "sbatch is not installed")
+    """
+    if met:
+        return
+    if in_ci():
+        pytest.fail(f"{reason}, and CI=true: CI provides every test's needs (bash scripts/install.sh "
+                    "test, its tools, services and root), so this test must run there", pytrace=False)
+    _skip(reason)
+
+
+def _skip(reason: str) -> None:
+    # Reported at the test (or module) that asked, as a skip mark is, not at this line.
+    try:
+        raise pytest.skip.Exception(reason, allow_module_level=True, _use_item_location=True)
+    except TypeError:  # a pytest without the keyword
+        pytest.skip(reason, allow_module_level=True)
+
+
+def need_module(name: str, hint: str = "") -> ModuleType:
+    """The imported module ``name``, or skip locally / fail under CI if it does not import.
+
+    Example::
+
+        transformers = need_module("transformers", "pip install 'slipstream[hf]'")
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        need(False, f"needs the Python package {name}{f' ({hint})' if hint else ''}: {exc}")
+        raise  # not reached: need() skipped or failed
+
+
+def need_command(*names: str, hint: str = "") -> list[str]:
+    """The paths of commands ``names`` on PATH, or skip locally / fail under CI if one is missing."""
+    paths = [shutil.which(n) for n in names]
+    missing = [n for n, p in zip(names, paths, strict=True) if p is None]
+    need(not missing, f"needs {', '.join(missing)} on PATH{f' ({hint})' if hint else ''}")
+    return [p for p in paths if p is not None]
 
 
 def require_root(reason: str = "needs root (network namespaces / tc)") -> None:
     """Call at the start of a root-only test: skip locally, fail loudly in CI."""
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail(f"{reason}, and CI=true: root-only tests must run in CI")
-        pytest.skip(reason)
+    need(os.geteuid() == 0, reason)
+
+
+def cannot_run_here(reason: str) -> None:
+    """Skip, under CI too, for a reason no install changes (a visible GPU, another OS).
+
+    ``reason`` says what about this machine rules the test out.
+    """
+    _skip(f"cannot run on this machine, CI included: {reason}")
 
 
 @pytest.fixture(autouse=True)

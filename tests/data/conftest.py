@@ -14,6 +14,8 @@ import uuid
 import numpy as np
 import pytest
 
+from tests.conftest import need_module
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -23,7 +25,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def s3_endpoint():
-    pytest.importorskip("s3fs", reason="s3fs is in the 'data' extra: pip install 'slipstream[test]'")
+    need_module("s3fs", "in the 'data' extra: bash scripts/install.sh test")
+    need_module("moto.server", "a test tool: bash scripts/install.sh test")
     from moto.server import ThreadedMotoServer
 
     for k, v in {

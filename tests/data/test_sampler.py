@@ -11,6 +11,7 @@ import torch.utils.data
 
 from slipstream.data import ResumableSampler, ShardedDataset, SlipstreamLoader
 from slipstream.errors import ConfigError
+from tests.conftest import need_module
 
 
 def test_order_is_deterministic_per_seed_and_epoch():
@@ -234,7 +235,7 @@ def test_rank_and_world_size_come_from_torch_distributed(tmp_path, numbered):
     assert len(a) == len(b) == 100 and not set(a) & set(b) and set(a) | set(b) == set(range(200))
 
 
-hypothesis = pytest.importorskip("hypothesis")
+hypothesis = need_module("hypothesis", "a test tool: bash scripts/install.sh test")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
 
-import pytest
 from slipstream.fault import progress, reach
-from tests.conftest import IN_CI
+from tests.conftest import need_command, require_root
 
 
 def test_a_listening_port_and_a_closed_one_both_answer():
@@ -25,10 +23,8 @@ def test_a_listening_port_and_a_closed_one_both_answer():
 def test_an_address_behind_no_route_does_not_answer(tmp_path):
     """In a network namespace of its own with only loopback (this machine's host network may
     hand any connect to a proxy that accepts it, so the probe runs where the route is known)."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        if IN_CI:
-            pytest.fail("needs root and ip(8), which CI has")
-        pytest.skip("needs root and ip(8)")
+    require_root("needs root (a network namespace)")
+    need_command("ip")
     ns = f"ss-reach-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", ns], check=True)
     try:

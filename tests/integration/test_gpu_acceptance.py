@@ -16,10 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from benchmarks import gpu_acceptance
 from slipstream import sync
+from tests.conftest import cannot_run_here
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -108,7 +107,7 @@ def test_a_failed_step_fails_the_run_and_is_reported(tmp_path):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("a GPU is visible here, so asking for CUDA does not fail")
+        cannot_run_here("a GPU is visible here, so asking for CUDA does not fail")
     proc, doc, md = acceptance(tmp_path / "acc", "--device", "cuda", "--budget-s", "120", timeout=300)
     assert proc.returncode == 1
     env = doc["steps"][0]

@@ -17,8 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
+from tests.conftest import need
 from tests.harness import weights_digest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,10 +28,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_
 
 
 def _needs_mpirun() -> None:
-    if MPIRUN is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("mpirun (Open MPI) is missing on a CI runner: install openmpi-bin")
-        pytest.skip("mpirun (Open MPI) is not installed")
+    need(MPIRUN is not None, "mpirun (Open MPI) is not installed (Debian: apt-get install openmpi-bin)")
 
 
 def _env() -> dict[str, str]:

@@ -21,6 +21,7 @@ from slipstream.job.lifecycle.model import (
     parse_duration_s,
 )
 from slipstream.job.lifecycle.slurm import parse_scontrol
+from tests.conftest import need_command
 from slipstream.job.submissions import (
     SubmissionNotFound, find_submission, list_submissions, record_submission, state_dir,
 )
@@ -222,9 +223,9 @@ def test_a_missing_slurm_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
     assert "squeue not found" in line
 
 
-@pytest.mark.skipif(not __import__("shutil").which("kubectl"), reason="kubectl is not installed")
 @pytest.mark.parametrize("command", ["status", "logs", "cancel"])
 def test_an_unreachable_api_server_is_one_line_and_exit_2(command, monkeypatch, tmp_path, capsys):
+    need_command("kubectl")
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(  # a cluster on a port nothing listens on (9: discard, closed here)
         "apiVersion: v1\nkind: Config\nclusters:\n- {name: dead, cluster: {server: 'https://127.0.0.1:9'}}\n"

@@ -14,6 +14,7 @@ from slipstream.cli import build_parser
 from slipstream.job.cli import job_run_from_args
 from slipstream.job.runner import JobRun, parse_emulate, run_job
 from slipstream.job.spec import parse_spec
+from tests.conftest import require_root
 
 from .conftest import EXAMPLES, REPO
 
@@ -116,10 +117,7 @@ def test_worker_shim_runs_script_as_main_with_args(tmp_path, monkeypatch, capsys
 @pytest.mark.root
 def test_two_replica_spec_on_an_emulated_cluster(tmp_path):
     """The same spec, unchanged, on two network namespaces with 1 Gbit/s links (needs root)."""
-    if os.geteuid() != 0:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail("needs root (network namespaces / tc), and CI=true: root-only tests must run in CI")
-        pytest.skip("needs root (network namespaces / tc)")
+    require_root()
     out = tmp_path / "result.txt"
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream", "run", "--emulate", "2x1", "--link", "1gbit",

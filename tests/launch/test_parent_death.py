@@ -12,8 +12,10 @@ from pathlib import Path
 import pytest
 
 from slipstream.launch.proc import descendants, kill_tree
+from tests.conftest import cannot_run_here
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux-only")
+if not sys.platform.startswith("linux"):
+    cannot_run_here("prctl(PR_SET_PDEATHSIG) is Linux-only")
 
 HERE = Path(__file__).parent
 ENTRY = [sys.executable, "-m", "slipstream.launch.worker"]

@@ -15,11 +15,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from slipstream import safe_signals
+from tests.conftest import cannot_run_here
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="POSIX signals and setitimer")
+if not sys.platform.startswith("linux"):
+    cannot_run_here("POSIX signals and setitimer")
 
 HERE = Path(__file__).parent
 

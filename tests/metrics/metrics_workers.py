@@ -7,7 +7,6 @@ import os
 import time
 import urllib.request
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 SLEEP_S = 0.03  # injected into rank 1's forward in the straggler run
 STEPS = 16
 LOG_EVERY = 2

@@ -23,17 +23,11 @@ from slipstream.config import TrainConfig
 from slipstream.errors import EXIT_USAGE, ConfigError
 from slipstream.metrics import StepRecorder
 from slipstream.metrics.trackers import MlflowSink, WandbSink, metric_values, run_params
-from tests.conftest import IN_CI
+from tests.conftest import need_module
 
 
 def require(module: str) -> None:
-    try:
-        __import__(module)
-    except ImportError as exc:
-        reason = f"needs {module} (pip install 'slipstream[{module}]'): {exc}"
-        if IN_CI:
-            pytest.fail(f"{reason}, and CI=true: the tracker tests must run in CI")
-        pytest.skip(reason)
+    need_module(module, f"pip install 'slipstream[{module}]'")
 
 
 def _children() -> set[int]:

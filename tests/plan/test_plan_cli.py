@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from slipstream.cli import main
+from tests.conftest import cannot_run_here
 
 
 def test_table_and_written_files(tmp_path, capsys):
@@ -62,7 +63,7 @@ def test_probe_memory_without_cuda_is_a_clear_error(capsys):
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: the probe would run")
+        cannot_run_here("this machine has a GPU: the probe would run")
     assert main(["plan", "--model", "gpt-125m", "--gpus", "1", "--gpu-type", "H100", "--network", "1gbit",
                  "--probe-memory"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

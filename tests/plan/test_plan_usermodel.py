@@ -13,6 +13,7 @@ import pytest
 
 from slipstream.cli import main
 from slipstream.plan.usermodel import load_user_model
+from tests.conftest import need_module
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -63,7 +64,7 @@ def test_measured_figures_match_the_real_models():
 
 
 def test_hugging_face_config(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need_module("transformers", "pip install 'slipstream[hf]'")
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(TINY_GPT2))
     spec = load_user_model(str(cfg))

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream import gloo_exit
+from tests.conftest import cannot_run_here
 
 PARKED = "202 0x55d0c5a1 0x189 0x0 0x0 0x0 0xffffffff 0x7f0e 0x7f0f\n"      # cv wait for work
 GIL_WAIT = "202 0x7f3a5b10 0x189 0x0 0x7ffd2a00 0x0 0xffffffff 0x7f0e 0x7f0f\n"  # timed: CPython's take_gil
@@ -58,9 +59,9 @@ def test_a_thread_that_ended_holds_nothing(tmp_path, x86):
     assert gloo_exit._parked(str(tmp_path / "gone"), 202)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or platform.machine() not in gloo_exit._FUTEX_SYSCALL,
-                    reason="reads Linux /proc thread states")
 def test_real_gloo_workers_are_found_and_settle_after_collectives(monkeypatch):
+    if not os.path.isdir("/proc/self/task") or platform.machine() not in gloo_exit._FUTEX_SYSCALL:
+        cannot_run_here("reads Linux /proc thread states, on a machine whose futex syscall gloo_exit knows")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29517")
     dist.init_process_group("gloo", rank=0, world_size=1)

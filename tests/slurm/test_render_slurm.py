@@ -11,6 +11,7 @@ import pytest
 from slipstream.job import load_spec, parse_spec
 from slipstream.job.render import TargetUnsupported
 from slipstream.job.slurm import check_syntax, render_sbatch, sbatch_options
+from tests.conftest import need_command
 from tests.job.conftest import run_cli, write_spec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -111,8 +112,7 @@ def test_no_sbatch_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
 
 
 def test_unreachable_controller_is_exit_2(tmp_path, capsys, monkeypatch):
-    if shutil.which("sbatch") is None:
-        pytest.skip("sbatch is not installed")
+    need_command("sbatch")
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
     path = write_spec(SEED, str(tmp_path))
     code, _, err = run_cli(["submit", path, "--target", "slurm"], capsys)

@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 import traceback
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,8 @@ def rule(rank: int, world: int, port: int, out_path: str, local_world: int) -> N
     res["violation_count"] = len(strict.violations)
     res["host_calls"] = sum(1 for c in strict.calls if c[1] == "host")
     res["data_calls"] = sum(1 for c in strict.calls if c[1] == "data")
+    # Tensors per group kind and placement ("data device", "host host", "data untold"...).
+    res["placements"] = dict(Counter(f"{c[1]} {c[4]}" for c in strict.calls))
     dist.barrier()
     if rank == 0:
         with open(out_path, "w") as f:

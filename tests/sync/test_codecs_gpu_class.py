@@ -3,7 +3,8 @@
 Several ranks are simulated with threads over :class:`SimWire`, which sums and
 concatenates in rank order, so every run is deterministic. The device-side path
 that CUDA takes (no host read of the finite flag) is forced on CPU by emptying
-``base.HOST_FLAG_DEVICES``.
+``base.HOST_FLAG_DEVICES`` (:func:`_force_device_select`: the name must exist and the
+patch must take effect, or the device-select cases would silently run the host path).
 """
 
 from __future__ import annotations
@@ -124,6 +125,17 @@ CODECS = {
 }
 
 
+def _force_device_select(monkeypatch) -> None:
+    """Make CPU take the path CUDA takes: no host read of the finite flag.
+
+    ``monkeypatch.setattr`` raises if ``base`` has no ``HOST_FLAG_DEVICES`` (a rename must
+    fail here, not leave the device-select cases running the host path), and the codecs'
+    own test of the device must then say "device-side".
+    """
+    monkeypatch.setattr(base, "HOST_FLAG_DEVICES", frozenset())
+    assert not base.host_reads_flags(torch.device("cpu")), "the patch did not reach host_reads_flags"
+
+
 def _state(codec) -> dict[str, torch.Tensor]:
     out = {f"residual {k}": v.detach().clone().reshape(-1) for k, v in codec.residuals.items()}
     out.update({f"q {k}": v.detach().clone() for k, v in getattr(codec, "q", {}).items()})
@@ -137,7 +149,9 @@ def _state(codec) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_overflow_step_keeps_state_and_reaches_every_rank(monkeypatch, name, keyed, bad, where, path):
     if path == "device_select":  # what CUDA runs: the flag never leaves the device
-        monkeypatch.setattr(base, "HOST_FLAG_DEVICES", frozenset(), raising=False)
+        _force_device_select(monkeypatch)
+    else:
+        assert base.host_reads_flags(torch.device("cpu"))
     n = 2
     key = (0, 1, 2) if keyed == "params" else "bucket0"
     gen = torch.Generator().manual_seed(0)
@@ -189,8 +203,9 @@ def test_device_select_path_matches_the_cpu_path_bitwise(monkeypatch, name):
         outs = [codec.reduce(torch.randn(NUMEL, generator=gen), wire, (0, 1, 2), LAYOUT).clone() for _ in range(3)]
         return outs + list(_state(codec).values()) + [torch.as_tensor(codec.residual_sq)]
 
+    assert base.host_reads_flags(torch.device("cpu"))
     host = on_ranks(2, run)
-    monkeypatch.setattr(base, "HOST_FLAG_DEVICES", frozenset(), raising=False)
+    _force_device_select(monkeypatch)
     device = on_ranks(2, run)
     for a, b in zip(host, device, strict=True):
         assert len(a) == len(b)
@@ -201,9 +216,9 @@ def test_device_select_path_matches_the_cpu_path_bitwise(monkeypatch, name):
 @pytest.mark.parametrize("name", sorted(CODECS))
 def test_overflow_on_the_first_step_leaves_no_poisoned_state(monkeypatch, name):
     # No residual yet: an overflow must not create one out of uninitialised memory or inf.
-    for path in (None, frozenset()):
-        if path is not None:
-            monkeypatch.setattr(base, "HOST_FLAG_DEVICES", path, raising=False)
+    for device_select in (False, True):
+        if device_select:
+            _force_device_select(monkeypatch)
         codec = CODECS[name]()
         g = torch.randn(NUMEL)
         g[5] = math.nan

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import IN_CI
+from tests.conftest import need_module
 from tests.harness import run_ranks
 from tests.train.hf_workers import PER_RANK, SEQ, hf_batch, tiny_gpt2, train_hf_everything
 
@@ -22,13 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def require_transformers() -> None:
-    try:
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        reason = f"needs transformers (pip install 'slipstream[hf]'): {exc}"
-        if IN_CI:
-            pytest.fail(f"{reason}, and CI=true: the Hugging Face tests must run in CI")
-        pytest.skip(reason)
+    need_module("transformers", "pip install 'slipstream[hf]'")
 
 
 class Counts:
