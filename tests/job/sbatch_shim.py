@@ -15,7 +15,6 @@ Example::
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -58,7 +57,7 @@ def run_sbatch_script(script: str, tmp_path: Path, timeout_s: float = 60) -> lis
            "SLURM_CPUS_PER_TASK": "1", "SLURM_JOB_NODELIST": "n1", "SLURM_NODEID": "0", "SLURMD_NODENAME": "n1",
            "SLURM_SUBMIT_DIR": str(tmp_path), "LANG": "C.UTF-8"}
     proc = subprocess.run(["bash", str(tmp_path / "script.sbatch")], env=env, cwd=tmp_path, capture_output=True,
-                          timeout=timeout_s)
+                          timeout=timeout_s, check=False)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     calls = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return [{"argv": [_decode(a) for a in c["argv"]], "env": {_decode(k): _decode(v) for k, v in c["env"].items()}}

@@ -29,13 +29,13 @@ def test_words_and_env_arrive_unchanged_through_srun(slurm_env, tmp_path):
     out = tmp_path / "calls.jsonl"
     env = {**slurm_env, "PATH": f"{bin_dir}:{slurm_env['PATH']}", "STANDIN_OUT": str(out)}
     proc = subprocess.run(["sbatch", "--parsable"], input=render_sbatch(spec), env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.strip().split(";")[0]
     deadline, state = time.monotonic() + 120, ""
     while time.monotonic() < deadline:  # an event (the job's end), with a generous deadline
         show = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=env, capture_output=True, text=True,
-                              timeout=30).stdout
+                              timeout=30, check=False).stdout
         state = next((f.split("=", 1)[1] for f in show.split() if f.startswith("JobState=")), "")
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL"):
             break

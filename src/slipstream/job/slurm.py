@@ -13,6 +13,11 @@ workers write the emergency checkpoint and the agents exit 143
 (``scontrol requeue``), which resumes from the checkpoint. A signal to the batch
 shell alone (``scancel -b``) is passed on to ``srun``, which forwards it to the agents.
 
+The spec's words (command, args) and env values reach the program as on Kubernetes
+(:mod:`slipstream.job.variables`): each is one single-quoted shell word but for its
+``$(VAR)`` references to the spec's own variables, which become ``"${VAR}"``; no other
+byte of the spec is read by a shell. Env names bash or srun own are refused (:data:`SHELL_NAMES`).
+
 The spec's ``image`` is not used: the job runs in the nodes' own software
 environment (``slipstream`` and the script must be installed there). Kubernetes-only
 keys (``namespace``, ``queue``, ``priority_class``, ``network``, ``shm_size``,
