@@ -10,9 +10,10 @@
 from __future__ import annotations
 
 import os
+import re
 
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from slipstream.job import TARGETS, render
@@ -212,3 +213,138 @@ def test_arbitrary_text_never_crashes(capsys, text):
     finally:
         os.unlink(path)
     assert code == 2 and "Traceback" not in err and err.startswith("slipstream validate: error: ")
+
+
+# ---------------------------------------------------------------------------- one spec, one meaning
+# String fields full of shell syntax, quotes, newlines, control and non-ASCII characters and
+# $(VAR) / $$ forms: every target gives the program the Kubernetes expansion of the spec's strings,
+# byte for byte, or the spec is refused with a message naming the field.
+
+_FRAGMENTS = ["$(A)", "$(B)", "$(C)", "$(NOPE)", "$$", "$$(A)", "$", "$(", ")", "${A}", "$A", "$((1+1))",
+              "$(touch {marker})", "`touch {marker}`", "'", '"', "\\", ";", "&&", "|", "*", "~", "#", "!", "%", "{a,b}",
+              " ", "\t", "\n", "\r", "\x01", "\x7f", "\x1b", "é", "中", "😀", "\u2028", "\xa0", "-x", "=", "\0", "$é"]
+spec_text = st.lists(st.one_of(st.sampled_from(_FRAGMENTS), st.characters(min_codepoint=1, max_codepoint=0x2FFF,
+                                                                           exclude_categories=("Cs",))),
+                     max_size=8).map("".join)
+env_names = st.sampled_from(["A", "A", "B", "B", "C", "C", "HOME", "UID", "SLURM_X"])
+
+
+@st.composite
+def stringy_specs(draw):
+    spec = {"name": "fuzz", "image": "img:1", "command": ["python3", "train.py", *draw(st.lists(spec_text, max_size=3))],
+            "args": draw(st.lists(spec_text, max_size=3)), "env": {}}
+    spec["env"]["A"] = draw(st.text(max_size=4))  # defined first: $(A) anywhere else expands
+    for _ in range(draw(st.integers(0, 3))):
+        spec["env"][draw(env_names)] = draw(spec_text)
+    if draw(st.integers(0, 3)) == 0:
+        spec["data"] = {"source": "s3://b/" + draw(spec_text) + "/x", "cache_dir": "/cache", "prewarm": True}
+    return spec
+
+
+def _with_marker(value, marker: str):
+    if isinstance(value, str):
+        return value.replace("{marker}", marker)
+    if isinstance(value, list):
+        return [_with_marker(v, marker) for v in value]
+    if isinstance(value, dict):
+        return {k: _with_marker(v, marker) for k, v in value.items()}
+    return value
+
+
+def _field_value(data: dict, field: str) -> str:
+    """``command[2]``, ``args[0]``, ``env.A``, ``data.source``: that field's text in ``data``."""
+    m = re.fullmatch(r"(command|args)\[(\d+)\]", field)
+    if m:
+        return data[m.group(1)][int(m.group(2))]
+    section, key = field.split(".", 1)
+    return str(data[section][key])
+
+
+def _walk(obj):
+    if isinstance(obj, dict):
+        yield obj
+        for v in obj.values():
+            yield from _walk(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _walk(v)
+
+
+@settings(max_examples=int(os.environ.get("SLIPSTREAM_FUZZ_EXAMPLES", "30")), **SETTINGS)
+@given(stringy_specs())
+def test_string_fields_reach_the_program_byte_for_byte_on_every_target(data):
+    import subprocess
+    import tempfile
+    from pathlib import Path
+    from unittest import mock
+
+    from slipstream.errors import ConfigError
+    from slipstream.job import runner
+    from slipstream.job.commands import entry_argv
+    from slipstream.job.spec import load_spec_text
+    from slipstream.job.variables import expand, expand_env
+
+    from .sbatch_shim import agent_call, run_sbatch_script
+
+    with tempfile.TemporaryDirectory() as tmp:
+        marker = Path(tmp) / "ran"
+        data = _with_marker(data, str(marker))
+        try:
+            spec = load_spec_text(yaml.safe_dump(data))  # escaped: PyYAML writes a raw NEL it reads back as a space
+        except ConfigError as exc:  # refused: each problem names a field holding a reason to refuse it
+            event("refused by the spec check")
+            lines = str(exc).splitlines()
+            for line in lines[1:] if len(lines) > 1 else lines:
+                field = line.strip().split(": ", 1)[0]
+                value = _field_value(data, field)
+                assert "\0" in value or "$(" in value or re.search(r"\$[^\x00-\x7f]", value), (field, value, line)
+            return
+        assert list(spec.full_command) == data["command"] + data["args"]  # YAML carried every byte
+        env = expand_env(spec.worker_env().items())
+        want = [expand(w, env) for w in entry_argv(spec)]
+
+        # Kubernetes: the manifests carry the spec's strings unchanged; the kubelet expands them.
+        for target in TARGETS:
+            objs = render(spec, target)
+            runs = [d["command"] for d in _walk(objs) if d.get("command", [None])[:2] == ["slipstream", "run"]]
+            assert runs and all(c[-len(want):] == entry_argv(spec) for c in runs)
+            for d in _walk(objs):
+                if isinstance(d.get("env"), list):
+                    given = [(e["name"], e["value"]) for e in d["env"] if "value" in e]
+                    assert given[:len(spec.worker_env())] == list(spec.worker_env().items())
+                    kubelet = expand_env(given)
+                    assert all(kubelet[k] == env[k] for k in env)
+                    if "command" in d and d["command"][:2] == ["slipstream", "run"]:
+                        assert [expand(w, kubelet) for w in d["command"][-len(want):]] == want
+
+        # The local runner: the argv and environment its replicas are started with.
+        started = []
+        real_popen = subprocess.Popen
+
+        def fake_popen(argv, env=None, **kw):
+            started.append((argv, env))
+            return real_popen(["true"])
+
+        with mock.patch.object(runner.subprocess, "Popen", fake_popen), \
+                mock.patch.object(runner, "prewarm_local", return_value=0):
+            assert runner.run_local(spec) == 0
+        for argv, child_env in started:
+            assert argv[-len(want):] == want
+            assert all(child_env[k] == env[k] for k in env)
+
+        # Slurm: the whole batch script, run by bash with srun and slipstream stood in for.
+        try:
+            script = render_sbatch(spec)
+        except TargetUnsupported as exc:
+            event("refused by the slurm target")
+            assert any(f"env.{n}:" in str(exc) for n in ("UID", "SLURM_X")), exc
+            return
+        event("ran on every target")
+        calls = run_sbatch_script(script, Path(tmp))
+        assert not marker.exists(), "the batch script ran code from the spec"
+        agent = agent_call(calls)
+        assert agent["argv"][-len(want):] == want
+        assert {k: agent["env"].get(k) for k in env} == env
+        if spec.data:
+            prewarm = [c["argv"] for c in calls if c["argv"][:2] == ["data", "prewarm"]]
+            assert prewarm and prewarm[0][2] == env["SLIPSTREAM_DATA_SOURCE"] == expand(spec.data.source, env)

@@ -40,7 +40,7 @@ def state_of(job_id: str, env) -> str:
     return next((f.split("=", 1)[1] for f in out.stdout.split() if f.startswith("JobState=")), "")
 
 
-def wait_state(job_id: str, env, states: set[str], timeout_s: float = 20) -> str:
+def wait_state(job_id: str, env, states: set[str], timeout_s: float = 60) -> str:
     deadline = time.monotonic() + timeout_s
     state = ""
     while time.monotonic() < deadline:
@@ -59,8 +59,13 @@ def run_cli(argv, capsys) -> tuple[int, str, str]:
 
 def test_status_logs_follow_and_cancel(cluster, tmp_path, capsys):
     env = cluster
+    # The tagged job runs until the test has seen it running: it waits for a file the test writes
+    # (an event, not a fixed `sleep 3` that a loaded machine could outlast before `status` looked),
+    # giving up after 120 s so that a failed test leaves no job behind.
+    go = tmp_path / "go"
+    tagged = sbatch(env, tmp_path, f"echo '[rank0]:start'; echo '[rank1]:other'; "
+                                   f"for i in $(seq 1200); do [ -e {go} ] && break; sleep 0.1; done; echo '[rank0]:end'")
     # Both jobs start together: the budget is one scheduler pass, not two.
-    tagged = sbatch(env, tmp_path, "echo '[rank0]:start'; echo '[rank1]:other'; sleep 3; echo '[rank0]:end'")
     victim = sbatch(env, tmp_path, "echo 'about to sleep'; sleep 120")
     run_dir = tmp_path / "run"
     (run_dir / "metrics").mkdir(parents=True)
@@ -76,11 +81,12 @@ def test_status_logs_follow_and_cancel(cluster, tmp_path, capsys):
     assert "progress: step 7, loss 3.2500" in out
 
     # -f follows the output file until the job ends; --rank keeps rank 0's lines.
+    go.touch()
     t0 = time.monotonic()
     rc, out, err = run_cli(["logs", "tagged-job", "-f", "--rank", "0"], capsys)
     assert rc == 0, err
     assert out.splitlines() == ["[rank0]:start", "[rank0]:end"]
-    assert time.monotonic() - t0 < 15
+    assert time.monotonic() - t0 < 60  # it stops once the job has ended (a hang would not)
 
     # Finished: no accounting on this cluster, so scontrol says it (sacct cannot).
     rc, out, err = run_cli(["status", tagged, "--target", "slurm"], capsys)

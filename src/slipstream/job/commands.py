@@ -14,6 +14,7 @@ from decimal import Decimal
 
 from .quantity import parse_quantity
 from .spec import JobSpec
+from .variables import expand, expand_env
 
 POD_IP_ENV = "SLIPSTREAM_POD_IP"
 RANK_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
@@ -49,6 +50,20 @@ def entry_argv(spec: JobSpec, extra_args: list[str] | tuple[str, ...] = ()) -> l
     return argv
 
 
+def resolved_env(spec: JobSpec) -> dict[str, str]:
+    """The workers' environment as the program sees it: ``spec.worker_env()`` with each value's
+    ``$(VAR)`` references expanded from the entries before it (Kubernetes' rule, :mod:`.variables`).
+    Targets that start processes themselves (the local runner) use this; the manifests carry the
+    unexpanded values for the kubelet, the sbatch script expands them in the shell."""
+    return expand_env(spec.worker_env().items())
+
+
+def resolved_entry_argv(spec: JobSpec, env: dict[str, str], extra_args: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """:func:`entry_argv` with the spec's ``$(VAR)`` references expanded from ``env`` (the
+    resolved environment); ``extra_args`` (from the command line, not the spec) stay as given."""
+    return [expand(word, env) for word in entry_argv(spec)] + list(extra_args)
+
+
 def launcher_command(
     spec: JobSpec, nnodes: str, endpoint: str, node_rank: str | None, rdzv_id: str
 ) -> list[str]:
@@ -77,5 +92,5 @@ def prewarm_command(spec: JobSpec) -> list[str] | None:
     return cmd
 
 
-__all__ = ["launcher_flags", "entry_argv", "launcher_command", "prewarm_command", "POD_IP_ENV", "CACHE_FILL",
+__all__ = ["launcher_flags", "entry_argv", "resolved_env", "resolved_entry_argv", "launcher_command", "prewarm_command", "POD_IP_ENV", "CACHE_FILL",
            "RANK_PREFIX", "RANK_PREFIX_ENV", "TEE_FLAGS"]

@@ -46,8 +46,9 @@ from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, ConfigError, UsageError
 from ..launch.proc import stop_processes
 from ..log import CONSOLE
-from .commands import entry_argv, launcher_flags, prewarm_command
+from .commands import launcher_flags, prewarm_command, resolved_entry_argv, resolved_env
 from .spec import JobSpec
+from .variables import expand
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,12 @@ def run_job(request: JobRun) -> int:
         run_job(JobRun(load_spec("examples/jobs/local-2x1.yaml"), emulate="2x1", link="1gbit"))
     """
     spec = request.spec
-    env = spec.worker_env()
+    env = resolved_env(spec)  # $(VAR) references expanded, as the kubelet would
     env.update(request.worker_env)
     extra = list(request.script_args)
     if spec.kind == "inference":
         return _run_inference(spec, env, extra)
-    _check_entrypoint(spec, spec.source_path or spec.name)
+    _check_entrypoint(spec, spec.source_path or spec.name, env)
     max_restarts = spec.restarts.max_restarts if request.max_restarts is None else request.max_restarts
     if request.emulate:
         return _run_emulated(spec, request, env, extra, max_restarts)
@@ -104,8 +105,9 @@ def run_job(request: JobRun) -> int:
                      rdzv_id=request.rdzv_id, rdzv_conf=request.rdzv_conf)
 
 
-def _check_entrypoint(spec: JobSpec, path: str) -> None:
+def _check_entrypoint(spec: JobSpec, path: str, env: Mapping[str, str]) -> None:
     ep = spec.entrypoint
+    ep = dataclasses.replace(ep, target=expand(ep.target, env))
     if ep.module:
         import importlib.util
 
@@ -211,7 +213,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
 
         run_local(load_spec("examples/jobs/local-2x1.yaml"))   # 0 on success
     """
-    env = spec.worker_env() if env is None else env
+    env = resolved_env(spec) if env is None else env
     extra_args = extra_args or []
     rdzv_id = rdzv_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
     if max_restarts is not None and max_restarts != spec.restarts.max_restarts:
@@ -221,7 +223,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
     devices, note = _gpu_plan(spec, base_env)
     if note:
         log.info("slipstream run: %s", note, extra=CONSOLE)
-    code = prewarm_local(spec, base_env)
+    code = prewarm_local(spec, base_env, variables=env)
     if code != EXIT_OK:
         return code
     endpoint = f"127.0.0.1:{free_port()}"
@@ -231,7 +233,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
             argv = [sys.executable, "-m", "slipstream", "run",
                     *launcher_flags(spec, spec.nnodes, endpoint, str(i), rdzv_id, local_addr="127.0.0.1"),
                     *(["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())] if rdzv_conf else []),
-                    *entry_argv(spec, extra_args)]
+                    *resolved_entry_argv(spec, env, extra_args)]
             child_env = dict(base_env)
             if devices[i] is not None:
                 child_env["CUDA_VISIBLE_DEVICES"] = devices[i]
@@ -248,12 +250,15 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
         stop_processes(procs, grace_s=KILL_GRACE_S)
 
 
-def prewarm_local(spec: JobSpec, env: dict[str, str]) -> int:
+def prewarm_local(spec: JobSpec, env: dict[str, str], variables: Mapping[str, str] | None = None) -> int:
     """With ``data.prewarm`` and a ``cache_dir``: fill the cache once, before any replica starts
-    (the same ``slipstream data prewarm`` the pods run as an init container). Returns its exit code."""
+    (the same ``slipstream data prewarm`` the pods run as an init container). Returns its exit code.
+    ``variables``: what the command's ``$(VAR)`` references expand to (default: the spec's resolved env)."""
     cmd = prewarm_command(spec)
     if cmd is None:
         return EXIT_OK
+    variables = resolved_env(spec) if variables is None else variables
+    cmd = [expand(word, variables) for word in cmd]
     argv = [sys.executable, "-m", "slipstream", *cmd[1:]]
     log.info("slipstream run: prewarming %s from %s", spec.data.cache_dir, spec.data.source, extra=CONSOLE)
     code = subprocess.run(argv, env=env).returncode
@@ -295,7 +300,7 @@ def _run_inference(spec: JobSpec, env: dict[str, str], extra: list[str]) -> int:
     """A serving spec runs its command once, in the foreground, with the spec's env."""
     child_env = dict(os.environ)
     child_env.update(env)
-    cmd = spec.full_command + extra
+    cmd = [expand(word, env) for word in spec.full_command] + extra
     log.info("slipstream run: serving %s on port %s: %s", spec.name, spec.serve.port, " ".join(cmd), extra=CONSOLE)
     try:
         proc = subprocess.Popen(cmd, env=child_env)
@@ -333,7 +338,7 @@ def _run_emulated(spec: JobSpec, request: JobRun, env: dict[str, str], extra: li
         raise UsageError(f"--emulate is not available in this installation (slipstream.launch.emulate: {exc})") from None
     from ..launch.api import LaunchOptions
 
-    ep_argv = entry_argv(spec, extra)
+    ep_argv = resolved_entry_argv(spec, env, extra)
     module = ep_argv[0] == "-m"
     entry = ep_argv[1] if module else ep_argv[0]
     rest = ep_argv[2:] if module else ep_argv[1:]

@@ -13,6 +13,11 @@ workers write the emergency checkpoint and the agents exit 143
 (``scontrol requeue``), which resumes from the checkpoint. A signal to the batch
 shell alone (``scancel -b``) is passed on to ``srun``, which forwards it to the agents.
 
+The spec's words (command, args) and env values reach the program as on Kubernetes
+(:mod:`slipstream.job.variables`): each is one single-quoted shell word but for its
+``$(VAR)`` references to the spec's own variables, which become ``"${VAR}"``; no other
+byte of the spec is read by a shell. Env names bash or srun own are refused (:data:`SHELL_NAMES`).
+
 The spec's ``image`` is not used: the job runs in the nodes' own software
 environment (``slipstream`` and the script must be installed there). Kubernetes-only
 keys (``namespace``, ``queue``, ``priority_class``, ``network``, ``shm_size``,
@@ -39,6 +44,7 @@ from .commands import RANK_PREFIX, RANK_PREFIX_ENV, TEE_FLAGS, entry_argv, launc
 from .quantity import parse_quantity
 from .render import TargetUnsupported
 from .spec import RDZV_PORT, JobSpec
+from .variables import shell_word
 
 TARGET = "slurm"
 PORT_SPAN = 20000
@@ -100,9 +106,33 @@ def sbatch_options(spec: JobSpec) -> list[str]:
     return opts
 
 
-def _shell(argv: list[str]) -> str:
-    """``argv`` as shell words; words starting with ``$`` stay expandable (in double quotes)."""
+SHELL_NAMES = frozenset({"UID", "EUID", "PPID", "SHELLOPTS", "BASHOPTS", "BASH_VERSINFO", "BASH_ENV", "IFS",
+                         "RDZV_NODE", "RDZV_HOST", "RDZV_PORT", "JOB_ENDING", "SRUN_PID", "rc"})
+"""Env names the sbatch script cannot pass on unchanged: bash holds them read-only or reads them
+itself (``BASH_ENV`` would run a file in the ``bash -c`` of the launch line), or the script sets them."""
+SLURM_PREFIXES = ("SLURM_", "SRUN_", "SBATCH_")
+"""Env prefixes srun and sbatch read as their own options (``SLURM_EXPORT_ENV``, ``SRUN_CPUS_PER_TASK``...)."""
+
+
+def _own_words(argv: list[str]) -> str:
+    """The renderer's own words as shell words: those starting with ``$`` are shell expressions
+    (``$SLURM_NODEID``, :data:`NODE_ADDR`) and stay expandable, in double quotes. Never the spec's text."""
     return " ".join(f'"{a}"' if a.startswith("$") else shlex.quote(a) for a in argv)
+
+
+def _spec_words(argv: list[str], defined: set[str]) -> str:
+    """Words from the spec: each one single-quoted but for its ``$(VAR)`` references to ``defined``
+    variables, which become ``"${VAR}"`` (Kubernetes' rule, :func:`~slipstream.job.variables.shell_word`)."""
+    return " ".join(shell_word(a, defined) for a in argv)
+
+
+def _check_env_names(spec: JobSpec) -> None:
+    for name in spec.worker_env():
+        if name in SHELL_NAMES or name.startswith(SLURM_PREFIXES):
+            raise TargetUnsupported(
+                f"env.{name}: the slurm target cannot pass it to the program unchanged (bash or the batch "
+                f"script sets or reads it; names starting with {', '.join(SLURM_PREFIXES)} are srun's and "
+                f"sbatch's options), got {name}")
 
 
 def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
@@ -114,7 +144,9 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
     # --tee 3 with the prefix template below: every worker line reads "[rankR]:...", which
     # `slipstream logs JOB --rank R` filters on; the run directory is the job's, kept across requeues.
     flags += [*TEE_FLAGS, "--run-dir", RUN_DIR]
-    agent = _shell(["slipstream", "run", *flags, *entry_argv(spec)])
+    _check_env_names(spec)
+    env = spec.worker_env()
+    agent = f"{_own_words(['slipstream', 'run', *flags])} {_spec_words(entry_argv(spec), set(env))}"
     lines = ["#!/bin/bash", f"# Rendered by `slipstream render --target slurm`{f' from {source}' if source else ''}: "
              f"{spec.replicas} node(s), one `slipstream run` agent per node, {spec.procs_per_replica} worker(s) each.",
              f"# image {spec.image} is not used on Slurm: the nodes' own environment runs the job."]
@@ -122,7 +154,8 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
     lines += ["", "set -u",
               "# srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 and some later releases): pass it on.",
               'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in spec.worker_env().items()]
+    # The spec's environment, each value's $(VAR) references expanded from the entries before it.
+    lines += [f"export {k}={_spec_words([v], set(list(env)[:i]))}" for i, (k, v) in enumerate(env.items())]
     lines += [f"export {RANK_PREFIX_ENV}={shlex.quote(RANK_PREFIX)}"]
     lines += [
         "",
@@ -139,7 +172,7 @@ def render_sbatch(spec: JobSpec, source: str | None = None) -> str:
     prewarm = prewarm_command(spec)
     if prewarm is not None:
         lines += ["", "# Fill each node's data cache before training.",
-                  f"srun --ntasks-per-node=1 {_shell(prewarm + ['--no-progress'])} || exit $?"]
+                  f"srun --ntasks-per-node=1 {_spec_words(prewarm + ['--no-progress'], set(env))} || exit $?"]
     lines += [
         "",
         "# srun in the background, so a SIGTERM to this shell runs the trap at once (a foreground",

@@ -35,6 +35,7 @@ from .model import (
 )
 from .quantity import parse_quantity
 from .reader import Errors, read_section, type_name
+from .variables import reference_problems
 
 _URL_SCHEME_RE = re.compile(r"^([a-z][a-z0-9+.\-]*)://")
 
@@ -153,9 +154,47 @@ def _key_named(message: str, data: Mapping[str, Any]) -> str:
     return min(found)[3] if found else "sync"
 
 
+def _variable_references(v: dict[str, Any], data: Mapping[str, Any], errors: Errors) -> None:
+    """``$(VAR)`` references and bytes that would not reach the program with one meaning on every
+    target (:func:`slipstream.job.variables.reference_problems`); run once every key is valid."""
+    if errors.items:
+        return
+    spec = JobSpec(**v)
+    own = dict(spec.env)
+    env = [(f"env.{name}" if name in own else _env_field(name), name, value)
+           for name, value in spec.worker_env().items()]
+    argv = [(f"command[{i}]", w) for i, w in enumerate(spec.command)]
+    argv += [(f"args[{i}]", w) for i, w in enumerate(spec.args)]
+    mounts = set()
+    if spec.checkpoint and spec.checkpoint.volume_claim:
+        mounts.add("checkpoint.dir")
+    if spec.data and spec.data.cache_dir and spec.data.cache_dir.startswith("/"):
+        mounts.add("data.cache_dir")
+    for field, message in reference_problems(env, argv, mounts):
+        errors.add(field, message)
+
+
+_GENERATED_FROM = {"SLIPSTREAM_JOB_NAME": "name", "SLIPSTREAM_DATA_SOURCE": "data.source",
+                   "SLIPSTREAM_DATA_CACHE_DIR": "data.cache_dir", "SLIPSTREAM_DATA_PREWARM": "data.prewarm",
+                   "SLIPSTREAM_GPU_MEMORY_FRACTION": "gpu_slice.memory_fraction"}
+
+
+def _env_field(var: str) -> str:
+    """The spec key a generated ``SLIPSTREAM_*`` variable is made from (``SLIPSTREAM_CHECKPOINT_DIR``:
+    ``checkpoint.dir``); ``env.X`` if none."""
+    if var in _GENERATED_FROM:
+        return _GENERATED_FROM[var]
+    for name, rule in rules(JobSpec).items():
+        if rule.kind == "section":
+            for key, inner in rules(rule.section).items():
+                if inner.config and f"SLIPSTREAM_{inner.config.upper()}" == var:
+                    return f"{name}.{key}"
+    return f"env.{var}"
+
+
 CHECKS: tuple[Callable[[dict[str, Any], Mapping[str, Any], Errors], None], ...] = (
     _command_runs, _processes_fit_gpus, _shm_fits_memory, _gpu_slice, _elastic_range, _checkpoint_mount,
-    _data_cache, _serve_port, _keys_of_the_kind, _env_vs_sections, _engine_accepts,
+    _data_cache, _serve_port, _keys_of_the_kind, _env_vs_sections, _engine_accepts, _variable_references,
 )
 
 
