@@ -378,7 +378,7 @@ class HookSync:
         name = self._codec_name(index)
         # The level is fixed for the step: it changes only in the control step after the last bucket.
         reducer = self.reducer
-        step.uncompressed_bytes += reducer.uncompressed_bytes(buf.numel(), 4)
+        step.uncompressed_bytes += reducer.uncompressed_bytes(buf.numel(), buf.element_size())
         if self._direct():
             if self._queue is not None:  # idle since the last step (DDP waited for its jobs): stop it
                 self.close()

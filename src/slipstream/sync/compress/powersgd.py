@@ -32,10 +32,17 @@ from .base import ErrorFeedback, Layout, Piece, Wire, all_finite, host_reads_fla
 
 
 def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
-    """Columns of p made orthonormal (reduced QR); zero columns stay finite."""
-    q, _ = torch.linalg.qr(p, mode="reduced")
+    """Columns of p made orthonormal (reduced QR, in fp32); zero columns stay finite.
+
+    QR has no half-precision kernel (CPU: "geqrf_cpu" not implemented for 'BFloat16';
+    CUDA neither), so a bf16/fp16 ``p`` is orthonormalised in fp32 and rounded back.
+    """
+    q, _ = torch.linalg.qr(p if p.dtype in _QR_DTYPES else p.float(), mode="reduced")
     p.copy_(q)
     return p
+
+
+_QR_DTYPES = (torch.float32, torch.float64)
 
 
 class PowerSGD(ErrorFeedback):
