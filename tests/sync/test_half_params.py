@@ -56,3 +56,28 @@ def test_half_parameters_state_and_bytes(runs, dtype):
         # compression ratio of a 16-bit cast of bf16 gradients is 1, not 2.
         assert half["uncompressed"] == ref["uncompressed"] / 2, (name, half, ref)
         assert half["bytes_sent"] <= ref["bytes_sent"], name
+
+
+def test_batched_orthonormalisation_is_bitwise_the_per_matrix_one():
+    """PowerSGD orthonormalises its Ps one batched QR per shape (issue #32, item 6): in
+    fp32 the result is the one a QR per matrix gives, bit for bit, whether the Ps lie
+    end to end in one buffer (viewed as the batch) or apart (stacked)."""
+    import torch
+
+    from slipstream.sync.compress.powersgd import orthonormalize_, orthonormalize_all_
+
+    g = torch.Generator().manual_seed(0)
+    buf = torch.randn(5 * 64 * 4 + 10 * 4, generator=g)
+    end_to_end = [buf[i * 256:(i + 1) * 256].view(64, 4) for i in range(5)] + [buf[1280:].view(10, 4)]
+    apart = [torch.randn(64, 4, generator=g) for _ in range(3)] + [torch.randn(10, 4, generator=g)]
+    for ms in (end_to_end, apart):
+        one = [m.clone() for m in ms]
+        for m in one:
+            orthonormalize_(m)
+        orthonormalize_all_(ms)
+        assert all(torch.equal(a, b) for a, b in zip(one, ms))
+        assert all(torch.allclose(m.t() @ m, torch.eye(4), atol=1e-5) for m in ms)
+    for dtype in (torch.bfloat16, torch.float16):  # no half QR kernel: computed in fp32
+        ms = [torch.randn(64, 4, generator=g).to(dtype) for _ in range(3)]
+        orthonormalize_all_(ms)
+        assert all(m.dtype == dtype and torch.allclose((m.t() @ m).float(), torch.eye(4), atol=3e-2) for m in ms)

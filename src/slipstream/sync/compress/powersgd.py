@@ -45,6 +45,47 @@ def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
 _QR_DTYPES = (torch.float32, torch.float64)
 
 
+def orthonormalize_all_(ps: list[torch.Tensor]) -> None:
+    """:func:`orthonormalize_` on every matrix of ``ps``, one batched QR per shape.
+
+    ``torch.linalg.qr`` takes a batch (..., m, r) and factorises each matrix of it
+    as a call on that matrix alone would: the results are bitwise those of one call
+    per matrix (checked in tests/sync/test_half_params.py). What batching saves is
+    a call (Python, dispatch; on GPUs the solver's launches) per matrix. Matrices
+    that lie end to end in memory (PowerSGD's Ps in its send buffer) are viewed as
+    the batch, no copy; others are stacked. Half-precision ones go through fp32.
+    """
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for p in ps:
+        groups.setdefault(tuple(p.shape), []).append(p)
+    for same in groups.values():
+        if len(same) == 1:
+            orthonormalize_(same[0])
+            continue
+        batch = _end_to_end(same)
+        if batch is None:
+            batch = torch.stack(same)
+        q, _ = torch.linalg.qr(batch if batch.dtype in _QR_DTYPES else batch.float(), mode="reduced")
+        if batch.data_ptr() == same[0].data_ptr():
+            batch.copy_(q)
+        else:
+            for p, qi in zip(same, q.unbind(0)):
+                p.copy_(qi)
+
+
+def _end_to_end(ms: list[torch.Tensor]) -> torch.Tensor | None:
+    """``ms`` (contiguous, one shape) as one (len, rows, cols) view when each starts where
+    the one before ends in the same storage; else None."""
+    first = ms[0]
+    n = first.numel()
+    for i, m in enumerate(ms):
+        if not m.is_contiguous() or m.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        if m.storage_offset() != first.storage_offset() + i * n:
+            return None
+    return first.as_strided((len(ms), *first.shape), (n, *first.stride()))
+
+
 class PowerSGD(ErrorFeedback):
     name = "powersgd"
     collectives_per_call = 2
@@ -166,8 +207,7 @@ class PowerSGD(ErrorFeedback):
         # column of Q^T = P^T C (inf*p is +-inf, inf*0 is NaN), so buf2 is non-finite and
         # so is that column of the output P Q^T: every rank's scaler sees the overflow.
         finite = all_finite(buf1)
-        for p in ps:
-            orthonormalize_(p)
+        orthonormalize_all_(ps)
         # Collective 2: the Qs, stored transposed (r x cols): P^T C reads C row by row,
         # about twice as fast as C^T P on one core.
         buf2 = torch.empty(sum(q.numel() for q in qs), dtype=flat.dtype, device=flat.device)
