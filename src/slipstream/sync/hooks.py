@@ -139,6 +139,9 @@ class HookSync:
         self._param_index: dict[int, int] = {}
         self._queue: OrderedQueue | None = None
         self._queued_before = 0  # jobs of ordering queues already stopped (close(), or going direct)
+        # Codec state a load allocated on the default stream, not yet recorded for the side
+        # stream the codecs run on (see _job).
+        self._loaded: list[torch.Tensor] = []
         self._set_guard_state()
 
     # -- installation ------------------------------------------------------------------
@@ -269,6 +272,7 @@ class HookSync:
                 # Residuals and Q factors live where the gradients do: a checkpoint
                 # written on another device (or loaded to the CPU) is moved here once.
                 self.codecs[k].load_state_dict(_to_device(sd, self.device))
+        self._loaded = [t for c in self.codecs.values() for t in c.state_tensors()]
         if self.guard is not None and state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
 
@@ -425,7 +429,16 @@ class HookSync:
     def _job(self, reducer: Reducer, index: int, key: Hashable, buf: torch.Tensor, name: str, layout: Layout | None,
              step: StepRecord, last: bool, ready: Mark):
         if ready[1] is not None:  # the gradients the backward stream wrote, on this thread's stream
-            torch.cuda.current_stream().wait_event(ready[1])
+            stream = torch.cuda.current_stream()
+            stream.wait_event(ready[1])
+            if self._loaded:
+                # State loaded at resume was allocated on the default stream and is read,
+                # overwritten and dropped here: recorded, the caching allocator keeps each
+                # block from the backward until this stream's work on it is done. (Its
+                # first write happened before the backward's ready event: the wait covers it.)
+                for t in self._loaded:
+                    t.record_stream(stream)
+        self._loaded = []
         t0 = self.clock.mark()
         before = reducer.bytes_sent
         inter = reducer.inter if isinstance(reducer, Hierarchical) else None

@@ -201,6 +201,11 @@ class Codec:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors the codec keeps between calls (what ``load_state_dict`` allocates): on
+        GPUs the engine records them for the stream its codecs run on (``record_stream``)."""
+        return []
+
 
 # Device types whose kernels run synchronously with Python: reading a flag there on
 # the host stalls no queue. Elsewhere (CUDA) the codecs never read it.
@@ -368,6 +373,9 @@ class ErrorFeedback(Codec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {key_parse(k): v.clone() for k, v in state.get("residuals", {}).items()}
         self._whole, self._whole_key = {}, {}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return list(self.residuals.values())
 
 
 def param_units(key: Hashable, layout: Layout | None) -> list[tuple[str, int]] | None:

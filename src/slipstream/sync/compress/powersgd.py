@@ -261,6 +261,9 @@ class PowerSGD(ErrorFeedback):
         self._q0 = {}
         self.q = {key_parse(k): v.clone() for k, v in state.get("q", {}).items()}
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        return super().state_tensors() + list(self.q.values())
+
 
 def _runs(pieces: list[Piece]) -> list[Piece]:
     """``pieces`` with each stretch of adjacent ones merged into one 1-D piece."""
