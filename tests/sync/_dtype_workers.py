@@ -74,3 +74,26 @@ def every_strategy(rank: int, world: int, steps: int, names: list[str] | None = 
         for name in names:
             out.setdefault(dname, {})[name] = train(name, dtype, steps)
     return out
+
+
+def fp16_facade_scale(rank: int, world: int, strategy: str) -> dict:
+    """accelerate() with fp16 and an error-feedback strategy: does the sync engine see the
+    scaler's loss scale (the same device tensor, no copy), and does training stay finite?"""
+    import slipstream
+
+    slipstream.init()
+    model = mlp(WIDTHS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = slipstream.accelerate(model, opt, progress=False, run_dir=None, precision="fp16", sync=strategy)
+    losses = []
+    for step in range(3):
+        x, y = batch(step, rank, 32, WIDTHS[0], WIDTHS[-1])
+        loss = nn.functional.cross_entropy(run.model(x), y)
+        run.backward(loss)
+        run.step()
+        losses.append(float(loss.detach()))
+    sync = run.sync_state
+    seen = sync._loss_scale() if sync._loss_scale is not None else None
+    out = {"same_tensor": seen is run.scaler._scale, "losses": losses}
+    run.finish()
+    return out

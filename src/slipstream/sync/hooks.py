@@ -142,6 +142,7 @@ class HookSync:
         # Codec state a load allocated on the default stream, not yet recorded for the side
         # stream the codecs run on (see _job).
         self._loaded: list[torch.Tensor] = []
+        self._loss_scale: Callable[[], torch.Tensor | None] | None = None  # use_loss_scale
         self._set_guard_state()
 
     # -- installation ------------------------------------------------------------------
@@ -195,6 +196,20 @@ class HookSync:
         device until the next check). Call it after backward."""
         if self.guard is not None and self.mode is not Mode.FALLBACK:
             self.guard.observe_loss(loss)
+
+    def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
+        """Gradients arrive multiplied by a loss scale (fp16's GradScaler): ``scale()`` gives it
+        as a 0-dim tensor on the gradients' device (None: not known yet). Error-feedback codecs
+        then work in true-gradient units: a bucket is divided by the scale before the codec
+        and the result multiplied back, so the residual carried to the next step does not
+        change weight when the scaler changes its scale (2x at each growth or backoff). No
+        host sync: the scale stays on the device. Call it on every rank, before training.
+
+        Example::
+
+            state.use_loss_scale(lambda: slipstream.train.precision.loss_scale(scaler))
+        """
+        self._loss_scale = scale
 
     def request_probe(self) -> None:
         """Re-measure the link (and, for auto, re-observe and re-decide) at the next step.
@@ -443,7 +458,13 @@ class HookSync:
         before = reducer.bytes_sent
         inter = reducer.inter if isinstance(reducer, Hierarchical) else None
         inter_before = inter.bytes_sent if inter is not None else 0.0
-        out = reducer.reduce(buf, self.codecs[name], key, layout)
+        codec = self.codecs[name]
+        scale = self._loss_scale() if self._loss_scale is not None and isinstance(codec, ErrorFeedback) else None
+        if scale is not None:  # true-gradient units for the residual (use_loss_scale); inf/NaN stay so
+            buf.div_(scale)
+        out = reducer.reduce(buf, codec, key, layout)
+        if scale is not None:
+            out.mul_(scale)
         if self.mode is Mode.OBSERVE and self.auto is not None:
             step.outputs[index] = out  # auto measures its codecs on this gradient (a reference)
         step.bytes_sent += reducer.bytes_sent - before
