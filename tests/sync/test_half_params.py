@@ -81,3 +81,42 @@ def test_batched_orthonormalisation_is_bitwise_the_per_matrix_one():
         ms = [torch.randn(64, 4, generator=g).to(dtype) for _ in range(3)]
         orthonormalize_all_(ms)
         assert all(m.dtype == dtype and torch.allclose((m.t() @ m).float(), torch.eye(4), atol=3e-2) for m in ms)
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16", "fp16"])
+def test_predicted_wire_bytes_are_the_bytes_sent_in_every_dtype(dtype_name):
+    """``auto``'s cost model prices a bucket by ``codec.wire_bytes``: for half gradients it
+    must count 2 bytes a value, as the wire does (it priced every bucket as fp32, so a bf16
+    cast of bf16 gradients looked twice as cheap as their all-reduce)."""
+    import torch
+
+    from slipstream.link import all_gather_bytes, allreduce_bytes
+    from slipstream.sync.compress import make_codec
+    from slipstream.sync.compress.base import Wire, layout_from_shapes
+    from slipstream.sync.policy import BucketInfo, FlatCost
+    from slipstream.link import Link
+
+    class TwoLikeRanks(Wire):
+        """Counts what two ranks holding the same tensors would send; sends nothing."""
+
+        def allreduce(self, t, op=None):
+            self._count(allreduce_bytes(t.numel() * t.element_size(), self.size))
+            return t.mul_(self.size)
+
+        def allgather(self, t):
+            self._count(all_gather_bytes(t.numel() * t.element_size(), self.size))
+            return torch.stack([t.contiguous()] * self.size)
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    shapes = [torch.Size([256, 128]), torch.Size([256]), torch.Size([64, 256]), torch.Size([64])]
+    layout = layout_from_shapes(shapes)
+    numel = sum(s.numel() for s in shapes)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    link = Link.measured(2, 0.0, 1e9)
+    for name in ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign"):
+        codec, wire = make_codec(name), TwoLikeRanks(None, size=2)
+        codec.reduce(torch.randn(numel).to(dtype), wire, tuple(range(len(shapes))), layout)
+        predicted = codec.wire_bytes(numel, 2, layout, itemsize)
+        assert wire.bytes_sent == pytest.approx(predicted), (name, dtype_name, wire.bytes_sent, predicted)
+        seconds = FlatCost(link, 2).bucket_seconds(BucketInfo(0, numel, 0.0, layout, itemsize), codec)
+        assert seconds == pytest.approx(link.seconds(wire.bytes_sent, codec.collectives_per_call)), name

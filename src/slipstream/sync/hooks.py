@@ -391,6 +391,7 @@ class HookSync:
         index, buf, last = bucket.index(), bucket.buffer(), bucket.is_last()
         step.ready[index] = now
         step.numel[index] = buf.numel()
+        step.itemsize[index] = buf.element_size()
         if last:
             step.t_last_ready = now
             self._open = None

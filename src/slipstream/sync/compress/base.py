@@ -187,9 +187,10 @@ class Codec:
         wire.allreduce(flat)
         return flat.div_(wire.size)
 
-    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
-        """Bytes one rank sends to reduce ``numel`` fp32 values over ``n`` ranks."""
-        return allreduce_bytes(numel * 4, n)
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None, itemsize: int = 4) -> float:
+        """Bytes one rank sends to reduce ``numel`` values of ``itemsize`` bytes (4: fp32;
+        2: bf16/fp16 gradients) over ``n`` ranks."""
+        return allreduce_bytes(numel * itemsize, n)
 
     def reset_signal(self) -> None:
         self.residual_sq = 0.0

@@ -127,10 +127,10 @@ class PowerSGD(ErrorFeedback):
                 rest.append(p)
         return mats, rest
 
-    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None, itemsize: int = 4) -> float:
         mats, rest = self.split(numel, layout)
         values = sum(p.numel for p in rest) + sum(min(self.rank, p.rows, p.cols) * (p.rows + p.cols) for p in mats)
-        return allreduce_bytes(values * 4, n)
+        return allreduce_bytes(values * itemsize, n)  # P, Q and the rest travel in the gradients' dtype
 
     def _initial_q(self, qkey: Hashable, p: Piece, like: torch.Tensor) -> torch.Tensor:
         # Same on every rank without a broadcast: seeded by (seed, parameter or bucket+matrix).
