@@ -111,6 +111,12 @@ class SyncHandle(Protocol):
         """The codecs in use, counted over buckets (``"allreduce:3,powersgd:2"``)."""
         ...
 
+    def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
+        """Gradients arrive multiplied by this loss scale (a 0-dim device tensor; fp16's
+        GradScaler): error feedback is kept in true-gradient units. A no-op where no codec
+        carries state between steps."""
+        ...
+
     def close(self) -> None:
         """Stop background work (the hook engine's ordering thread); idempotent."""
         ...
@@ -185,6 +191,9 @@ class AllreduceState:
 
     def decision_summary(self) -> str:
         return "allreduce (DDP reducer)"
+
+    def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
+        """DDP's reducer carries nothing between steps: the scale does not matter."""
 
     def close(self) -> None:
         """Nothing runs in the background."""

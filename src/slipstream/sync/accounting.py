@@ -36,6 +36,7 @@ class StepRecord:
     t_backward_start: Mark | None
     ready: dict[int, Mark] = field(default_factory=dict)
     numel: dict[int, int] = field(default_factory=dict)
+    itemsize: dict[int, int] = field(default_factory=dict)  # bytes per gradient value (2: bf16/fp16 parameters)
     keys: dict[int, Hashable] = field(default_factory=dict)
     bytes_sent: float = 0.0
     uncompressed_bytes: float = 0.0

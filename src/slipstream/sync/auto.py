@@ -188,7 +188,8 @@ class AutoPolicy:
         # plan that still compresses nothing (communication hidden, or too little exposed)
         # needs no timing, and the decision step costs one small all-reduce.
         ready = self.control.agree(ready, op=dist.ReduceOp.MAX)
-        buckets = [BucketInfo(i, last.numel[i], r, layouts.get(last.keys.get(i))) for i, r in zip(order, ready)]
+        buckets = [BucketInfo(i, last.numel[i], r, layouts.get(last.keys.get(i)), last.itemsize.get(i, 4))
+                   for i, r in zip(order, ready)]
         free = {(i, nm): 0.0 for i in order for nm in names}
         decisions = {level: decide(buckets, model, self.world_size, free, {nm: codecs[nm] for nm in names},
                                    hidden_tolerance=self.options.hidden_tolerance)
@@ -286,7 +287,8 @@ class AutoPolicy:
         k = max((m.local_world_size for m in cost_models.values() if isinstance(m, HierarchicalCost)), default=1)
         # The early stop's yardstick: the bucket's uncompressed wire time on the slower level.
         slowest = max(cost_models.values(), key=lambda m: sum(
-            m.bucket_seconds(BucketInfo(i, last.numel[i], 0.0, layouts.get(last.keys.get(i))), Codec()) for i in order))
+            m.bucket_seconds(BucketInfo(i, last.numel[i], 0.0, layouts.get(last.keys.get(i)), last.itemsize.get(i, 4)),
+                             Codec()) for i in order))
         costs, energy, lost = self._time_slice(order, last, clock, device, layouts, self.local_rank % k, k, slowest)
         # One slot of figures per local rank; a rank fills its own, +inf elsewhere (MIN ignores
         # it): the costs, then per codec the energy of the pieces it was applied to and what it
@@ -451,8 +453,8 @@ class AutoPolicy:
             dtype = g.dtype if g is not None else torch.float32
             g_sq = torch.dot(g, g).double() if with_shares and numel else None
             key = step.keys.get(i, i)
-            uncompressed_s = wire_model.bucket_seconds(BucketInfo(i, step.numel[i], 0.0, layouts.get(step.keys.get(i))),
-                                                       Codec())
+            uncompressed_s = wire_model.bucket_seconds(
+                BucketInfo(i, step.numel[i], 0.0, layouts.get(step.keys.get(i)), step.itemsize.get(i, 4)), Codec())
             for name in self.candidates:
                 if name == "allreduce" or numel == 0:
                     costs[(i, name)] = 0.0

@@ -139,6 +139,10 @@ class HookSync:
         self._param_index: dict[int, int] = {}
         self._queue: OrderedQueue | None = None
         self._queued_before = 0  # jobs of ordering queues already stopped (close(), or going direct)
+        # Codec state a load allocated on the default stream, not yet recorded for the side
+        # stream the codecs run on (see _job).
+        self._loaded: list[torch.Tensor] = []
+        self._loss_scale: Callable[[], torch.Tensor | None] | None = None  # use_loss_scale
         self._set_guard_state()
 
     # -- installation ------------------------------------------------------------------
@@ -192,6 +196,20 @@ class HookSync:
         device until the next check). Call it after backward."""
         if self.guard is not None and self.mode is not Mode.FALLBACK:
             self.guard.observe_loss(loss)
+
+    def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
+        """Gradients arrive multiplied by a loss scale (fp16's GradScaler): ``scale()`` gives it
+        as a 0-dim tensor on the gradients' device (None: not known yet). Error-feedback codecs
+        then work in true-gradient units: a bucket is divided by the scale before the codec
+        and the result multiplied back, so the residual carried to the next step does not
+        change weight when the scaler changes its scale (2x at each growth or backoff). No
+        host sync: the scale stays on the device. Call it on every rank, before training.
+
+        Example::
+
+            state.use_loss_scale(lambda: slipstream.train.precision.loss_scale(scaler))
+        """
+        self._loss_scale = scale
 
     def request_probe(self) -> None:
         """Re-measure the link (and, for auto, re-observe and re-decide) at the next step.
@@ -269,6 +287,7 @@ class HookSync:
                 # Residuals and Q factors live where the gradients do: a checkpoint
                 # written on another device (or loaded to the CPU) is moved here once.
                 self.codecs[k].load_state_dict(_to_device(sd, self.device))
+        self._loaded = [t for c in self.codecs.values() for t in c.state_tensors()]
         if self.guard is not None and state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
 
@@ -372,13 +391,14 @@ class HookSync:
         index, buf, last = bucket.index(), bucket.buffer(), bucket.is_last()
         step.ready[index] = now
         step.numel[index] = buf.numel()
+        step.itemsize[index] = buf.element_size()
         if last:
             step.t_last_ready = now
             self._open = None
         name = self._codec_name(index)
         # The level is fixed for the step: it changes only in the control step after the last bucket.
         reducer = self.reducer
-        step.uncompressed_bytes += reducer.uncompressed_bytes(buf.numel(), 4)
+        step.uncompressed_bytes += reducer.uncompressed_bytes(buf.numel(), buf.element_size())
         if self._direct():
             if self._queue is not None:  # idle since the last step (DDP waited for its jobs): stop it
                 self.close()
@@ -425,12 +445,27 @@ class HookSync:
     def _job(self, reducer: Reducer, index: int, key: Hashable, buf: torch.Tensor, name: str, layout: Layout | None,
              step: StepRecord, last: bool, ready: Mark):
         if ready[1] is not None:  # the gradients the backward stream wrote, on this thread's stream
-            torch.cuda.current_stream().wait_event(ready[1])
+            stream = torch.cuda.current_stream()
+            stream.wait_event(ready[1])
+            if self._loaded:
+                # State loaded at resume was allocated on the default stream and is read,
+                # overwritten and dropped here: recorded, the caching allocator keeps each
+                # block from the backward until this stream's work on it is done. (Its
+                # first write happened before the backward's ready event: the wait covers it.)
+                for t in self._loaded:
+                    t.record_stream(stream)
+        self._loaded = []
         t0 = self.clock.mark()
         before = reducer.bytes_sent
         inter = reducer.inter if isinstance(reducer, Hierarchical) else None
         inter_before = inter.bytes_sent if inter is not None else 0.0
-        out = reducer.reduce(buf, self.codecs[name], key, layout)
+        codec = self.codecs[name]
+        scale = self._loss_scale() if self._loss_scale is not None and isinstance(codec, ErrorFeedback) else None
+        if scale is not None:  # true-gradient units for the residual (use_loss_scale); inf/NaN stay so
+            buf.div_(scale)
+        out = reducer.reduce(buf, codec, key, layout)
+        if scale is not None:
+            out.mul_(scale)
         if self.mode is Mode.OBSERVE and self.auto is not None:
             step.outputs[index] = out  # auto measures its codecs on this gradient (a reference)
         step.bytes_sent += reducer.bytes_sent - before

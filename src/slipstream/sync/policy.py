@@ -61,6 +61,7 @@ class BucketInfo:
     numel: int
     ready_s: float  # after the start of backward
     layout: Layout | None = None
+    itemsize: int = 4  # bytes per gradient value: 2 for bf16/fp16 parameters
 
 
 class FlatCost:
@@ -71,7 +72,7 @@ class FlatCost:
         self.world_size = world_size
 
     def bucket_seconds(self, bucket: BucketInfo, codec: Codec) -> float:
-        wire = codec.wire_bytes(bucket.numel, self.world_size, bucket.layout)
+        wire = codec.wire_bytes(bucket.numel, self.world_size, bucket.layout, bucket.itemsize)
         return self.link.seconds(wire, codec.collectives_per_call)
 
     def codec_input(self, numel: int, layout: Layout | None) -> tuple[int, Layout | None]:
@@ -85,7 +86,7 @@ class FlatCost:
 class HierarchicalCost:
     """Two levels: nodes of ``local_world_size`` ranks on ``intra``, nodes joined by ``inter``.
 
-    Per bucket of S fp32 bytes: reduce-scatter + all-gather inside the node move
+    Per bucket of S bytes: reduce-scatter + all-gather inside the node move
     2(k-1)/k * S per rank uncompressed (two collectives on the intra link); the
     codec runs on the 1/k shard over ``num_nodes`` ranks on the inter link.
     """
@@ -105,10 +106,11 @@ class HierarchicalCost:
         t = 0.0
         if k > 1:
             # reduce-scatter + all-gather: together the bytes of one all-reduce, in two collectives
-            t += self.intra.seconds(allreduce_bytes(bucket.numel * 4, k), 2)
+            t += self.intra.seconds(allreduce_bytes(bucket.numel * bucket.itemsize, k), 2)
         if self.num_nodes > 1:
             shard, layout = self.codec_input(bucket.numel, bucket.layout)
-            t += self.inter.seconds(codec.wire_bytes(shard, self.num_nodes, layout), codec.collectives_per_call)
+            t += self.inter.seconds(codec.wire_bytes(shard, self.num_nodes, layout, bucket.itemsize),
+                                    codec.collectives_per_call)
         return t
 
     def summary(self) -> str:

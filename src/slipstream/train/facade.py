@@ -50,7 +50,7 @@ from .layout_dp import DataParallelLayout
 from .layout_mesh import MeshLayout
 from .microsteps import ForwardContext, MicroSteps
 from .optimizer_build import OptimizerArg, build_scheduler, foreign_parameters
-from .precision import grad_scaler
+from .precision import grad_scaler, loss_scale
 from .step_result import StepResult
 
 
@@ -80,6 +80,9 @@ class Accelerated:
         self.scheduler = scheduler
         self.progress = progress_reporter
         self.scaler = grad_scaler(config.numerics.precision, runtime.device)
+        if self.scaler is not None and layout.sync is not None:
+            scaler = self.scaler  # fp16: error feedback kept in true-gradient units (scale stays on the device)
+            layout.sync.use_loss_scale(lambda: loss_scale(scaler))
         self._micro = micro
         self.step_count = 0
         self.resumed_from_step: int | None = None

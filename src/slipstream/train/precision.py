@@ -27,6 +27,20 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type)
 
 
+def loss_scale(scaler: torch.amp.GradScaler) -> torch.Tensor | None:
+    """The scaler's current loss scale as a 0-dim tensor on its device (None before its
+    first ``scale()``), for work on the device that must undo it without a host sync.
+
+    torch keeps it as one tensor that ``update()`` changes in place; ``get_scale()``
+    would read it back to the host (a sync per call).
+
+    Example::
+
+        sync.use_loss_scale(lambda: loss_scale(scaler))   # error feedback in true-gradient units
+    """
+    return scaler._scale
+
+
 def outputs_to_fp32(value: Any) -> Any:
     """Cast low-precision floating outputs back to fp32, so a loss computed
     outside the model is computed in full precision; keep every container's type.

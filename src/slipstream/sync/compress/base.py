@@ -187,9 +187,10 @@ class Codec:
         wire.allreduce(flat)
         return flat.div_(wire.size)
 
-    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
-        """Bytes one rank sends to reduce ``numel`` fp32 values over ``n`` ranks."""
-        return allreduce_bytes(numel * 4, n)
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None, itemsize: int = 4) -> float:
+        """Bytes one rank sends to reduce ``numel`` values of ``itemsize`` bytes (4: fp32;
+        2: bf16/fp16 gradients) over ``n`` ranks."""
+        return allreduce_bytes(numel * itemsize, n)
 
     def reset_signal(self) -> None:
         self.residual_sq = 0.0
@@ -200,6 +201,11 @@ class Codec:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors the codec keeps between calls (what ``load_state_dict`` allocates): on
+        GPUs the engine records them for the stream its codecs run on (``record_stream``)."""
+        return []
 
 
 # Device types whose kernels run synchronously with Python: reading a flag there on
@@ -368,6 +374,9 @@ class ErrorFeedback(Codec):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.residuals = {key_parse(k): v.clone() for k, v in state.get("residuals", {}).items()}
         self._whole, self._whole_key = {}, {}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return list(self.residuals.values())
 
 
 def param_units(key: Hashable, layout: Layout | None) -> list[tuple[str, int]] | None:

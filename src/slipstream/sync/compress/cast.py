@@ -47,5 +47,5 @@ class Cast(Codec):
         wire.allreduce(payload)
         return self.decode(payload, flat, wire.size)
 
-    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
-        return allreduce_bytes(numel * 2, n)
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None, itemsize: int = 4) -> float:
+        return allreduce_bytes(numel * 2, n)  # 16 bits whatever the gradients' width

@@ -32,10 +32,58 @@ from .base import ErrorFeedback, Layout, Piece, Wire, all_finite, host_reads_fla
 
 
 def orthonormalize_(p: torch.Tensor) -> torch.Tensor:
-    """Columns of p made orthonormal (reduced QR); zero columns stay finite."""
-    q, _ = torch.linalg.qr(p, mode="reduced")
+    """Columns of p made orthonormal (reduced QR, in fp32); zero columns stay finite.
+
+    QR has no half-precision kernel (CPU: "geqrf_cpu" not implemented for 'BFloat16';
+    CUDA neither), so a bf16/fp16 ``p`` is orthonormalised in fp32 and rounded back.
+    """
+    q, _ = torch.linalg.qr(p if p.dtype in _QR_DTYPES else p.float(), mode="reduced")
     p.copy_(q)
     return p
+
+
+_QR_DTYPES = (torch.float32, torch.float64)
+
+
+def orthonormalize_all_(ps: list[torch.Tensor]) -> None:
+    """:func:`orthonormalize_` on every matrix of ``ps``, one batched QR per shape.
+
+    ``torch.linalg.qr`` takes a batch (..., m, r) and factorises each matrix of it
+    as a call on that matrix alone would: the results are bitwise those of one call
+    per matrix (checked in tests/sync/test_half_params.py). What batching saves is
+    a call (Python, dispatch; on GPUs the solver's launches) per matrix. Matrices
+    that lie end to end in memory (PowerSGD's Ps in its send buffer) are viewed as
+    the batch, no copy; others are stacked. Half-precision ones go through fp32.
+    """
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for p in ps:
+        groups.setdefault(tuple(p.shape), []).append(p)
+    for same in groups.values():
+        if len(same) == 1:
+            orthonormalize_(same[0])
+            continue
+        batch = _end_to_end(same)
+        if batch is None:
+            batch = torch.stack(same)
+        q, _ = torch.linalg.qr(batch if batch.dtype in _QR_DTYPES else batch.float(), mode="reduced")
+        if batch.data_ptr() == same[0].data_ptr():
+            batch.copy_(q)
+        else:
+            for p, qi in zip(same, q.unbind(0)):
+                p.copy_(qi)
+
+
+def _end_to_end(ms: list[torch.Tensor]) -> torch.Tensor | None:
+    """``ms`` (contiguous, one shape) as one (len, rows, cols) view when each starts where
+    the one before ends in the same storage; else None."""
+    first = ms[0]
+    n = first.numel()
+    for i, m in enumerate(ms):
+        if not m.is_contiguous() or m.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        if m.storage_offset() != first.storage_offset() + i * n:
+            return None
+    return first.as_strided((len(ms), *first.shape), (n, *first.stride()))
 
 
 class PowerSGD(ErrorFeedback):
@@ -79,10 +127,10 @@ class PowerSGD(ErrorFeedback):
                 rest.append(p)
         return mats, rest
 
-    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None, itemsize: int = 4) -> float:
         mats, rest = self.split(numel, layout)
         values = sum(p.numel for p in rest) + sum(min(self.rank, p.rows, p.cols) * (p.rows + p.cols) for p in mats)
-        return allreduce_bytes(values * 4, n)
+        return allreduce_bytes(values * itemsize, n)  # P, Q and the rest travel in the gradients' dtype
 
     def _initial_q(self, qkey: Hashable, p: Piece, like: torch.Tensor) -> torch.Tensor:
         # Same on every rank without a broadcast: seeded by (seed, parameter or bucket+matrix).
@@ -159,8 +207,7 @@ class PowerSGD(ErrorFeedback):
         # column of Q^T = P^T C (inf*p is +-inf, inf*0 is NaN), so buf2 is non-finite and
         # so is that column of the output P Q^T: every rank's scaler sees the overflow.
         finite = all_finite(buf1)
-        for p in ps:
-            orthonormalize_(p)
+        orthonormalize_all_(ps)
         # Collective 2: the Qs, stored transposed (r x cols): P^T C reads C row by row,
         # about twice as fast as C^T P on one core.
         buf2 = torch.empty(sum(q.numel() for q in qs), dtype=flat.dtype, device=flat.device)
@@ -213,6 +260,9 @@ class PowerSGD(ErrorFeedback):
         self.rank = int(state.get("rank", self.rank))
         self._q0 = {}
         self.q = {key_parse(k): v.clone() for k, v in state.get("q", {}).items()}
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return super().state_tensors() + list(self.q.values())
 
 
 def _runs(pieces: list[Piece]) -> list[Piece]:

@@ -144,9 +144,9 @@ class ScaledSign(ErrorFeedback):
         self._store(key, residual, layout, finite)
         return c
 
-    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None, itemsize: int = 4) -> float:
         chunks = sum(self._chunks(m) for _, m in self._segments(numel, layout))
-        return all_gather_bytes(chunks * self.chunk_numel / 8 + 4 * chunks, n)
+        return all_gather_bytes(chunks * self.chunk_numel / 8 + itemsize * chunks, n)  # scales in the gradients' dtype
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "chunk_numel": self.chunk_numel}

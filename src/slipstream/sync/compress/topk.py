@@ -86,8 +86,8 @@ class TopK(ErrorFeedback):
             c.index_add_(0, all_idx[r], all_vals[r])
         return c.div_(wire.size)
 
-    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None) -> float:
-        return all_gather_bytes(self.k_of(numel) * 8, n)
+    def wire_bytes(self, numel: int, n: int, layout: Layout | None = None, itemsize: int = 4) -> float:
+        return all_gather_bytes(self.k_of(numel) * (itemsize + 4), n)  # values in the gradients' dtype, int32 indices
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "density": self.density}
