@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, did_you_mean
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_VERIFY_MODES = ("full", "size", "off")  # see slipstream.checkpoint.verify
@@ -86,9 +86,13 @@ class SyncConfig:
 
         _require(isinstance(self.strategy, str) and self.strategy != "", f"sync must be a strategy name, got {self.strategy!r}")
         known = _sync.available()
-        _require(self.strategy in known, f"sync must be one of {', '.join(known)}, got {self.strategy!r}")
+        _require(self.strategy in known, f"sync must be one of {', '.join(known)}, got {self.strategy!r}"
+                 + did_you_mean(self.strategy, known, quote=True))
         _require(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         _require(isinstance(self.options, dict), f"sync_options must be a dict, got {self.options!r}")
+        from .sync.options import check_sync_options  # names and values, before any worker starts
+
+        check_sync_options(self.strategy, self.options)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ Exit codes (documented in README.md, matched by Kubernetes podFailurePolicy):
 
 from __future__ import annotations
 
+import difflib
+
 EXIT_OK = 0
 EXIT_TRAINING_FAILED = 1
 EXIT_USAGE = 2
@@ -39,3 +41,16 @@ class TrainingFailed(SlipstreamError):
     """Workers failed and no restarts remain."""
 
     exit_code = EXIT_TRAINING_FAILED
+
+
+def did_you_mean(word: str, candidates: "list[str] | tuple[str, ...]", quote: bool = False) -> str:
+    """`` (did you mean X?)`` for the candidate closest to ``word``, or ``""`` when none is close.
+
+    Example::
+
+        did_you_mean("--nproc-per-nod", ["--nproc-per-node", "--nnodes"])   # " (did you mean --nproc-per-node?)"
+    """
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    if not close:
+        return ""
+    return f" (did you mean {close[0]!r}?)" if quote else f" (did you mean {close[0]}?)"

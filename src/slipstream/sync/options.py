@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ..errors import ConfigError, did_you_mean
+
 # The options each codec's constructor takes (its defaults stay there).
 CODEC_OPTION_NAMES: dict[str, tuple[str, ...]] = {
     "powersgd": ("rank", "min_compression", "error_feedback", "warm_start", "seed"),
@@ -41,6 +43,16 @@ GUARD_OPTION_NAMES = ("guard", "check_every_steps", "max_error_ratio", "loss_win
 AUTO_OPTION_NAMES = ("candidates", "observe_steps", "hidden_tolerance", "verify_steps", "verify_min_gain",
                      "verify_runner_up", "min_retained")
 CODEC_STRATEGY_OPTION_NAMES = ("warmup_steps",)
+BUILTIN_STRATEGIES = ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign", "hierarchical", "auto")
+"""The strategies whose options this module knows (and their ``hierarchical+X`` forms);
+one registered by a user (``sync.register``) checks its own."""
+
+
+class SyncOptionsError(ConfigError, TypeError):
+    """An option a sync strategy does not take, or a value it refuses.
+
+    A :class:`~slipstream.errors.ConfigError` (one line, exit 2, before any worker starts
+    when the launcher checks it) and, as before, a ``TypeError`` for an unknown name."""
 
 
 @dataclass(frozen=True)
@@ -103,17 +115,17 @@ class SyncOptions:
     def __post_init__(self) -> None:
         object.__setattr__(self, "warmup_steps", int(self.warmup_steps))
         if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.verify_steps < 0:
-            raise ValueError(f"verify_steps must be >= 0 (0: do not verify), got {self.verify_steps}")
+            raise ConfigError(f"verify_steps must be >= 0 (0: do not verify), got {self.verify_steps}")
         if self.observe_steps < 1:
-            raise ValueError(f"observe_steps must be >= 1, got {self.observe_steps}")
+            raise ConfigError(f"observe_steps must be >= 1, got {self.observe_steps}")
         if not 0.0 <= self.verify_min_gain < 1.0:
-            raise ValueError(f"verify_min_gain must be in [0, 1), got {self.verify_min_gain}")
+            raise ConfigError(f"verify_min_gain must be in [0, 1), got {self.verify_min_gain}")
         if not 0.0 <= self.verify_runner_up < 1.0:
-            raise ValueError(f"verify_runner_up must be in [0, 1) (0: off), got {self.verify_runner_up}")
+            raise ConfigError(f"verify_runner_up must be in [0, 1) (0: off), got {self.verify_runner_up}")
         if not 0.0 <= self.min_retained <= 1.0:
-            raise ValueError(f"min_retained must be in [0, 1] (0: no convergence gate), got {self.min_retained}")
+            raise ConfigError(f"min_retained must be in [0, 1] (0: no convergence gate), got {self.min_retained}")
         object.__setattr__(self, "candidates", tuple(self.candidates))
 
     def codec_kwargs(self, codec: str) -> dict[str, Any]:
@@ -157,12 +169,49 @@ class SyncOptions:
         used = {k for opts in per_codec.values() for k in opts}
         unknown = set(options) - allowed - used
         if unknown:
-            raise TypeError(f"sync strategy {strategy!r} got unknown options: {', '.join(sorted(unknown))}")
+            takes = sorted(allowed | {k for c in codecs for k in CODEC_OPTION_NAMES.get(c, ())})
+            named = [name + did_you_mean(name, takes, quote=True) for name in sorted(unknown)]
+            raise SyncOptionsError(f"sync strategy {strategy!r} got unknown options: {', '.join(named)}; "
+                                   f"it takes: {', '.join(takes)}")
         own = {f.name for f in fields(cls)} - {"codec_options"}
         return cls(**{k: v for k, v in options.items() if k in own}, codec_options=per_codec)
+
+
+def check_sync_options(strategy: str, options: Mapping[str, Any]) -> None:
+    """Raise :class:`SyncOptionsError` when ``options`` are not what ``strategy`` takes.
+
+    Pure (no torch, no process group): ``slipstream run`` calls it, through the
+    configuration check, before any worker starts. A strategy not built in is not checked.
+
+    Example::
+
+        check_sync_options("powersgd", {"rnk": 4})
+        # SyncOptionsError: sync strategy 'powersgd' got unknown options: rnk (did you mean 'rank'?); ...
+    """
+    base = strategy.split("+", 1)[1] if strategy.startswith("hierarchical+") else strategy
+    if base not in BUILTIN_STRATEGIES:
+        return
+    if base == "allreduce":
+        if options:
+            raise SyncOptionsError(f"sync strategy {strategy!r} takes no options, got {', '.join(sorted(options))}")
+        return
+    for f in fields(SyncOptions):
+        if f.name in options and isinstance(getattr(DEFAULTS, f.name), (bool, int, float)):
+            value, default = options[f.name], getattr(DEFAULTS, f.name)
+            kind = bool if isinstance(default, bool) else (int if isinstance(default, int) else (int, float))
+            if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+                rule = {bool: "true or false", int: "a whole number"}.get(kind, "a number")  # type: ignore[arg-type]
+                raise SyncOptionsError(f"sync_options {f.name} must be {rule}, got {value!r}")
+    try:
+        SyncOptions.parse(strategy, options)
+    except SyncOptionsError:
+        raise
+    except (TypeError, ValueError) as exc:  # a value of the wrong type ("observe_steps": "two")
+        raise SyncOptionsError(f"sync_options for {strategy!r}: {exc}") from None
 
 
 DEFAULTS = SyncOptions()
 """Every default in one object: ``DEFAULTS.loss_window`` and so on."""
 
-__all__ = ["AUTO_OPTION_NAMES", "CODEC_OPTION_NAMES", "DEFAULTS", "GUARD_OPTION_NAMES", "SyncOptions"]
+__all__ = ["AUTO_OPTION_NAMES", "CODEC_OPTION_NAMES", "DEFAULTS", "GUARD_OPTION_NAMES", "SyncOptions",
+           "SyncOptionsError", "check_sync_options"]
