@@ -475,17 +475,22 @@ def exit_on_error(exc: SlipstreamError) -> NoReturn:
         rank = next((env[k] for k in ("OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "PMI_RANK") if k in env), "0")
     line = f"slipstream: error (rank {rank}): {exc}"
     sys.stdout.flush()
-    # One write: ranks share the terminal, and print()'s separate newline interleaves their lines.
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    recorded = False
     if error_file:
         try:
             # torch's error-file format with a plain-string message (ProcessFailure reads both).
             with open(error_file, "w", encoding="utf-8") as fh:
                 json.dump({"message": line, "timestamp": int(time.time())}, fh)
+            recorded = True
         except OSError:
             pass  # the exit code alone still tells the launcher what happened
+    # Under `slipstream run` (its agent's pid in SLIPSTREAM_AGENT_PID) the launcher prints the
+    # recorded line in its report, once for all ranks: printing it here too repeated it per rank.
+    if not (recorded and os.environ.get("SLIPSTREAM_AGENT_PID")):
+        # One write: ranks share the terminal, and print()'s separate newline interleaves their lines.
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
     os._exit(exc.exit_code)
 
 

@@ -1,10 +1,11 @@
 """A worker whose configuration is wrong: raises slipstream.errors.ConfigError.
 
-``scripts_config_error.py [--before-init] [--marker DIR]``: by default after
+``scripts_config_error.py [--before-init] [--marker DIR] [--only-rank R]``: by default after
 ``slipstream.init()`` (the error then leaves through init's excepthook), with
 ``--before-init`` before any process group exists (through the worker entry of
 ``slipstream run``). ``--marker DIR``: each start touches a file there, so a test
-can count attempts.
+can count attempts. ``--only-rank R``: only rank R raises (after init); the others
+wait in an all-reduce that rank never joins, and see its connection close.
 """
 
 import argparse
@@ -16,10 +17,23 @@ from slipstream.errors import ConfigError
 parser = argparse.ArgumentParser()
 parser.add_argument("--before-init", action="store_true")
 parser.add_argument("--marker", default=None)
+parser.add_argument("--only-rank", type=int, default=None)
 args = parser.parse_args()
 if args.marker:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     open(os.path.join(args.marker, f"start-rank{os.environ.get('RANK', '0')}-attempt{attempt}"), "w").close()
 if not args.before_init:
     slipstream.init()
+if args.only_rank is not None and int(os.environ["RANK"]) != args.only_rank:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(4))  # waits for rank R, which leaves instead
+    raise SystemExit("unreachable: the all-reduce completed without rank R")
+if args.only_rank is not None:
+    import time
+
+    time.sleep(0.5)  # the others are inside the all-reduce when this rank leaves
 raise ConfigError("checkpoint_dir exists and is not a directory: /no/such/ckpt (on purpose)")

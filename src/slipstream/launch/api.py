@@ -57,7 +57,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
+from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
+                      did_you_mean)
 from ..log import CONSOLE
 from . import agent_signals
 from .parent_death import ENV_AGENT_PID
@@ -166,6 +167,17 @@ class LaunchOptions:
                 raise UsageError(f"training script not found: {self.entrypoint}")
             if os.path.isdir(self.entrypoint):
                 raise UsageError(f"training script is a directory, not a file: {self.entrypoint}")
+        elif _module_missing(self.entrypoint):
+            raise UsageError(f"-m/--module: no module named {self.entrypoint.split('.')[0]!r} "
+                             f"(looked in the current directory and on sys.path), got {self.entrypoint!r}")
+        if self.log_dir is not None and os.path.exists(self.log_dir) and not os.path.isdir(self.log_dir):
+            raise UsageError(f"--log-dir must be a directory, got a file: {self.log_dir}")
+        if self.signals_to_handle is not None:
+            for name in (part.strip() for part in self.signals_to_handle.split(",")):
+                if not isinstance(getattr(signal, name, None), signal.Signals) or not name.startswith("SIG"):
+                    known = [s.name for s in signal.Signals if not s.name.startswith("SIG_")]
+                    raise UsageError(f"--signals-to-handle must name signals such as SIGTERM,SIGINT separated by "
+                                     f"commas, got {name!r}" + did_you_mean(name, known, quote=True))
         if self.max_nodes > 1 and not self.rdzv_endpoint:
             raise UsageError("--nnodes above 1 needs --rdzv-endpoint HOST:PORT (the store every node joins), "
                              "or --master-addr HOST [--master-port PORT]")
@@ -180,6 +192,46 @@ class LaunchOptions:
         if self.max_nodes == 1:
             return True
         return None
+
+
+def _module_missing(name: str) -> bool:
+    """Whether no top-level package ``name`` (``pkg`` of ``pkg.mod``) can be found from the
+    current directory or sys.path, where the worker's ``python -m`` looks. Imports nothing;
+    a missing submodule is left to the worker, which reports it in one line too."""
+    import importlib.machinery
+    import importlib.util
+
+    top = name.split(".")[0]
+    if not top.isidentifier():
+        return True
+    if top in sys.builtin_module_names or importlib.util.find_spec(top) is not None:
+        return False
+    return importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is None
+
+
+def check_torch_options(opts: LaunchOptions) -> None:
+    """The options whose valid values torch decides, checked before any worker starts:
+    --event-log-handler against torch's registered handlers, --numa-binding against a
+    torch and machine that can bind (it places workers near their CUDA device).
+
+    Example::
+
+        check_torch_options(LaunchOptions("train.py", event_log_handler="bogus"))
+        # UsageError: --event-log-handler must be one of console, dynamic_rendezvous, null, got 'bogus'
+    """
+    from torch.distributed.elastic.events import handlers
+
+    known = tuple(getattr(handlers, "_log_handlers", {}))
+    if known and opts.event_log_handler not in known:
+        raise UsageError(f"--event-log-handler must be one of {', '.join(known)}, got {opts.event_log_handler!r}"
+                         + did_you_mean(opts.event_log_handler, known, quote=True))
+    if opts.numa_binding is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise UsageError(f"--numa-binding {opts.numa_binding} binds each worker to the CPUs near its GPU and "
+                             f"needs CUDA GPUs; {why} (torch {torch.__version__}): leave --numa-binding out")
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
@@ -245,6 +297,7 @@ def launch(opts: LaunchOptions) -> int:
     host, port = parse_endpoint(endpoint)
     if opts.is_rdzv_host and opts.rdzv_backend == "c10d":  # another backend's store is not ours to host
         check_port_free(host, port)
+    check_torch_options(opts)
 
     # Imported late: importing the launcher costs a second and the checks above
     # should answer at once.
@@ -504,12 +557,19 @@ def _report_usage_error(failures: dict, opts: LaunchOptions, attempts: int) -> N
     left = opts.max_restarts - max(0, attempts - 1)
     why = f"; not restarted ({left} restart(s) left unused), it would fail the same way" if left > 0 else ""
     lines = [f"slipstream run: configuration error in {which} (exit code {EXIT_USAGE}){when}{why}:"]
-    for rank in sorted(failures):
+    seen: set[str] = set()
+    # The ranks that exited 2 first: their messages, each once (every rank of a run with a bad
+    # setting says the same); then the others, whose collectives lost those ranks.
+    for rank in sorted(failures, key=lambda r: (failures[r].exitcode != EXIT_USAGE, r)):
         failure = failures[rank]
         if failure.exitcode < 0:
             continue
         text = (failure.message if isinstance(failure.message, str) else str(failure.message)).strip()
-        if text.startswith("slipstream: error"):
+        same = re.sub(r"^slipstream: error \(rank [^)]*\): ", "", text)
+        if same in seen:
+            continue
+        seen.add(same)
+        if text.startswith("slipstream: "):
             lines.append("  " + text.replace("\n", "\n  "))
         else:
             lines.append(f"  rank {rank} (pid {failure.pid}): exit code {failure.exitcode}, "

@@ -22,9 +22,10 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from typing import NoReturn
 
 from slipstream import gloo_exit
-from slipstream.errors import SlipstreamError
+from slipstream.errors import SlipstreamError, UsageError
 from slipstream.launch.parent_death import die_with_agent
 
 USAGE = "usage: python -m slipstream.launch.worker (SCRIPT | --module MODULE) [ARGS...]"
@@ -35,6 +36,7 @@ def run_as_main(argv: list[str]) -> dict:
     ``python`` would; returns the script's globals (its objects live while they do)."""
     if argv[0] in ("-m", "--module"):
         module, args = argv[1], argv[2:]
+        _require_module(module)
         sys.argv = [module, *args]  # runpy puts the module's file in argv[0], as python -m does
         return runpy.run_module(module, run_name="__main__", alter_sys=True)
     script, args = argv[0], argv[1:]
@@ -42,6 +44,67 @@ def run_as_main(argv: list[str]) -> dict:
     # `python SCRIPT` puts the script's folder first on sys.path; `-m` put the cwd there.
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     return runpy.run_path(script, run_name="__main__")
+
+
+def _require_module(name: str) -> None:
+    """A module ``python -m`` could not find is a usage error (one line, exit 2, no restart),
+    not an ImportError traceback; an ImportError raised while the module runs stays one."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or name is not a module name
+        found = False
+    if not found:
+        raise UsageError(f"-m/--module: no module named {name!r}")
+
+
+# What a collective raises in a rank whose peer process ended (gloo's pair.cc, NCCL's abort).
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote process exited or there was a network error")
+
+
+def peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective failing because another rank's process ended
+    (a consequence: that rank's own error is the one to read)."""
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _PEER_GONE)
+
+
+def exit_peer_gone(exc: BaseException) -> NoReturn:
+    """End this rank with one line, not the 30-line traceback of a collective whose peer left.
+
+    The rank that left first reported its own error (a configuration error: exit 2, which
+    the launcher reports once); this one says where it was (the script's line) and exits 1.
+    The line also goes to the error file, so the launcher's report shows it as the reason.
+    ``os._exit``: see :func:`slipstream.runtime.exit_on_error`.
+    """
+    import json
+    import time
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library_frame(f.filename)]
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    reason = next((text for text in _PEER_GONE if text in first), first)
+    line = (f"slipstream: rank {os.environ.get('RANK', '?')} stopped{where}: a collective lost its peer "
+            f"({reason}); another rank ended first, its error says why")
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        try:
+            with open(error_file, "w", encoding="utf-8") as fh:
+                json.dump({"message": line, "timestamp": int(time.time())}, fh)
+        except OSError:
+            pass
+    os._exit(1)
+
+
+def _library_frame(filename: str) -> bool:
+    """A frame of torch, the standard library's runpy or this entry, not of the user's script."""
+    return (f"{os.sep}torch{os.sep}" in filename or filename.startswith("<frozen")
+            or filename == os.path.abspath(__file__))
 
 
 def main(argv: list[str]) -> None:
@@ -62,6 +125,10 @@ def main(argv: list[str]) -> None:
         # same: one line, the message in the error file, exit 2 for a
         # configuration error, which the launcher does not restart.
         exit_on_error(exc)
+    except Exception as exc:
+        if not peer_gone(exc):
+            raise
+        exit_peer_gone(exc)
     # The script's objects (a DDP model holding the process group, ...) are
     # freed when its globals go; settle the worker threads before that.
     gloo_exit.wait_for_gloo_workers()
