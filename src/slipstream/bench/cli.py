@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import safe_signals
-from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError, did_you_mean
 
 # Options of `slipstream bench` that may also be written after the script's own
 # arguments: (flags, dest, takes a value).
@@ -94,7 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sync", default="allreduce,auto", help="comma-separated strategies (first is the baseline)")
     p.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N", help="workers (per node), default 2")
     p.add_argument("--emulate", default=None, metavar="NODESxPROCS", help="run each trial on an emulated cluster (root)")
-    p.add_argument("--link", default="unshaped", metavar="RATE", help="with --emulate: link rate per node")
+    p.add_argument("--link", default=None, metavar="RATE", help="with --emulate: link rate per node (default unshaped)")
     p.add_argument("--repeats", type=int, default=1, help="runs per strategy (median reported)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one run after this long")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
@@ -163,7 +163,7 @@ def parse_metrics(run_dir: str | os.PathLike) -> tuple[float | None, float | Non
 def run_command(args: argparse.Namespace, strategy: str, run_dir: str) -> list[str]:
     cmd = [sys.executable, "-m", "slipstream", "run", "--sync", strategy, "--run-dir", run_dir]
     if args.emulate:
-        cmd += ["--emulate", args.emulate, "--link", args.link]
+        cmd += ["--emulate", args.emulate, "--link", args.link or "unshaped"]
     else:
         cmd += ["-n", str(args.nproc_per_node)]
     if args.module:
@@ -257,12 +257,20 @@ def _f(v, spec: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     args.script_args = split_own_options(list(args.script_args), args)
-    try:
-        args.nproc_per_node = int(args.nproc_per_node)
-        args.repeats = int(args.repeats)
-        args.timeout_s = float(args.timeout_s)
-    except ValueError as exc:
-        raise UsageError(f"bad number: {exc}") from None
+    # Options written after the script's arguments arrive as text (split_own_options).
+    for dest, flag, kind in (("nproc_per_node", "-n", int), ("repeats", "--repeats", int),
+                             ("timeout_s", "--timeout-s", float)):
+        try:
+            setattr(args, dest, kind(getattr(args, dest)))
+        except ValueError:
+            rule = "a whole number" if kind is int else "a number"
+            raise UsageError(f"{flag} must be {rule}, got {getattr(args, dest)!r}") from None
+    if args.timeout_s <= 0:
+        raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
+    if args.json is not None and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(args.json) or ".")):
+        raise UsageError(f"--json must be a file path in an existing directory, got {args.json!r}")
+    if args.link is not None and not args.emulate:
+        raise UsageError(f"--link {args.link} shapes the links of an emulated cluster: it needs --emulate NODESxPROCS")
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.nproc_per_node < 1:
@@ -277,7 +285,8 @@ def main(args: argparse.Namespace) -> int:
     unknown = [s for s in strategies if not sync.is_valid(s)] if hasattr(sync, "is_valid") else \
         [s for s in strategies if s not in sync.available()]
     if unknown:
-        raise UsageError(f"unknown sync strateg{'y' if len(unknown) == 1 else 'ies'}: {', '.join(unknown)}; "
+        named = [name + did_you_mean(name, sync.available(), quote=True) for name in unknown]
+        raise UsageError(f"--sync: unknown strateg{'y' if len(unknown) == 1 else 'ies'}: {', '.join(named)}; "
                          f"known: {', '.join(sync.available())}")
     if len(set(strategies)) != len(strategies):
         raise UsageError(f"--sync lists a strategy twice: {args.sync}")
@@ -289,7 +298,7 @@ def main(args: argparse.Namespace) -> int:
         why = missing_privileges()
         if why:
             raise UsageError(f"--emulate cannot build a cluster here: {why}")
-        shape = f"{args.emulate} emulated, link {args.link}"
+        shape = f"{args.emulate} emulated, link {args.link or 'unshaped'}"
     else:
         shape = f"1 node x {args.nproc_per_node} process(es)"
     results = bench(args)

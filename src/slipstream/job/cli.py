@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
-from ..launch.cli import parse_rdzv_conf, torchrun_option_defaults, worker_env_from_args
+from ..launch.cli import check_launcher_flags, parse_rdzv_conf, torchrun_option_defaults, worker_env_from_args
 from .kubectl import JOB_LABEL, cluster_unreachable
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
@@ -320,6 +320,7 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
         job_run_from_args(args)   # JobRun(spec=..., script_args=("--steps", "5"), worker_env={"SLIPSTREAM_PRECISION": "bf16"})
     """
     path = args.script
+    check_launcher_flags(args)
     spec = load_spec(path)
     for dest, default, flag, where in _TOPOLOGY_FLAGS:
         if getattr(args, dest) != default:

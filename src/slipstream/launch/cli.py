@@ -331,8 +331,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "--backend gloo --device cuda lets ranks share a GPU on purpose")
     g.add_argument("--emulate", default=None, metavar="NODESxPROCS",
                    help="run on an emulated cluster on this machine: one network namespace per node (needs root)")
-    g.add_argument("--link", default="unshaped", metavar="RATE",
-                   help="with --emulate: each node's link rate, both directions (1gbit, 200mbit, unshaped)")
+    g.add_argument("--link", default=None, metavar="RATE",
+                   help="with --emulate: each node's link rate, both directions (1gbit, 200mbit, unshaped; "
+                   "default unshaped)")
     _add_training_flags(p)
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m), or JOB.yaml")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
@@ -474,6 +475,22 @@ def _local_ranks(text: str) -> tuple[int, ...]:
         raise UsageError(f"--local-ranks-filter must be local ranks separated by commas (e.g. 0,1), got {text!r}") from None
 
 
+def check_launcher_flags(args: argparse.Namespace) -> None:
+    """The launcher's flags that no later check names (ports, --link, --emulate's shape),
+    each with its flag, rule and value; raises :class:`UsageError`. Starts nothing."""
+    port = getattr(args, "master_port", None)
+    if port is not None and not 0 <= port < 65536:
+        raise UsageError(f"--master-port must be in [0, 65535], got {port}")
+    link, emulate = getattr(args, "link", None), getattr(args, "emulate", None)
+    if link is not None and not emulate:
+        raise UsageError(f"--link {link} shapes the links of an emulated cluster: it needs --emulate NODESxPROCS")
+    if emulate:
+        from .emulate import parse_rate, parse_shape
+
+        parse_shape(emulate)
+        parse_rate(link)
+
+
 def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """The ``slipstream run SCRIPT`` flags as a :class:`LaunchOptions`, checked (no worker starts).
 
@@ -482,6 +499,7 @@ def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
         args = build_parser().parse_args(["run", "--standalone", "--nproc_per_node", "2", "train.py", "--steps", "5"])
         launch_options_from_args(args)   # LaunchOptions(entrypoint="train.py", args=["--steps", "5"], nproc_per_node=2, ...)
     """
+    check_launcher_flags(args)
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     nproc = resolve_nproc(args.nproc_per_node)
     backend, endpoint, rdzv_id = _rendezvous(args, max_nodes)
@@ -533,5 +551,5 @@ def main(args: argparse.Namespace) -> int:
         from .emulate import parse_shape, run_emulated
 
         nodes, procs = parse_shape(args.emulate)
-        return run_emulated(nodes, procs, args.link, opts)
+        return run_emulated(nodes, procs, args.link or "unshaped", opts)
     return launch(opts)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError, UsageError, did_you_mean
 from .costmodel import Layout
 from .planner import PlanResult, fmt_s, plan
 from .specs import GIB, GPUS, MODELS
@@ -45,6 +45,52 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not dims or any(d < 1 for d in dims):
         raise ConfigError(f"--input-shape: expected positive integers such as 3,32,32, got {text!r}")
     return dims
+
+
+KNOWN_NETWORKS = ("1gbit", "10gbit", "25gbit-roce", "100gbit-roce", "100gbit-ib", "200gbit-ib", "400gbit-ib",
+                  "8x400gbit-ib", "200mbit@2ms")
+"""Example --network SPECs, listed when one is refused."""
+
+
+def check_network(text: str) -> None:
+    """Refuse a --network SPEC the planner would misread, with the examples and the closest.
+
+    ``400GB-ib`` (capital B: gigabytes) was read as 400 Gbit/s, eight times too slow:
+    rates are in bits, so a byte unit is an error that says both readings.
+
+    Example::
+
+        check_network("400GB-ib")
+        # ConfigError: --network: rates are in bits (gbit), got 'GB' (bytes) in '400GB-ib': 400gbit-ib means ...
+    """
+    from .network import FABRICS, parse_network
+
+    known = f"known forms: {', '.join(KNOWN_NETWORKS)} (fabrics: {', '.join(FABRICS)})"
+    m = re.match(r"^\s*(?:\d+\s*x\s*)?(\d+(?:\.\d+)?)\s*([kKmMgGtT])B(?:ps|/s)?\b", text)
+    if m:
+        bits = text.replace(m.group(2) + "B", m.group(2).lower() + "bit", 1).lower()
+        raise ConfigError(f"--network: rates are in bits, got {m.group(2)}B (bytes) in {text!r}: "
+                          f"did you mean {bits!r}? ({known})")
+    try:
+        parse_network(text)
+    except ConfigError as exc:
+        fabric = text.rsplit("-", 1)[-1].split("@")[0].lower() if "-" in text else ""
+        hint = did_you_mean(fabric, tuple(FABRICS), quote=True) if fabric and fabric not in FABRICS else ""
+        raise ConfigError(f"{exc}{hint}; {known}") from None
+
+
+def check_plan_args(args: argparse.Namespace) -> None:
+    """Every ``plan`` argument's rule, before any model is built: flag, rule and value."""
+    for flag, value in (("--gpus-per-node", args.gpus_per_node), ("--global-batch", args.global_batch),
+                        ("--top", args.top)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}: must be >= 1, got {value}")
+    check_network(args.network)
+    for flag, path in (("--write-config", args.write_config), ("--write-job", args.write_job)):
+        if path is not None and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
+            raise ConfigError(f"{flag}: must be a file path in an existing directory, got {path!r}")
+    if args.link_calibration is not None and not Path(args.link_calibration).is_file():
+        raise ConfigError(f"--link-calibration: no such file: {args.link_calibration!r}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -199,8 +245,7 @@ def main(args: argparse.Namespace) -> int:
 
     tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
     samples = parse_count(args.samples, "--samples") if args.samples is not None else None
-    if args.top < 1:
-        raise ConfigError(f"--top: must be >= 1, got {args.top}")
+    check_plan_args(args)
     network: Any = args.network
     if args.link_calibration:
         from .calibrate import load_link

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import UsageError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -20,7 +22,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+def check_report_args(args: argparse.Namespace) -> None:
+    """RUN_DIR, --out and --png-dir, and matplotlib, before any file is read: flag, rule, value."""
+    import importlib.util
+    import os
+
+    if not os.path.isdir(args.run_dir):
+        what = "a file" if os.path.exists(args.run_dir) else "no such directory"
+        raise UsageError(f"RUN_DIR must be a run directory, got {what}: {args.run_dir}")
+    if args.out is not None and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
+        raise UsageError(f"--out must be a file path in an existing directory, got {args.out!r}")
+    if args.png_dir is not None and os.path.exists(args.png_dir) and not os.path.isdir(args.png_dir):
+        raise UsageError(f"--png-dir must be a directory, got a file: {args.png_dir}")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("report draws its plots with matplotlib, which the plain install leaves out: "
+                         f"pip install 'slipstream[metrics]' {_torch_pin()}(from a checkout: bash scripts/install.sh test)")
+
+
+def _torch_pin() -> str:
+    """``"torch==X" `` for the torch installed, so pip keeps it (an unpinned extra can replace it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f'"torch=={version("torch").split("+")[0]}" '
+    except PackageNotFoundError:
+        return ""
+
+
 def main(args: argparse.Namespace) -> int:
+    check_report_args(args)
     from .html import write_report
 
     out, pngs = write_report(args.run_dir, out=args.out, png_dir=args.png_dir)
