@@ -188,6 +188,8 @@ class ParallelConfig:
         _require(self.zero_stage in ZERO_STAGES, f"zero_stage must be 2 or 3, got {self.zero_stage!r}")
         names = self.activation_checkpointing
         object.__setattr__(self, "activation_checkpointing", _split_names(names) if isinstance(names, str) else tuple(names))
+        bad = [n for n in self.activation_checkpointing if not all(p.isidentifier() for p in str(n).split("."))]
+        _require(not bad, f"activation_checkpointing must name module classes (such as Block), got {', '.join(map(repr, bad))}")
 
     @property
     def is_mesh(self) -> bool:

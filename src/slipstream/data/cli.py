@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..errors import ConfigError, UsageError
@@ -97,9 +98,33 @@ def _io_errors(fn):
     return wrapped
 
 
+def _is_url(text: str) -> bool:
+    return "://" in text
+
+
+def check_data_args(args: argparse.Namespace) -> None:
+    """The paths and URLs of ``data pack | prewarm | verify`` before any data is read:
+    each error names the argument, the rule and the value."""
+    endpoint = getattr(args, "endpoint_url", None)
+    if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+        raise UsageError(f"--endpoint-url must be an http:// or https:// URL, got {endpoint!r}")
+    cache = getattr(args, "cache", None)
+    if cache is not None and os.path.exists(cache) and not os.path.isdir(cache):
+        raise UsageError(f"--cache must be a directory, got a file: {cache}")
+    source = getattr(args, "input", None) or getattr(args, "url", None)
+    if source is not None and not _is_url(source) and not os.path.exists(source):
+        what = "INPUT" if getattr(args, "input", None) else "URL"
+        raise UsageError(f"{what} {source} does not exist")
+    out = getattr(args, "out", None)
+    if out is not None and not _is_url(out) and os.path.isfile(out):
+        raise UsageError(f"OUT must be a directory (or a URL), got a file: {out}")
+
+
 @_io_errors
 def main_pack(args: argparse.Namespace) -> int:
     from .pack import pack
+
+    check_data_args(args)
 
     kw = {}
     if args.tokens_per_sample is not None:
@@ -113,7 +138,11 @@ def main_pack(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         from .ingest import load_callable
 
-        kw["tokenizer"], kw["tokenizer_name"], kw["eot_token"] = load_callable(args.tokenizer), args.tokenizer, args.eot_token
+        try:
+            tokenizer = load_callable(args.tokenizer)
+        except (ConfigError, UsageError) as exc:
+            raise UsageError(f"--tokenizer: {exc}") from None
+        kw["tokenizer"], kw["tokenizer_name"], kw["eot_token"] = tokenizer, args.tokenizer, args.eot_token
     if args.field is not None:
         kw["field"] = args.field
     index = pack(
@@ -131,6 +160,7 @@ def main_pack(args: argparse.Namespace) -> int:
 
 @_io_errors
 def main_prewarm(args: argparse.Namespace) -> int:
+    check_data_args(args)
     from .cache import ShardCache, prewarm
 
     max_bytes = int(args.max_cache_gb * 1e9) if args.max_cache_gb else None
@@ -142,6 +172,7 @@ def main_prewarm(args: argparse.Namespace) -> int:
 
 @_io_errors
 def main_verify(args: argparse.Namespace) -> int:
+    check_data_args(args)
     from .cache import ShardCache
     from .dataset import verify_dataset
 

@@ -37,8 +37,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main)
 
 
+FORMATS = ("safetensors", "torch")
+VERIFY_MODES = ("full", "size", "off")
+
+
+def check_export_args(args: argparse.Namespace) -> None:
+    """--format, --verify and --out, before the checkpoint is read: flag, rule and value."""
+    import os
+
+    from ..errors import UsageError, did_you_mean
+
+    for flag, value, known in (("--format", args.fmt, FORMATS), ("--verify", args.verify, VERIFY_MODES)):
+        if value not in known:
+            raise UsageError(f"{flag} must be one of {', '.join(known)}, got {value!r}"
+                             + did_you_mean(value, known, quote=True))
+    parent = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(parent):
+        raise UsageError(f"--out must be a file path in an existing directory, got {args.out!r}")
+
+
 def main(args: argparse.Namespace) -> int:
     from ..checkpoint.export import ExportRequest, export_checkpoint
+
+    check_export_args(args)
 
     result = export_checkpoint(ExportRequest(args.checkpoint, args.out, args.fmt, force=args.force,
                                              verify=args.verify))

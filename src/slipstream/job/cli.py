@@ -208,7 +208,7 @@ def _submit_slurm(spec: JobSpec, args: argparse.Namespace) -> int:
     exe = slurm.find_sbatch(args.sbatch)
     if exe is None:
         raise UsageError(
-            f"sbatch not found ({args.sbatch!r} is not on PATH): run this on a Slurm login node, or write the "
+            f"--sbatch: sbatch not found ({args.sbatch!r} is not on PATH): run this on a Slurm login node, or write the "
             f"script with `slipstream render {args.spec} --target slurm --out DIR` and submit it yourself"
         )
     job_id = slurm.sbatch_submit(script, exe)
@@ -246,7 +246,7 @@ def submit_main(args: argparse.Namespace) -> int:
     exe = shutil.which(args.kubectl)
     if exe is None:
         raise UsageError(
-            f"kubectl not found ({args.kubectl!r} is not on PATH): install kubectl, or write the manifests with "
+            f"--kubectl: kubectl not found ({args.kubectl!r} is not on PATH): install kubectl, or write the manifests with "
             f"`slipstream render {args.spec} --target {args.target} --out DIR` and apply them yourself"
         )
     try:

@@ -220,6 +220,13 @@ def check_torch_options(opts: LaunchOptions) -> None:
         # UsageError: --event-log-handler must be one of console, dynamic_rendezvous, null, got 'bogus'
     """
     from torch.distributed.elastic.events import handlers
+    from torch.distributed.elastic.rendezvous import registry  # registers torch's own backends
+
+    backends = tuple(getattr(getattr(registry, "handler_registry", None), "_registry", {}) or ())
+    if backends and opts.rdzv_backend not in backends:
+        raise UsageError(f"--rdzv-backend must be one of static, {', '.join(backends)}, got {opts.rdzv_backend!r}"
+                         + did_you_mean(opts.rdzv_backend, ("static", *backends), quote=True))
+    _logs_specs_class(opts.logs_specs, object)  # a --logs-specs no package provides
 
     known = tuple(getattr(handlers, "_log_handlers", {}))
     if known and opts.event_log_handler not in known:

@@ -375,7 +375,11 @@ def training_options(args: argparse.Namespace) -> dict[str, object]:
         # {"precision": "bf16", "tp": 1}
     """
     path = getattr(args, "config", None)
-    given = run_config.load(path) if path else {}
+    try:
+        given = run_config.load(path) if path else {}
+    except (ConfigError, UsageError) as exc:
+        text = str(exc)
+        raise UsageError(text if text.startswith("--config") else f"--config {text}") from None
     for name in FLAT_NAMES:
         value = getattr(args, f"train_{name}", None)
         if value is not None:
@@ -411,6 +415,7 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
     except ConfigError as exc:
         where = f" (flags over {args.config})" if getattr(args, "config", None) else ""
         raise UsageError(f"invalid training flag{where}: {exc}") from None
+    _check_local_dirs(cfg.flat(), given)
     env = cfg.to_env()
     flat = cfg.flat()
     for name in given:
@@ -425,6 +430,18 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
         env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
     env.update(_placement_env(getattr(args, "backend", None), getattr(args, "device", None)))
     return env
+
+
+def _check_local_dirs(flat: dict[str, object], given: dict[str, object]) -> None:
+    """A local checkpoint_dir / run_dir given that is a file: refused now, not in every worker.
+    (A URL, ``s3://...``, is the storage's to check.) The addresses too: a space is never in one."""
+    for name in ("checkpoint_dir", "run_dir"):
+        path = flat.get(name)
+        if name in given and isinstance(path, str) and "://" not in path and os.path.isfile(path):
+            raise UsageError(f"--{name.replace('_', '-')} must be a directory, got a file: {path}")
+    addr = flat.get("prometheus_addr")
+    if "prometheus_addr" in given and isinstance(addr, str) and (not addr.strip() or any(c.isspace() for c in addr)):
+        raise UsageError(f"--prometheus-addr must be a host name or address, got {addr!r}")
 
 
 def _placement_env(backend: str | None, device: str | None) -> dict[str, str]:
@@ -481,6 +498,10 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
     port = getattr(args, "master_port", None)
     if port is not None and not 0 <= port < 65536:
         raise UsageError(f"--master-port must be in [0, 65535], got {port}")
+    for flag, dest in (("--master-addr", "master_addr"), ("--local-addr", "local_addr")):
+        host = getattr(args, dest, None)
+        if host is not None and (not host.strip() or any(c.isspace() for c in host)):
+            raise UsageError(f"{flag} must be a host name or address, got {host!r}")
     link, emulate = getattr(args, "link", None), getattr(args, "emulate", None)
     if link is not None and not emulate:
         raise UsageError(f"--link {link} shapes the links of an emulated cluster: it needs --emulate NODESxPROCS")

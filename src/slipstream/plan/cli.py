@@ -86,6 +86,8 @@ def check_plan_args(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {value}")
     check_network(args.network)
+    if args.input_shape is not None:
+        parse_shape(args.input_shape)
     for flag, path in (("--write-config", args.write_config), ("--write-job", args.write_job)):
         if path is not None and (Path(path).is_dir() or not Path(path).resolve().parent.is_dir()):
             raise ConfigError(f"{flag}: must be a file path in an existing directory, got {path!r}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
 from . import TARGETS, Action, LifecycleRequest, cancel, format_status, logs, status
@@ -50,7 +52,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=main, action=Action.CANCEL)
 
 
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+"""A Kubernetes namespace: an RFC 1123 label (lower case, digits, '-', at most 63)."""
+
+
+def check_lifecycle_args(args: argparse.Namespace) -> None:
+    """--namespace and --run-dir, before any cluster is asked: flag, rule and value."""
+    from ...errors import UsageError
+
+    if args.namespace is not None and not _NAMESPACE.fullmatch(args.namespace):
+        raise UsageError("--namespace must be a Kubernetes namespace (lower-case letters, digits and '-', "
+                         f"at most 63), got {args.namespace!r}")
+    run_dir = getattr(args, "run_dir", None)
+    if run_dir is not None and os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise UsageError(f"--run-dir must be a run directory, got a file: {run_dir}")
+
+
 def main(args: argparse.Namespace) -> int:
+    check_lifecycle_args(args)
     req = LifecycleRequest(
         action=args.action, job=args.job, target=args.target, kubectl=args.kubectl, namespace=args.namespace,
         follow=getattr(args, "follow", False), rank=getattr(args, "rank", None), run_dir=getattr(args, "run_dir", None),
