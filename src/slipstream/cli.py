@@ -81,6 +81,13 @@ class ArgumentParser(argparse.ArgumentParser):
             unknown = [w for w in words if w.startswith("-")]
             message = ("unknown option" + ("s" if len(unknown) > 1 else "") + ": " if unknown and len(unknown) == len(words)
                        else "unrecognized arguments: ") + " ".join(named)
+        elif message.startswith("the following arguments are required"):
+            # A misspelt required option (--cach) shows up as the right one missing: say both.
+            unknown = [w.split("=", 1)[0] for w in self._argv if w.startswith("--") and w != "--"
+                       and w.split("=", 1)[0] not in self._option_string_actions]
+            if unknown:
+                message += "; unknown option" + ("s" if len(unknown) > 1 else "") + ": " + " ".join(
+                    w + did_you_mean(w, self._option_strings()) for w in unknown)
         else:
             found = re.search(r"invalid choice: '(.*?)' \(choose from (.*)\)$", message)
             if found:
