@@ -90,9 +90,6 @@ class SyncConfig:
                  + did_you_mean(self.strategy, known, quote=True))
         _require(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
         _require(isinstance(self.options, dict), f"sync_options must be a dict, got {self.options!r}")
-        from .sync.options import check_sync_options  # names and values, before any worker starts
-
-        check_sync_options(self.strategy, self.options)
 
 
 @dataclass(frozen=True)
@@ -423,6 +420,9 @@ class TrainConfig:
                 "gradients (leave sync at allreduce)",
             )
             _require(self.numerics.precision != "fp16", "precision fp16 is not supported with dp_shard, tp or pp; use bf16")
+        from .sync.options import check_sync_options  # the options' names and values, before any worker starts
+
+        check_sync_options(self.sync.strategy, self.sync.options)
 
     def degrees(self, world_size: int) -> dict[str, int]:
         """The four degrees with -1 resolved against ``world_size``, checked to multiply to it.

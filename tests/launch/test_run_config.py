@@ -97,11 +97,11 @@ def test_every_trainconfig_field_has_a_flag():
     assert flags["checkpoint_async"] == "--checkpoint-async" and flags["log_to"] == "--log-to"
     env = env_for(["--timeline", "--tensorboard", "--prometheus-port", "9100", "--checkpoint-async",
                    "--activation-checkpointing", "Block,Attn", "--log-to", "wandb,mlflow", "--no-profile",
-                   "--grad-clip-norm", "none", "--sync-options", '{"rank": 2}', "--precision", "bf16"])
+                   "--grad-clip-norm", "none", "--sync", "powersgd", "--sync-options", '{"rank": 2}', "--precision", "bf16"])
     assert {k: env[k] for k in env if k != "SLIPSTREAM_GRAD_CLIP_NORM"} == {
         "SLIPSTREAM_TIMELINE": "True", "SLIPSTREAM_TENSORBOARD": "True", "SLIPSTREAM_PROMETHEUS_PORT": "9100",
         "SLIPSTREAM_CHECKPOINT_ASYNC": "True", "SLIPSTREAM_ACTIVATION_CHECKPOINTING": "Block,Attn",
-        "SLIPSTREAM_LOG_TO": "wandb,mlflow", "SLIPSTREAM_PROFILE": "False", "SLIPSTREAM_SYNC_OPTIONS": '{"rank": 2}',
+        "SLIPSTREAM_LOG_TO": "wandb,mlflow", "SLIPSTREAM_PROFILE": "False", "SLIPSTREAM_SYNC_OPTIONS": '{"rank": 2}', "SLIPSTREAM_SYNC": "powersgd",
         "SLIPSTREAM_PRECISION": "bf16"}
     assert TrainConfig.from_env(env).numerics.grad_clip_norm is None
     assert TrainConfig.from_env(env).metrics.log_to == ("wandb", "mlflow")

@@ -111,10 +111,9 @@ def check_data_args(args: argparse.Namespace) -> None:
     cache = getattr(args, "cache", None)
     if cache is not None and os.path.exists(cache) and not os.path.isdir(cache):
         raise UsageError(f"--cache must be a directory, got a file: {cache}")
-    source = getattr(args, "input", None) or getattr(args, "url", None)
+    source = getattr(args, "input", None)  # a dataset URL's own check says what is missing in it
     if source is not None and not _is_url(source) and not os.path.exists(source):
-        what = "INPUT" if getattr(args, "input", None) else "URL"
-        raise UsageError(f"{what} {source} does not exist")
+        raise UsageError(f"INPUT {source} does not exist")
     out = getattr(args, "out", None)
     if out is not None and not _is_url(out) and os.path.isfile(out):
         raise UsageError(f"OUT must be a directory (or a URL), got a file: {out}")

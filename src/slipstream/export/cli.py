@@ -49,7 +49,7 @@ def check_export_args(args: argparse.Namespace) -> None:
 
     for flag, value, known in (("--format", args.fmt, FORMATS), ("--verify", args.verify, VERIFY_MODES)):
         if value not in known:
-            raise UsageError(f"{flag} must be one of {', '.join(known)}, got {value!r}"
+            raise UsageError(f"{flag}: unknown {flag[2:]} {value!r}: choose one of {', '.join(known)}"
                              + did_you_mean(value, known, quote=True))
     parent = os.path.dirname(os.path.abspath(args.out))
     if os.path.isdir(args.out) or not os.path.isdir(parent):

@@ -222,9 +222,11 @@ def check_torch_options(opts: LaunchOptions) -> None:
     from torch.distributed.elastic.events import handlers
     from torch.distributed.elastic.rendezvous import registry  # registers torch's own backends
 
-    backends = tuple(getattr(getattr(registry, "handler_registry", None), "_registry", {}) or ())
+    backends = tuple(b for b in getattr(getattr(registry, "handler_registry", None), "_registry", {}) or ()
+                     if b != "static")
     if backends and opts.rdzv_backend not in backends:
-        raise UsageError(f"--rdzv-backend must be one of static, {', '.join(backends)}, got {opts.rdzv_backend!r}"
+        raise UsageError(f"--rdzv-backend {opts.rdzv_backend}: The rendezvous backend {opts.rdzv_backend!r} is not "
+                         f"registered; known: static, {', '.join(backends)}"
                          + did_you_mean(opts.rdzv_backend, ("static", *backends), quote=True))
     _logs_specs_class(opts.logs_specs, object)  # a --logs-specs no package provides
 
