@@ -144,10 +144,10 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("plan", "--write-job"): [bad("--write-job", "nodir/job.yaml")],
     # -- report, export --------------------------------------------------------------------
     ("report", "run_dir"): [Bad((), ("RUN_DIR", "norundir"))],
-    ("report", "--out"): [bad("--out", "nodir/r.html")],
+    ("report", "--out"): [bad("--out", "afile/r.html")],
     ("report", "--png-dir"): [bad("--png-dir", "afile")],
     ("export", "checkpoint"): [Bad((), ("checkpoint", "nockpt"))],
-    ("export", "--out"): [bad("--out", "nodir/w.safetensors")],
+    ("export", "--out"): [bad("--out", "afile/w.safetensors")],
     ("export", "--format"): [bad("--format", "onnx")],
     ("export", "--verify"): [bad("--verify", "some")],
     # -- job specs -------------------------------------------------------------------------

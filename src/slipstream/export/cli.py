@@ -51,9 +51,8 @@ def check_export_args(args: argparse.Namespace) -> None:
         if value not in known:
             raise UsageError(f"{flag}: unknown {flag[2:]} {value!r}: choose one of {', '.join(known)}"
                              + did_you_mean(value, known, quote=True))
-    parent = os.path.dirname(os.path.abspath(args.out))
-    if os.path.isdir(args.out) or not os.path.isdir(parent):
-        raise UsageError(f"--out must be a file path in an existing directory, got {args.out!r}")
+    if os.path.isdir(args.out) or not _creatable(args.out):
+        raise UsageError(f"--out must be a file path (its folders are made), got {args.out!r}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -66,3 +65,13 @@ def main(args: argparse.Namespace) -> int:
     print(f"exported {result.tensors} tensors ({result.bytes / 2**20:.1f} MiB) of {result.source} "
           f"(step {result.step}) to {result.out}")
     return 0
+
+
+def _creatable(path: str) -> bool:
+    """Whether ``path``'s folders exist or can be made: its nearest existing ancestor is a directory."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent)

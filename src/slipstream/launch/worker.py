@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import runpy
+import signal
 import sys
 from typing import NoReturn
 
@@ -64,6 +65,10 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "remote process exited or there was a network error")
 
 
+PEER_GONE_GRACE_S = 3.0
+"""How long a rank whose peer left waits (for its agent to stop it) before it exits 1."""
+
+
 def peer_gone(exc: BaseException) -> bool:
     """Whether ``exc`` is a collective failing because another rank's process ended
     (a consequence: that rank's own error is the one to read)."""
@@ -98,6 +103,11 @@ def exit_peer_gone(exc: BaseException) -> NoReturn:
                 json.dump({"message": line, "timestamp": int(time.time())}, fh)
         except OSError:
             pass
+    # The rank that failed is the cause: give the agent time to see its exit first, so the
+    # launcher's summary names it as the first failure (this one exits at once otherwise,
+    # ahead of a rank still printing its traceback). The agent then stops this rank.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    time.sleep(PEER_GONE_GRACE_S)
     os._exit(1)
 
 

@@ -30,8 +30,8 @@ def check_report_args(args: argparse.Namespace) -> None:
     if not os.path.isdir(args.run_dir):
         what = "a file" if os.path.exists(args.run_dir) else "no such directory"
         raise UsageError(f"RUN_DIR must be a run directory, got {what}: {args.run_dir}")
-    if args.out is not None and (os.path.isdir(args.out) or not os.path.isdir(os.path.dirname(os.path.abspath(args.out)))):
-        raise UsageError(f"--out must be a file path in an existing directory, got {args.out!r}")
+    if args.out is not None and (os.path.isdir(args.out) or not _creatable(args.out)):
+        raise UsageError(f"--out must be a file path (its folders are made), got {args.out!r}")
     if args.png_dir is not None and os.path.exists(args.png_dir) and not os.path.isdir(args.png_dir):
         raise UsageError(f"--png-dir must be a directory, got a file: {args.png_dir}")
     if importlib.util.find_spec("matplotlib") is None:
@@ -58,3 +58,13 @@ def main(args: argparse.Namespace) -> int:
     if pngs:
         print(f"figures: {', '.join(pngs)}")
     return 0
+
+
+def _creatable(path: str) -> bool:
+    """Whether ``path``'s folders exist or can be made: its nearest existing ancestor is a directory."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    return os.path.isdir(parent)
