@@ -7,12 +7,11 @@ arguments into a typed request (``LaunchOptions``, ``JobRun``, ...) and calls do
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 import argparse
 import importlib
 import re
 import sys
+from typing import NoReturn
 
 from .errors import EXIT_INTERRUPTED, EXIT_USAGE, SlipstreamError, did_you_mean
 
@@ -54,11 +53,11 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self._argv: list[str] = []
 
-    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's signature
+    def parse_known_args(self, args=None, namespace=None):  # argparse's signature
         self._argv = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
-    def _innermost(self) -> "ArgumentParser":
+    def _innermost(self) -> ArgumentParser:
         """The sub-command parser the arguments chose (``slipstream data pack ...`` -> data pack's)."""
         parser: argparse.ArgumentParser = self
         for word in self._argv:
@@ -72,7 +71,7 @@ class ArgumentParser(argparse.ArgumentParser):
     def _option_strings(self) -> list[str]:
         return [s for a in self._actions for s in a.option_strings if s.startswith("--")]
 
-    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
         parser = self._innermost() if message.startswith("unrecognized arguments: ") else self
         if message.startswith("unrecognized arguments: "):
             words = message[len("unrecognized arguments: "):].split()
@@ -135,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def _command(args: argparse.Namespace):  # noqa: ANN202 - a `main(args) -> int` of a sub-command
+def _command(args: argparse.Namespace):
     """The sub-command's ``main``. ``slipstream run JOB.yaml`` is the job runner's and
     ``slipstream run SCRIPT`` the launcher's: the choice is made here, above both tools, so
     the launcher never imports the job package (job -> launch is the one direction)."""

@@ -43,7 +43,7 @@ class TrainingFailed(SlipstreamError):
     exit_code = EXIT_TRAINING_FAILED
 
 
-def did_you_mean(word: str, candidates: "list[str] | tuple[str, ...]", quote: bool = False) -> str:
+def did_you_mean(word: str, candidates: list[str] | tuple[str, ...], quote: bool = False) -> str:
     """`` (did you mean X?)`` for the candidate closest to ``word``, or ``""`` when none is close.
 
     Example::

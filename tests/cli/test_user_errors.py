@@ -60,11 +60,10 @@ def test_each_listed_error_is_one_line_and_exit_2(argv, words, script, capsys):
         assert word in err, err
 
 
-def test_numa_binding_without_cuda_is_refused_before_launch(script, capsys):
+def test_numa_binding_without_cuda_is_refused_before_launch(script, capsys, monkeypatch):
     import torch
 
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA machine can bind")  # not a root-only test: the rule is the CPU's
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU-only case, on any machine
     code, err = _run_main(["run", "--numa-binding", "node", "ok.py"], capsys)
     assert code == 2 and "--numa-binding node" in err and "CUDA" in err and "Traceback" not in err, err
 
@@ -108,7 +107,7 @@ def test_a_misspelt_option_of_every_command_gets_a_suggestion(path, option, scri
 def _slipstream(*args: str, cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "slipstream", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, check=False)
 
 
 def test_sync_options_are_checked_before_any_worker_starts(tmp_path):
@@ -124,9 +123,9 @@ def test_a_configuration_error_in_one_rank_is_reported_once_and_the_other_rank_p
     """Rank 0 raises a ConfigError while rank 1 waits in an all-reduce for it: rank 1's
     collective fails with gloo's 'Connection closed by peer', which printed a 30-line
     traceback. Now it ends in one line, and the error's message appears once, in the
-    launcher's report. --monitor-interval 2: rank 1 sees the closed connection long before
-    the agent would stop it."""
-    proc = _slipstream("run", "-n", "2", "--monitor-interval", "2", str(CONFIG_ERROR), "--only-rank", "0",
+    launcher's report. --monitor-interval 5: rank 1 sees the closed connection long before
+    the agent would stop it, even on a loaded machine."""
+    proc = _slipstream("run", "-n", "2", "--monitor-interval", "5", str(CONFIG_ERROR), "--only-rank", "0",
                        cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]

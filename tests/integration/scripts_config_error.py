@@ -4,8 +4,9 @@
 ``slipstream.init()`` (the error then leaves through init's excepthook), with
 ``--before-init`` before any process group exists (through the worker entry of
 ``slipstream run``). ``--marker DIR``: each start touches a file there, so a test
-can count attempts. ``--only-rank R``: only rank R raises (after init); the others
-wait in an all-reduce that rank never joins, and see its connection close.
+can count attempts. ``--only-rank R``: only rank R raises (after init), once the others
+are waiting in an all-reduce it never joins (each leaves a file in-collective-rankN in
+the current directory), so they see its connection close.
 """
 
 import argparse
@@ -25,15 +26,17 @@ if args.marker:
 if not args.before_init:
     slipstream.init()
 if args.only_rank is not None and int(os.environ["RANK"]) != args.only_rank:
-    import time
-
     import torch
     import torch.distributed as dist
 
-    dist.all_reduce(torch.ones(4))  # waits for rank R, which leaves instead
+    work = dist.all_reduce(torch.ones(4), async_op=True)  # waits for rank R, which leaves instead
+    open(f"in-collective-rank{os.environ['RANK']}", "w").close()
+    work.wait()
     raise SystemExit("unreachable: the all-reduce completed without rank R")
 if args.only_rank is not None:
     import time
 
-    time.sleep(0.5)  # the others are inside the all-reduce when this rank leaves
+    others = int(os.environ["WORLD_SIZE"]) - 1  # leave once the others are inside the all-reduce
+    while len([f for f in os.listdir(".") if f.startswith("in-collective-rank")]) < others:
+        time.sleep(0.05)
 raise ConfigError("checkpoint_dir exists and is not a directory: /no/such/ckpt (on purpose)")
