@@ -153,6 +153,8 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.preempt_requested = False
         self.preemption_deadline_s = preemption_deadline_s
+        # The newest step every rank agreed was written (or restored): set only after an
+        # agreement, so a branch before a collective may read it (save_final does).
         self.last_saved_step: int | None = None
         self.blocking_s: list[float] = []  # time each save held the training loop
         if self.rank == 0 and self.fs is None:
@@ -264,6 +266,24 @@ class CheckpointManager:
         self.blocking_s.append(time.perf_counter() - started)
         return ok
 
+    def save_final(self, step: int) -> bool:
+        """The run's last checkpoint: wait for a save in flight, then write ``step``
+        (blocking) unless the newest agreed save is ``step`` already (or ``step`` is 0).
+
+        Every rank takes the same branch: it is decided on :attr:`last_saved_step`,
+        which only an agreement sets, never on rank 0's writer thread having
+        committed (the save is a collective: a rank that skipped it alone left the
+        others waiting in its first all-reduce until the timeout).
+
+        Example::
+
+            mgr.save_final(run.step_count)   # in every rank's run.finish()
+        """
+        ok = self.wait()
+        if step > 0 and self.last_saved_step != step:
+            ok = self.save(step, blocking=True)
+        return ok
+
     def _write_dir(self, step: int) -> str:
         """Where the files of ``step`` are written: ``step_N.partial`` locally, ``step_N/`` in an object store."""
         return layout.step_dir(self.directory, step, partial=self.fs is None)
@@ -313,7 +333,8 @@ class CheckpointManager:
                 raise FileNotFoundError(f"{final}: {', '.join(missing)} not found after the write; not committed")
             layout.commit_marker(final, {**info, "files": files}, self.fs)
         layout.prune(self.directory, self.keep_last, in_flight_step=None, fs=self.fs)
-        self.last_saved_step = info["step"]
+        # Not last_saved_step: this runs on rank 0 alone (in the writer thread when async);
+        # last_saved_step is set on every rank once they agreed the save was written (_saved).
         if self.fs is None:  # free space is a local notion; an object store has none to check
             self._check_space(sum(entry["bytes"] for entry in files.values()))
 
