@@ -469,27 +469,44 @@ class CheckpointManager:
         if isinstance(choice[0], str):
             raise NoUsableCheckpoint(choice[0])
         path, step, saved_world = choice[0]
+        # This rank's own file is read (and refused) before the collective load, and the
+        # outcome agreed: a rank refusing alone would leave the others in DCP's load.
+        per_rank, refusal = self._read_rank_file(path)
+        safe_load.agree_refusal(refusal, self.group)
         # DCP copies every tensor into the registered one, on that tensor's device; its
         # non-tensor values (counters, scaler and scheduler state) and its metadata are
-        # read as plain data, not as arbitrary pickles.
+        # read as plain data, not as arbitrary pickles (refusals agreed there too).
         reader = remote.dcp_reader(path, self.storage_options) if self.fs is not None else None
         safe_load.dcp_load(dict(self._shared), path, process_group=self.group, storage_reader=reader, fs=self.fs)
-        rank_file = os.path.join(path, f"rank{self.rank}.pt")
-        if self._per_rank:
-            data = self._read_object(rank_file) if self.fs is not None else None
-            if os.path.exists(rank_file) if self.fs is None else data is not None:
-                per_rank = safe_load.load_rank_file(rank_file, self.device, data=data)
-                for name, obj in self._per_rank.items():
-                    if name in per_rank:
-                        obj.load_state_dict(per_rank[name])
-            else:
-                log.warning(
-                    "checkpoint %s was written by %s rank(s); rank %d has no per-rank state there "
-                    "(RNG streams and gradient-sync buffers start fresh)", path, saved_world, self.rank
-                )
+        if per_rank is not None:
+            for name, obj in self._per_rank.items():
+                if name in per_rank:
+                    obj.load_state_dict(per_rank[name])
+        elif self._per_rank:
+            log.warning(
+                "checkpoint %s was written by %s rank(s); rank %d has no per-rank state there "
+                "(RNG streams and gradient-sync buffers start fresh)", path, saved_world, self.rank
+            )
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         return step
+
+    def _read_rank_file(self, path: str) -> tuple[dict | None, Exception | None]:
+        """(this rank's per-rank state in checkpoint ``path`` or None when it has no file
+        there, the error when the file cannot be used): never raises, so that every
+        rank reaches the agreement (:func:`~.safe_load.agree_refusal`)."""
+        if not self._per_rank:
+            return None, None
+        rank_file = os.path.join(path, f"rank{self.rank}.pt")
+        try:
+            data = self._read_object(rank_file) if self.fs is not None else None
+            if not (os.path.exists(rank_file) if self.fs is None else data is not None):
+                return None, None
+            return safe_load.load_rank_file(rank_file, self.device, data=data), None
+        except safe_load.CheckpointRefused as exc:
+            return None, exc
+        except Exception as exc:  # noqa: BLE001 - an object store's read error: agreed, not raised alone (a hang)
+            return None, OSError(f"checkpoint file {rank_file} cannot be read: {type(exc).__name__}: {exc}")
 
     def _read_object(self, url: str) -> bytes | None:
         try:
