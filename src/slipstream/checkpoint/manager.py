@@ -48,6 +48,10 @@ from . import verify as integrity  # the name `verify` is the constructor's opti
 
 log = logging.getLogger("slipstream.checkpoint")
 
+# The most steps between two agreements of the stop flag and the save clock: with
+# steps of 1 ms, one small all-reduce per 100 steps, and a stop request seen 0.1 s later.
+STOP_CHECK_MAX_STEPS = 100
+
 
 class NoUsableCheckpoint(ConfigError):
     """The checkpoint directory held checkpoints, and none of them verifies (exit 2)."""
@@ -68,6 +72,8 @@ class CheckpointManager:
     ``verify``: how a checkpoint is checked before loading (``full``, ``size``,
     ``off``; see :mod:`slipstream.checkpoint.verify`). ``max_failures``: saves
     that may fail in a row before the run gives up with exit 1.
+    ``stop_check_s``: how often (in time) the ranks agree on a stop request and on
+    ``every_s``'s clock, both rank-local; see :meth:`should_save`.
     ``lease_interval_s``/``lease_stale_after_s``: rank 0 holds the directory's
     writer lease (:mod:`.lease`), beating every interval; another live job on
     the same directory is refused with :class:`~slipstream.checkpoint.lease.CheckpointDirInUse`
@@ -86,6 +92,7 @@ class CheckpointManager:
         async_save: bool = False,
         handle_sigterm: bool = True,
         preemption_deadline_s: float = 25.0,
+        stop_check_s: float = 1.0,
         device: torch.device | str | None = None,
         verify: str = "full",
         max_failures: int = 3,
@@ -101,6 +108,9 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint_every_s must be > 0, got {every_s}")
         if preemption_deadline_s <= 0:
             raise ConfigError(f"preemption_deadline_s must be > 0, got {preemption_deadline_s}")
+        if not 0 < stop_check_s < preemption_deadline_s:
+            raise ConfigError(f"stop_check_s must be > 0 and below preemption_deadline_s ({preemption_deadline_s}), "
+                              f"got {stop_check_s:g}")
         if keep_last < 1:
             raise ConfigError(f"checkpoint_keep_last must be >= 1, got {keep_last}")
         if verify not in integrity.VERIFY_MODES:
@@ -153,6 +163,12 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.preempt_requested = False
         self.preemption_deadline_s = preemption_deadline_s
+        self.stop_check_s = stop_check_s
+        # should_save's agreements: the step of the last one (None: none yet), the next step
+        # that agrees (both the same on every rank), and when this rank left the last one.
+        self._agreed_step: int | None = None
+        self._next_agreement_step = 0
+        self._agreed_at = time.monotonic()
         # The newest step every rank agreed was written (or restored): set only after an
         # agreement, so a branch before a collective may read it (save_final does).
         self.last_saved_step: int | None = None
@@ -189,13 +205,44 @@ class CheckpointManager:
         timer.start()
 
     def should_save(self, step: int) -> tuple[bool, bool]:
-        """(save now, preempted): agreed by all ranks through one tiny all-reduce."""
+        """(save now, preempted), the same on every rank at every step.
+
+        ``every_steps`` is the same number on every rank: a step on the interval saves
+        without asking the others. The clock (``every_s``) and a stop request (SIGTERM
+        may reach one rank alone) are rank-local, so they are agreed, in one small
+        all-reduce on the checkpoint's gloo group, on agreement steps only: every step
+        on the interval, and otherwise about every ``stop_check_s``. The gap to the
+        next agreement is counted in steps, from the slowest rank's step time since
+        the last one (an agreed number, so every rank skips the same steps), at most
+        ``STOP_CHECK_MAX_STEPS``. A stop request thus starts the emergency checkpoint
+        about ``stop_check_s`` (+ one step) after the signal, and a step between two
+        agreements runs no host collective (it ran one every step: a host barrier
+        across nodes). A single process checks both every step.
+
+        Example::
+
+            save, preempted = mgr.should_save(step)   # every rank, every step, same step numbers
+        """
         due = self.every_steps is not None and step % self.every_steps == 0
-        timed = self.every_s is not None and time.monotonic() - self._last_save_time >= self.every_s
-        flags = torch.tensor([int(due or timed), int(self.preempt_requested)], dtype=torch.int32)
-        if self.group is not None and self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flags[0] or flags[1]), bool(flags[1])
+        if self.group is None or self.world_size == 1:
+            timed = self.every_s is not None and time.monotonic() - self._last_save_time >= self.every_s
+            return due or timed or self.preempt_requested, self.preempt_requested
+        between = self._agreed_step is not None and self._agreed_step < step < self._next_agreement_step
+        if between and not due:
+            return False, False
+        now = time.monotonic()
+        timed = self.every_s is not None and now - self._last_save_time >= self.every_s
+        # This rank's mean step time since the last agreement (none yet: as if one step took
+        # stop_check_s, so the next step agrees again and measures).
+        gap = step - self._agreed_step if self._agreed_step is not None and step > self._agreed_step else 0
+        step_s = (now - self._agreed_at) / gap if gap else self.stop_check_s
+        flags = torch.tensor([float(timed), float(self.preempt_requested), step_s], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        save, preempted, slowest_s = bool(flags[0]) or due, bool(flags[1]), float(flags[2])
+        ahead = int(self.stop_check_s / slowest_s) if slowest_s > 0 else STOP_CHECK_MAX_STEPS
+        self._agreed_step, self._agreed_at = step, time.monotonic()
+        self._next_agreement_step = step + max(1, min(STOP_CHECK_MAX_STEPS, ahead))
+        return save or preempted, preempted
 
     def maybe_save(self, step: int) -> bool:
         """Save when due; returns True when the job was preempted (and saved)."""
