@@ -248,9 +248,10 @@ def agree_refusal(refusal: Exception | None, group: Any = None) -> None:
     """Every rank of ``group`` learns whether any rank failed a check of a checkpoint,
     and all of them raise the first failing rank's reason (``"rank R: ..."``): as
     :class:`CheckpointRefused` (exit 2) when that rank refused the file, else as
-    ``OSError`` (exit 1: an object store's read error may pass, a restart may succeed). When none failed, it returns on every rank.
-    Call it on every rank after a rank-local check and before a collective load: a
-    rank that raised alone would leave the others in that load until the timeout.
+    ``OSError`` (exit 1: an object store's read error may pass, a restart may
+    succeed). When none failed, it returns on every rank. Call it on every rank
+    after a rank-local check and before a collective load: a rank that raised
+    alone would leave the others in that load until the collective timeout.
 
     A collective on ``group`` (the checkpoint's gloo group: the reasons travel as CPU
     tensors); ``None``: the default group. Without a process group it raises
