@@ -301,8 +301,7 @@ class Accelerated:
 
         Writes a last checkpoint when the newest one is older than the current step."""
         if self.checkpoints is not None:
-            if self.checkpoints.last_saved_step != self.step_count and self.step_count > 0:
-                self.checkpoints.save(self.step_count, blocking=True)  # the final state, for a clean resume
+            self.checkpoints.save_final(self.step_count)  # the final state, for a clean resume (ranks agree)
             self.checkpoints.close()
         if self.progress is not None:
             self.progress.close()
