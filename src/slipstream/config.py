@@ -200,7 +200,8 @@ class CheckpointConfig:
     every_steps: int | None = None
     """Save every this many optimizer steps (None: only on preemption and at the end)."""
     every_s: float | None = None
-    """Save when this many seconds passed since the last save (checked every step)."""
+    """Save when this many seconds passed since the last save (the ranks agree on the clock about
+    once a second, not every step, so such a save can come up to a second and a step late)."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     async_save: bool = False
