@@ -275,6 +275,7 @@ def main() -> None:
         print(f"GPT: {params / 1e6:.2f}M parameters, data {data} ({len(dataset)} samples of {field.shape[0]} tokens), "
               f"{rt.world_size} rank(s) on {rt.device}, precision {c.numerics.precision}, sync {c.sync.strategy}, "
               f"layout {run.describe_layout()}")
+        print(f"run directory: {run.recorder.run_dir} (metrics; at the end: slipstream report {run.recorder.run_dir})")
 
     started = time.perf_counter()
     # run.step_count comes back from a checkpoint on resume, and the loader's position
@@ -306,6 +307,7 @@ def main() -> None:
             os.makedirs(args.out, exist_ok=True)
             torch.save(state, os.path.join(args.out, "model.pt"))
             print(f"saved {os.path.join(args.out, 'model.pt')}")
+        print(f"run directory: {run.recorder.run_dir}; see the run with: slipstream report {run.recorder.run_dir}")
     # Ends the process here: torch's gloo can abort in interpreter teardown (see shutdown's docstring).
     slipstream.shutdown(exit_code=0)
 

@@ -271,7 +271,7 @@ class MetricsConfig:
     than this fraction, in most of the last 5 log steps."""
     log_to: tuple[str, ...] = field(default=(), metadata={"choices": TRACKERS})
     """Experiment trackers that receive every metric: tensorboard, wandb, mlflow (comma-separated
-    from the environment or ``--log-to``). Each needs its package (``pip install slipstream[wandb]``)."""
+    from the environment or ``--log-to``). Each needs its package (the extra of the same name: docs/install.md)."""
 
     FLAT: ClassVar[dict[str, str]] = {
         "profile": "profile",

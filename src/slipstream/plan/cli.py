@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from .. import __version__
 from ..errors import ConfigError, UsageError
 from .costmodel import Layout
 from .planner import PlanResult, fmt_s, plan
@@ -80,7 +81,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: bf16 where the GPU has it, else fp16")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--script", default="train.py", help="training script named in the written run command and job")
-    p.add_argument("--image", default="ghcr.io/slipstream-ml/slipstream:0.1.0", help="container image for --write-job")
+    p.add_argument("--image", default=f"slipstream:{__version__}",
+                   help="container image for --write-job (default: the one scripts/build_image.sh builds)")
     p.add_argument("--write-config", metavar="PATH",
                    help="write the chosen layout as a run config for `slipstream run --config PATH` "
                         "(the run command and the prediction as comments)")
