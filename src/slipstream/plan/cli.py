@@ -165,8 +165,8 @@ def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
         "name": name, "image": image, "command": ["python", script],
         "replicas": result.nodes, "gpu_count": min(result.gpus, result.gpus_per_node),
         "env": layout_env(result, L),
-        "sync": {"strategy": L.sync if L.dp_shard == 1 else "allreduce", "precision": L.precision,
-                 "accumulate_steps": L.accumulate_steps},
+        "sync": {"strategy": L.sync if L.dp_shard == 1 else "allreduce"},
+        "numerics": {"precision": L.precision, "accumulate_steps": L.accumulate_steps},
     }
 
 
