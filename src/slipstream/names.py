@@ -75,7 +75,7 @@ DEPRECATED: tuple[Deprecated, ...] = (
     # The examples' own flag for the checkpoint interval, now the launcher's spelling.
     Deprecated("--checkpoint-every", "--checkpoint-every-steps", (EXAMPLE,)),
     # `slipstream bench --json PATH` wrote a file where `plan --json` prints: the file is --json-out.
-    Deprecated("--json", "--json-out", (FLAG,), commands=("bench",)),
+    Deprecated("--json PATH", "--json-out PATH", (FLAG,), commands=("bench",)),
 )
 """Every deprecated spelling, in one place; the parsers read it, tests/config/test_names.py checks it."""
 
@@ -141,6 +141,24 @@ def rename_nested(doc: Mapping[Any, Any], surface: str, source: str = "",
     return out
 
 
+def renamed_flag(new_value: Any, old_value: Any, old: str) -> Any:
+    """A script's flag under its new name, or under the old one (``old``, an :data:`EXAMPLE` entry of
+    :data:`DEPRECATED`) with one warning line; for scripts that declare both with argparse.
+
+    Example::
+
+        p.add_argument("--checkpoint-every-steps", type=int)
+        p.add_argument("--checkpoint-every", type=int, help=argparse.SUPPRESS)   # the old name, until 0.2
+        args = p.parse_args()
+        every = renamed_flag(args.checkpoint_every_steps, args.checkpoint_every, "--checkpoint-every")
+    """
+    if old_value is None:
+        return new_value
+    entry = next(d for d in DEPRECATED if d.old == old and EXAMPLE in d.surfaces)
+    warn_deprecated(old, entry.new)
+    return old_value if new_value is None else new_value
+
+
 def deprecated_flag(flag: str, command: str) -> Deprecated | None:
     """The table's entry for ``flag`` in ``command`` (None: a live flag)."""
     for d in DEPRECATED:
@@ -150,4 +168,4 @@ def deprecated_flag(flag: str, command: str) -> Deprecated | None:
 
 
 __all__ = ["DEPRECATED", "REFUSED", "Deprecated", "Refused", "SURFACES", "RUN_CONFIG", "JOB_SPEC", "FLAG", "EXAMPLE",
-           "REMOVED_IN", "warn_deprecated", "nested_aliases", "rename_nested", "deprecated_flag"]
+           "REMOVED_IN", "warn_deprecated", "nested_aliases", "rename_nested", "renamed_flag", "deprecated_flag"]

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError
+from ..names import warn_deprecated
 
 # Options of `slipstream bench` that may also be written after the script's own
 # arguments: (flags, dest, takes a value).
@@ -50,7 +51,8 @@ _OWN = {
     "--nproc-per-node": ("nproc_per_node", True),
     "--repeats": ("repeats", True),
     "--timeout-s": ("timeout_s", True),
-    "--json": ("json", True),
+    "--json": ("json", False),
+    "--json-out": ("json_out", True),
     "-m": ("module", False),
     "--module": ("module", False),
 }
@@ -97,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--link", default="unshaped", metavar="RATE", help="with --emulate: link rate per node")
     p.add_argument("--repeats", type=int, default=1, help="runs per strategy (median reported)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one run after this long")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--json-out", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -119,6 +122,12 @@ def split_own_options(script_args: list[str], args: argparse.Namespace) -> list[
             out.extend(script_args[i + 1:])
             break
         flag, eq, value = tok.partition("=")
+        if flag == "--json" and (eq or script_args[i + 1:i + 2] and script_args[i + 1].endswith(".json")):
+            # the old spelling, --json PATH (slipstream.names.DEPRECATED): --json-out PATH
+            warn_deprecated("--json PATH", "--json-out PATH", "slipstream bench")
+            args.json_out = value if eq else script_args[i + 1]
+            i += 1 if eq else 2
+            continue
         if flag in _OWN:
             dest, takes = _OWN[flag]
             if not takes:
@@ -255,7 +264,18 @@ def _f(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def take_old_json_spelling(args: argparse.Namespace) -> None:
+    """``bench --json out.json train.py``, the old spelling of ``--json-out out.json``: argparse reads
+    ``--json`` as the switch and out.json as SCRIPT (never a .json file); one warning line, then the
+    file is the output and the next word the script (slipstream.names.DEPRECATED)."""
+    if args.json and args.script.endswith(".json") and args.script_args:
+        warn_deprecated("--json PATH", "--json-out PATH", "slipstream bench")
+        args.json, args.json_out = False, args.script
+        args.script, args.script_args = args.script_args[0], list(args.script_args[1:])
+
+
 def main(args: argparse.Namespace) -> int:
+    take_old_json_spelling(args)
     args.script_args = split_own_options(list(args.script_args), args)
     try:
         args.nproc_per_node = int(args.nproc_per_node)
@@ -293,7 +313,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         shape = f"1 node x {args.nproc_per_node} process(es)"
     results = bench(args)
-    print(format_table(results, shape))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"shape": shape, "results": [r.as_dict() for r in results]}, indent=1))
+    doc = {"shape": shape, "results": [r.as_dict() for r in results]}
+    print(json.dumps(doc, indent=1) if args.json else format_table(results, shape))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=1))
     return EXIT_OK if all(r.ok for r in results) else EXIT_TRAINING_FAILED

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
-from ..launch.cli import parse_rdzv_conf, torchrun_option_defaults, worker_env_from_args
+from ..launch.cli import apply_launch_settings, parse_rdzv_conf, torchrun_option_defaults, worker_env_from_args
 from .kubectl import JOB_LABEL, cluster_unreachable
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
@@ -321,6 +321,7 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
     """
     path = args.script
     spec = load_spec(path)
+    apply_launch_settings(args)  # a run config's launcher settings, checked below as the flags are
     for dest, default, flag, where in _TOPOLOGY_FLAGS:
         if getattr(args, dest) != default:
             raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")
