@@ -310,6 +310,8 @@ def test_docs_name_no_deprecated_spelling():
     assert set(patterns) == {d.old for d in names.DEPRECATED}, "a new deprecated spelling: add its pattern here"
     found = []
     for md in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        if md.name == "names.md":  # the page that lists the old spellings
+            continue
         for n, line in enumerate(md.read_text(encoding="utf-8").splitlines(), 1):
             for old, pattern in patterns.items():
                 if re.search(pattern, line) and not re.search(r"\bold\b|\b[Ww]as\b|deprecated", line):

@@ -184,15 +184,16 @@ def run_command(args: argparse.Namespace, strategy: str, run_dir: str) -> list[s
     return cmd
 
 
-def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
-    """Run one trial; its exit code, 124 past ``timeout_s``.
+def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0, stdout: int | None = None) -> int:
+    """Run one trial; its exit code, 124 past ``timeout_s``. ``stdout``: a file descriptor for the
+    trial's output (2 under ``--json``, so stdout holds the JSON alone); None: ours.
 
     The trial is stopped with SIGTERM first (SIGINT on Ctrl-C), and SIGKILL only
     after ``grace_s``: an emulated run needs the chance to delete its namespaces.
     """
     from ..launch.proc import stop_processes
 
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=stdout)
     # SIGTERM raises outside stdlib code only, and the wait is a loop of our own (a
     # signal inside Popen.wait could leave the Popen's lock held, its exit unseen).
     with safe_signals.installed(signal.SIGTERM, lambda signum: KeyboardInterrupt()):
@@ -222,7 +223,7 @@ def bench(args: argparse.Namespace, out=sys.stdout) -> list[BenchResult]:
                 cmd = run_command(args, strategy, run_dir)
                 print(f"[bench] {strategy} (run {rep + 1}/{args.repeats}): {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
                 t0 = time.perf_counter()
-                code = run_one(cmd, args.timeout_s)
+                code = run_one(cmd, args.timeout_s, stdout=2 if args.json else None)
                 wall = time.perf_counter() - t0
                 if code == EXIT_INTERRUPTED:
                     raise KeyboardInterrupt

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import re
@@ -360,6 +361,7 @@ def _track_given(p: argparse.ArgumentParser) -> None:
             action.__class__ = _GIVEN_CLASSES[cls]
 
 
+@functools.lru_cache(maxsize=1)
 def launcher_settings() -> dict[str, argparse.Action]:
     """The launcher's options a run config may hold, by dest (the flag's name with underscores):
     every ``slipstream run`` option but the training ones, ``--config`` and ``--help``.

@@ -173,7 +173,7 @@ def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
 def run_config_text(doc: dict[str, Any], header: str) -> str:
     """The chosen layout as a run config (``slipstream run --config``): the format of
     :func:`slipstream.launch.run_config.dump`, with the run command, batch sizes,
-    cluster and prediction as comments above it (a run config holds training options only).
+    cluster and prediction as comments above it (the launcher settings stay in the run command).
     """
     from ..config import TrainConfig
     from ..launch.run_config import dump
