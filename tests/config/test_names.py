@@ -317,3 +317,16 @@ def test_docs_name_no_deprecated_spelling():
                 if re.search(pattern, line) and not re.search(r"\bold\b|\b[Ww]as\b|deprecated", line):
                     found.append(f"{md.name}:{n}: {old}: {line.strip()[:100]}")
     assert found == [], "\n".join(found)
+
+
+def test_a_run_configs_topology_with_a_job_spec_is_one_line_naming_the_file(tmp_path):
+    from slipstream.errors import UsageError
+    from slipstream.job.cli import job_run_from_args
+
+    path = tmp_path / "run.yaml"
+    path.write_text("nproc_per_node: 2\n")
+    args = build_parser().parse_args(["run", "--config", str(path), str(REPO / "examples" / "jobs" / "local-2x1.yaml")])
+    with pytest.raises(UsageError, match=r"run.yaml: nproc_per_node cannot be combined with a job spec"):
+        job_run_from_args(args)
+    path.write_text("max_restarts: 2\n")
+    assert job_run_from_args(args.__class__(**{**vars(args), "run_file": None})).max_restarts == 2

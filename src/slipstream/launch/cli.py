@@ -8,8 +8,9 @@ Three kinds of options:
 * the launcher's own (``--backend``, ``--device``, ``--collective-timeout-s``, ``--emulate``);
 * training options: one flag per TrainConfig flat name, generated from config.py's
   fields (type, ``choices``/``metavar`` metadata, docstring as help), plus
-  ``--config FILE`` (launch/run_config.py). Flags override the file, which overrides
-  the ``SLIPSTREAM_*`` environment.
+  ``--config FILE`` (launch/run_config.py), which may hold the launcher's options too
+  (``nproc_per_node: 4``). Flags override the file, which overrides the ``SLIPSTREAM_*``
+  environment.
 
 Example::
 
@@ -276,7 +277,8 @@ def _optional(kind: type):  # noqa: ANN202 - an argparse type
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default=None,
                    help="run config: TrainConfig's fields as YAML, flat (precision: bf16) or nested "
-                   "(numerics: {precision: bf16}); flags override it, it overrides SLIPSTREAM_* variables")
+                   "(numerics: {precision: bf16}), and launcher settings by the flag's name (nproc_per_node: 4); "
+                   "flags override it, it overrides SLIPSTREAM_* variables")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in train_flags():
         section = FLAT_NAMES[flag.flat][0]
