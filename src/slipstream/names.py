@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -88,14 +89,14 @@ _WARNED: set[tuple[str, str]] = set()
 
 
 def warn_deprecated(old: str, new: str, where: str = "") -> None:
-    """One line on stderr, once per process per spelling, naming the live name.
+    """One line on stderr, once per process per spelling (on rank 0 only, in workers), naming the live name.
 
     Example::
 
         warn_deprecated("--checkpoint-every", "--checkpoint-every-steps")
         # slipstream: warning: --checkpoint-every is deprecated (goes in 0.2); write --checkpoint-every-steps
     """
-    if (old, where) in _WARNED:
+    if (old, where) in _WARNED or os.environ.get("RANK", "0") != "0":  # a script's flag: rank 0 says it for all
         return
     _WARNED.add((old, where))
     prefix = f"{where}: " if where else ""
