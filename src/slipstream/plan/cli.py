@@ -167,15 +167,15 @@ def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
         "name": name, "image": image, "command": ["python", script],
         "replicas": result.nodes, "gpu_count": min(result.gpus, result.gpus_per_node),
         "env": layout_env(result, L),
-        "sync": {"strategy": L.sync if L.dp_shard == 1 else "allreduce", "precision": L.precision,
-                 "accumulate_steps": L.accumulate_steps},
+        "sync": {"strategy": L.sync if L.dp_shard == 1 else "allreduce"},
+        "numerics": {"precision": L.precision, "accumulate_steps": L.accumulate_steps},
     }
 
 
 def run_config_text(doc: dict[str, Any], header: str) -> str:
     """The chosen layout as a run config (``slipstream run --config``): the format of
     :func:`slipstream.launch.run_config.dump`, with the run command, batch sizes,
-    cluster and prediction as comments above it (a run config holds training options only).
+    cluster and prediction as comments above it (the launcher settings stay in the run command).
     """
     from ..config import TrainConfig
     from ..launch.run_config import dump
