@@ -139,6 +139,10 @@ def test_memory_headroom_warning_above_90_percent_of_device_memory(capsys, monke
     assert out.count("warning: memory") == 1
     assert "73.0 GiB of 80 GiB" in warning and "91%" in warning and "90%" in warning
     assert "The best under 90%: #2 fsdp32(z3)xtp2, 67.0 GiB" in warning
+    import json
+
+    doc = json.loads(_plan_out([*GPT7B_64, "--json"], capsys, monkeypatch, 120))
+    assert doc["memory_warning"].startswith("warning: memory: the chosen layout needs 73.0 GiB of 80 GiB")
     out = _plan_out(["plan", "--model", "resnet50", "--gpus", "16", "--gpu-type", "V100", "--network", "25gbit-roce"],
                     capsys, monkeypatch, 120)
     assert "warning: memory" not in out

@@ -353,6 +353,7 @@ def main(args: argparse.Namespace) -> int:
                  "scaling_efficiency_range": result.uncertainty.efficiency_range(c.prediction.scaling_efficiency)}
                 for c in result.candidates[: args.top]]
         out = {"chosen": doc, "ranking": rows, "uncertainty": result.uncertainty.source}
+        out["memory_warning"] = memory_warning(result)  # None when the pick leaves 10% of the device free
         if args.explain:
             from .explain import explain
 
