@@ -124,11 +124,17 @@ def test_legend_explains_every_part_of_the_layout_names(capsys, monkeypatch):
     assert "fsdpN(zS)" in out and "ZeRO stage" in out
     assert "tpN" in out and "tensor parallel" in out
     assert "ddpN" in out and "replicas" in out
-    assert "ppN(" not in out
-    out = _plan_out(["plan", "--model", "gpt-13b", "--gpus", "64", "--gpu-type", "A100", "--network", "1gbit",
-                     "--tokens", "10B", "--top", "10"], capsys, monkeypatch, 120)
-    if "pp" in out.split("Chosen:")[0]:
-        assert "ppN(S,mM)" in out and "pipeline" in out
+    assert "ppN(" not in out and "single =" not in out
+
+
+def test_legend_names_only_the_parts_shown():
+    from slipstream.plan.cli import layout_legend
+
+    text = "\n".join(layout_legend(["pp4(1f1b,m8)xtp2", "single"]))
+    assert "ppN(S,mM) = pipeline parallel" in text and "tpN = tensor parallel" in text
+    assert "single = one GPU" in text and "AxB = both at once" in text
+    assert "ddpN" not in text and "fsdpN" not in text
+    assert layout_legend(["ddp8"])[0].startswith("layouts: ddpN = N data-parallel replicas")
 
 
 def test_memory_headroom_warning_above_90_percent_of_device_memory(capsys, monkeypatch):
