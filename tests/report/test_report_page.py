@@ -9,9 +9,9 @@ import re
 import subprocess
 
 import pytest
-from tests.conftest import need_command
 
 from slipstream.cli import main as cli_main
+from tests.conftest import need_command
 from tests.report.report_workers import LOG_EVERY, STEPS, train_with_schedule
 
 CHROMIUM_HINT = "Debian: apt-get install -y chromium"
@@ -44,11 +44,12 @@ def test_config_is_recorded_and_shown_as_a_table(report):
     with open(os.path.join(run_dir, "metrics", "run.json")) as f:
         config = json.load(f)["config"]
     assert config["grad_clip_norm"] == 5.0 and config["total_steps"] == STEPS
-    page = open(out, encoding="utf-8").read()
+    with open(out, encoding="utf-8") as f:
+        page = f.read()
     section = page[page.index("<h2>Configuration</h2>"):]
     section = section[: section.index("</table>")]
     # Every recorded setting is a row; the ones changed from TrainConfig's defaults are marked.
-    for name, value in config.items():
+    for name in config:
         assert f"<td>{html.escape(name)}</td>" in section, name
     assert re.search(r"<tr class='changed'><td>grad_clip_norm</td><td>5\.0</td><td>None</td></tr>", section), section
     assert re.search(r"<tr><td>precision</td><td>fp32</td><td></td></tr>", section)
@@ -69,8 +70,10 @@ def test_lr_and_grad_norm_are_plotted_from_the_records(report):
     _, norms = run.series("grad_norm")
     assert len(norms) == len(xs) and all(n > 0 for n in norms)
     fig = grad_norm_figure(run)
-    assert [list(ln.get_ydata()) for ln in fig.axes[0].get_lines()][0] == norms
-    page = open(out, encoding="utf-8").read()
+    (line,) = fig.axes[0].get_lines()
+    assert list(line.get_ydata()) == norms
+    with open(out, encoding="utf-8") as f:
+        page = f.read()
     for title in ("Learning rate", "Gradient norm"):
         assert f"<h2>{title}</h2>" in page, title
     assert {"lr.png", "grad_norm.png"} <= set(os.listdir(os.path.join(run_dir, "report")))

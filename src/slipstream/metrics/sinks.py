@@ -54,7 +54,7 @@ class JsonlSink:
 
 def eta_text(seconds: float) -> str:
     """``75`` -> ``"1m 15s"``: two units at most, as a person reads a remaining time."""
-    s = int(round(max(0.0, seconds)))
+    s = round(max(0.0, seconds))
     if s < 60:
         return f"{s}s"
     if s < 3600:

@@ -220,14 +220,14 @@ GiB), so a pick above it may not fit when run."""
 
 # One entry per part of a layout name (costmodel.Layout.label): (pattern, how it is written, meaning).
 _LEGEND = (
-    (r"(?:^|x)ddp\d", "ddpN", "N data-parallel replicas (DDP: each holds the whole model; the sync column is "
-                             "their gradient sync)"),
-    (r"fsdp\d+\(z\d\)", "fsdpN(zS)", "the model sharded over N data-parallel ranks (FSDP), ZeRO stage S: 3 "
-                                    "re-gathers parameters in backward (least memory), 2 keeps them gathered "
-                                    "through backward (one all-gather per step)"),
+    (r"(?:^|x)ddp\d", "ddpN", ("N data-parallel replicas (DDP: each holds the whole model; the sync column "
+                              "is their gradient sync)")),
+    (r"fsdp\d+\(z\d\)", "fsdpN(zS)", ("the model sharded over N data-parallel ranks (FSDP), ZeRO stage S: 3 "
+                                     "re-gathers parameters in backward (least memory), 2 keeps them "
+                                     "gathered through backward (one all-gather per step)")),
     (r"(?:^|x)tp\d", "tpN", "tensor parallel: each layer's weights split over N GPUs"),
-    (r"pp\d+\(", "ppN(S,mM)", "pipeline parallel: N stages, schedule S (gpipe or 1f1b), M micro-batches per "
-                          "step"),
+    (r"pp\d+\(", "ppN(S,mM)", ("pipeline parallel: N stages, schedule S (gpipe or 1f1b), M micro-batches "
+                           "per step")),
     (r"^single$", "single", "one GPU, no parallelism"),
 )
 
