@@ -527,8 +527,12 @@ def ranks_checks(records: list[dict], env: dict[str, str]) -> list[dict]:
                    "detail": f"asked {wanted}, got {sorted(placements)}"})
     names = set().union(*(r["digests"] for r in records))
     differing = sorted(n for n in names if len({r["digests"].get(n) for r in records}) > 1)
-    checks.append({"name": f"parameter digests equal on all {len(records)} ranks", "ok": not differing,
-                   "detail": f"{len(names)} tensors" if not differing else f"differ: {', '.join(differing[:6])}"})
+    # Zero tensors compared is no evidence: a rank that recorded no digests (an empty state
+    # dict, a lost gather) must fail the check, not pass it vacuously.
+    empty = [r for r, rec in enumerate(records) if not rec["digests"]]
+    checks.append({"name": f"parameter digests equal on all {len(records)} ranks", "ok": not differing and not empty,
+                   "detail": (f"rank(s) {empty} recorded zero tensors" if empty else
+                              f"{len(names)} tensors" if not differing else f"differ: {', '.join(differing[:6])}")})
     tied = [r.get("tied_equal") for r in records]
     if any(t is not None for t in tied):
         checks.append({"name": "tied embedding and head weights equal", "ok": all(t is not False for t in tied),
@@ -574,9 +578,24 @@ def stop_tree(proc: subprocess.Popen) -> None:
 
 
 def clean_environ() -> dict[str, str]:
-    """This process's environment without SLIPSTREAM_* variables: a strategy or
-    precision left set in the shell must not change what a step tests."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+    """This process's environment without SLIPSTREAM_* variables (a strategy or
+    precision left set in the shell must not change what a step tests), and with
+    the source tree first on PYTHONPATH: every subprocess of the kit (step programs,
+    `slipstream run` and its workers) imports this checkout's slipstream and
+    benchmarks, installed or not (docs/gpu.md: the bare GPU machine)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+    for key in ("SLIPSTREAM_BARE_ALLOWED", "SLIPSTREAM_BARE_SRC", "SLIPSTREAM_BARE_AUDIT"):  # the tests' bare machine
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env["PYTHONPATH"] = source_path(os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def source_path(existing: str) -> str:
+    """PYTHONPATH with ROOT/src and ROOT first (once), then what was there."""
+    first = [str(ROOT / "src"), str(ROOT)]
+    rest = [p for p in existing.split(os.pathsep) if p and os.path.realpath(p) not in map(os.path.realpath, first)]
+    return os.pathsep.join(first + rest)
 
 
 def read_json(path: Path) -> dict | None:
