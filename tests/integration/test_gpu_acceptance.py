@@ -91,9 +91,10 @@ def test_whole_run_passes_on_cpu(tmp_path):
     names = [s["name"] for s in doc["steps"]]
     expected = (["environment"]
                 + [f"example/{e}/{p}" for p in ("fp32", "bf16", "fp16") for e in ("gpt", "resnet")]
-                + ["perf", "nccl/2-ranks-1-gpu"]
+                + ["perf", "nccl/2-ranks-1-gpu", "binding/per-rank-gpu"]
                 + [f"sync/{s}" for s in sync.available()]
-                + [f"layout/{n}" for n in (*gpu_acceptance.LAYOUTS_2, *gpu_acceptance.LAYOUTS_4)])
+                + [f"layout/{n}" for n in (*gpu_acceptance.LAYOUTS_2, *gpu_acceptance.LAYOUTS_4)]
+                + [s.name for s in gpu_acceptance.conformance_steps(list(sync.available()), 3, 0)])
     assert sorted(names) == sorted(expected)
     assert doc["device"] == "cpu" and doc["environment"]["torch"]
     assert doc["summary"] == {"pass": len(names) - 1, "fail": 0, "skipped": 1}
@@ -111,7 +112,7 @@ def test_whole_run_passes_on_cpu(tmp_path):
     for name in names:
         if name.startswith("example/"):
             assert by_name[name]["figures"]["bitwise_equal"] == "3/3", by_name[name]
-        if name.startswith(("sync/", "layout/")):
+        if name.startswith(("sync/", "layout/", "conformance/")):
             step = by_name[name]
             assert any(c["name"].startswith("parameter digests equal") and c["ok"] for c in step["checks"]), step
             assert step["figures"]["backend"] == "gloo" and step["figures"]["device"] == "cpu"
