@@ -20,6 +20,11 @@ others; a step that cannot apply on this device is "skipped" with the reason):
   through `slipstream run`, sharing one GPU with gloo + CUDA tensors
   (SLIPSTREAM_BACKEND=gloo SLIPSTREAM_DEVICE=cuda); every rank's model must
   end with the same bits (benchmarks/acceptance/ranks.py).
+* conformance/*: issue #32's cases at 2 ranks (conformance_steps): bf16 parameters under
+  every strategy, an asynchronous save on the final step then a resume followed by
+  compressed steps, fp16 error feedback across a forced loss-scale change.
+* binding/*: per-rank device binding (srun --gpus-per-task, a CUDA_VISIBLE_DEVICES per
+  rank): a rank that sees one GPU must use it (benchmarks/acceptance/binding.py).
 * nccl/2-ranks-1-gpu: NCCL with two ranks on one GPU, which Slipstream must
   refuse with a clear error (or, if it ever works, train correctly).
 
@@ -82,6 +87,7 @@ class Step:
     commands: list = field(default_factory=list)
     output_tail: str = ""
     options: dict = field(default_factory=dict)  # ranks steps: accelerate() options
+    case: dict = field(default_factory=dict)  # ranks steps: what benchmarks/acceptance/ranks.py adds (train_one)
 
     def skip(self, kind: str, reason: str) -> None:
         self.status, self.skip_kind, self.reason = SKIPPED, kind, reason
@@ -89,6 +95,7 @@ class Step:
     def to_json(self) -> dict:
         out = asdict(self)
         out.pop("options")
+        out.pop("case")
         out.pop("estimate_s")
         if self.status != FAIL:
             out.pop("output_tail")
@@ -153,6 +160,25 @@ LAYOUTS_4 = {
     "tp2xpp2": {"tp": 2, "pp": 2},
 }
 
+def conformance_steps(strategies: list[str], steps: int, estimate_s: float) -> list[Step]:
+    """Issue #32's cases, 2 ranks (benchmarks/acceptance/ranks.py's ``case``):
+
+    * bf16-params/<strategy>: the model's parameters in bf16 under every sync strategy;
+    * resume/async-final-save+<codec>: an asynchronous save on the first launch's final step,
+      a resume there, then compressed steps (powersgd, topk);
+    * fp16-ef/scale-change/<codec>: fp16 with error feedback across a forced loss-scale change
+      (scale x 2**-8 after step 1), against the same run without the change.
+    """
+    at = max(1, steps // 2)
+    out = [Step(f"conformance/bf16-params/{s}", estimate_s, options={"sync": s}, case={"param_dtype": "bf16"})
+           for s in strategies]
+    out += [Step(f"conformance/resume/async-final-save+{c}", 2 * estimate_s, options={"sync": c},
+                 case={"resume_at": at}) for c in ("powersgd", "topk")]
+    out += [Step(f"conformance/fp16-ef/scale-change/{c}", 2 * estimate_s, options={"sync": c, "precision": "fp16"},
+                 case={"force_scale": {"at": 1, "factor": 2.0 ** -8}}) for c in ("allreduce", "powersgd", "topk")]
+    return out
+
+
 def _pipelined(step_name: str) -> bool:
     """Whether a ``layout/<name>`` step has pipeline stages (pp > 1)."""
     name = step_name.split("/", 1)[1] if step_name.startswith("layout/") else ""
@@ -162,8 +188,10 @@ def _pipelined(step_name: str) -> bool:
 # Planned seconds per device: (process start-up, per unit of work). Rough, from
 # the 2-core CPU machine; the GPU host has 16 cores and starts processes faster.
 ESTIMATES = {
-    "cuda": {"environment": 15, "example": 30, "perf": 60, "launch": 20, "config2": 4, "config4": 6, "nccl": 25},
-    "cpu": {"environment": 15, "example": 25, "perf": 30, "launch": 20, "config2": 3, "config4": 8, "nccl": 0},
+    "cuda": {"environment": 15, "example": 30, "perf": 60, "launch": 20, "config2": 4, "config4": 6, "nccl": 25,
+             "binding": 20},
+    "cpu": {"environment": 15, "example": 25, "perf": 30, "launch": 20, "config2": 3, "config4": 8, "nccl": 0,
+            "binding": 20},
 }
 
 
@@ -274,11 +302,13 @@ class Acceptance:
             return steps, lambda: self.ranks_group(group, sizes), False
 
         perf = Step("perf", est["perf"])
+        binding = Step("binding/per-rank-gpu", est["binding"])
         if self.environment.get("sync_available"):
             syncs = [Step(f"sync/{s}", est["config2"], options={"sync": s}) for s in self.environment["sync_available"]]
         else:  # nothing to plan from: one line says so
             syncs = [Step("sync/*", 0)]
         layouts2 = [Step(f"layout/{n}", est["config2"], options=o) for n, o in LAYOUTS_2.items()]
+        conformance = conformance_steps(self.environment.get("sync_available") or [], sizes.ranks_steps, est["config2"])
         layouts4 = [Step(f"layout/{n}", est["config4"], options=o) for n, o in LAYOUTS_4.items()]
         # Most telling first, so a budget that runs out takes the least: each precision's
         # examples, then the profile figures, the NCCL refusal, the 2-rank matrix, the rest.
@@ -286,7 +316,8 @@ class Acceptance:
             example("gpt", "fp32"), example("resnet", "fp32"),
             ([perf], lambda: self.perf_step(perf, sizes), True),
             ranks(2, "nccl", [Step("nccl/2-ranks-1-gpu", est["nccl"])], nccl_refusal=True),
-            ranks(2, "gloo", syncs + layouts2),
+            ([binding], lambda: self.binding_step(binding), True),
+            ranks(2, "gloo", syncs + layouts2 + conformance),
             example("gpt", "bf16"), example("resnet", "bf16"), example("gpt", "fp16"), example("resnet", "fp16"),
             ranks(4, "gloo", layouts4),
         ]
@@ -361,6 +392,14 @@ class Acceptance:
         args = ["--device", self.device, "--out", str(folder / "runs"), *sizes.perf_args]
         self.program_step(step, "benchmarks.acceptance.perf", args, {}, self.timeout_for(step.estimate_s))
 
+    def binding_step(self, step: Step) -> None:
+        if not self.fits(step):
+            return
+        env = {"CUDA_VISIBLE_DEVICES": self.environment["cuda_visible_devices"]} if (
+            self.device == "cuda" and self.environment.get("cuda_visible_devices")) else {}
+        self.program_step(step, "benchmarks.acceptance.binding", ["--device", self.device], env,
+                          self.timeout_for(step.estimate_s))
+
     def ranks_env(self, backend: str) -> dict[str, str]:
         env = {"SLIPSTREAM_BACKEND": backend, "SLIPSTREAM_DEVICE": self.device,
                # A hang becomes an error (and a relaunch of the rest) after this long, not after 600 s.
@@ -397,7 +436,7 @@ class Acceptance:
                 shutil.rmtree(launch_dir)
             launch_dir.mkdir(parents=True)
             plan = {"steps": sizes.ranks_steps, "model": sizes.ranks_model,
-                    "configs": [{"name": s.name, "options": s.options} for s in fitting]}
+                    "configs": [{"name": s.name, "options": s.options, "case": s.case} for s in fitting]}
             (launch_dir / "plan.json").write_text(json.dumps(plan, indent=1))
             cmd = [sys.executable, "-m", "slipstream", "run", "-n", str(group.nproc),
                    "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"),
@@ -527,14 +566,28 @@ def ranks_checks(records: list[dict], env: dict[str, str]) -> list[dict]:
                    "detail": f"asked {wanted}, got {sorted(placements)}"})
     names = set().union(*(r["digests"] for r in records))
     differing = sorted(n for n in names if len({r["digests"].get(n) for r in records}) > 1)
-    checks.append({"name": f"parameter digests equal on all {len(records)} ranks", "ok": not differing,
-                   "detail": f"{len(names)} tensors" if not differing else f"differ: {', '.join(differing[:6])}"})
+    # Zero tensors compared is no evidence: a rank that recorded no digests (an empty state
+    # dict, a lost gather) must fail the check, not pass it vacuously.
+    empty = [r for r, rec in enumerate(records) if not rec["digests"]]
+    checks.append({"name": f"parameter digests equal on all {len(records)} ranks", "ok": not differing and not empty,
+                   "detail": (f"rank(s) {empty} recorded zero tensors" if empty else
+                              f"{len(names)} tensors" if not differing else f"differ: {', '.join(differing[:6])}")})
     tied = [r.get("tied_equal") for r in records]
     if any(t is not None for t in tied):
         checks.append({"name": "tied embedding and head weights equal", "ok": all(t is not False for t in tied),
                        "detail": str(tied)})
     checks.append({"name": "losses finite on every rank", "ok": all(r.get("losses_finite") for r in records),
                    "detail": str([r.get("losses", [])[-1:] for r in records])})
+    if any("loss_gap" in r for r in records):
+        gaps = [r.get("loss_gap", float("nan")) for r in records]
+        bound = records[0].get("loss_gap_bound", 0.0)
+        checks.append({"name": "losses after the forced scale change match the unforced run",
+                       "ok": all(g <= bound for g in gaps),  # NaN compares False: fails
+                       "detail": f"max |loss gap| per rank {gaps}, bound {bound}"})
+    if any("resumed_from" in r for r in records):
+        froms = {r.get("resumed_from") for r in records}
+        checks.append({"name": "every rank resumed from the async save of the final step",
+                       "ok": len(froms) == 1 and None not in froms, "detail": f"resumed from {sorted(map(str, froms))}"})
     return checks
 
 
@@ -574,9 +627,24 @@ def stop_tree(proc: subprocess.Popen) -> None:
 
 
 def clean_environ() -> dict[str, str]:
-    """This process's environment without SLIPSTREAM_* variables: a strategy or
-    precision left set in the shell must not change what a step tests."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+    """This process's environment without SLIPSTREAM_* variables (a strategy or
+    precision left set in the shell must not change what a step tests), and with
+    the source tree first on PYTHONPATH: every subprocess of the kit (step programs,
+    `slipstream run` and its workers) imports this checkout's slipstream and
+    benchmarks, installed or not (docs/gpu.md: the bare GPU machine)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+    for key in ("SLIPSTREAM_BARE_ALLOWED", "SLIPSTREAM_BARE_SRC", "SLIPSTREAM_BARE_AUDIT"):  # the tests' bare machine
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env["PYTHONPATH"] = source_path(os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def source_path(existing: str) -> str:
+    """PYTHONPATH with ROOT/src and ROOT first (once), then what was there."""
+    first = [str(ROOT / "src"), str(ROOT)]
+    rest = [p for p in existing.split(os.pathsep) if p and os.path.realpath(p) not in map(os.path.realpath, first)]
+    return os.pathsep.join(first + rest)
 
 
 def read_json(path: Path) -> dict | None:

@@ -6,8 +6,8 @@
 What it does, in order:
 
 1. calibrates on this machine, one core, no communication: fp32 matmul FLOP/s at
-   1 thread; forward / backward / optimizer time of the guide's MLP workload
-   (shared/GUIDE.md section 4); each codec's compute time on each DDP bucket;
+   1 thread; forward / backward / optimizer time of the benchmark MLP workload
+   (docs/measuring.md); each codec's compute time on each DDP bucket;
    each strategy's step on a one-rank gloo group (codec + sync engine cost);
    at the start and again after each link rate (medians are used);
 2. per link rate, in two network namespaces joined by a tbf-shaped veth pair
@@ -41,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-import sync_mlp  # the guide's MLP and the two-node emulation
+import sync_mlp  # the benchmark MLP and the two-node emulation
 
 
 def _git_commit() -> str:

@@ -56,7 +56,7 @@ def recovery(every: int, kill_at: int, steps: int) -> dict:
         run_dir, ckpt = Path(tmp) / "run", Path(tmp) / "ckpt"
         cmd = [sys.executable, "-m", "slipstream", "run", "-n", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
                "--log-every-steps", "1", GPT, "--steps", str(steps), "--layers", "2",
-               "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(every)]
+               "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", str(every)]
         agent = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         log = run_dir / "metrics" / "rank1.jsonl"
         while not read_steps(log) or read_steps(log)[-1] < kill_at:

@@ -1,7 +1,7 @@
-"""Gradient-sync strategies side by side on the guide's MLP workload, over shaped links.
+"""Gradient-sync strategies side by side on the benchmark MLP workload (docs/measuring.md), over shaped links.
 
 Two ranks in two network namespaces joined by a veth pair, each end shaped
-with tbf (GUIDE.md section 5), one core each. Every strategy, and the compute
+with tbf (docs/measuring.md), one core each. Every strategy, and the compute
 floor (the same model with no communication), runs in the same pair of worker
 processes, interleaved step by step in a rotating order, so the load of a
 shared machine falls on all of them alike and their ratios are comparable.
@@ -92,7 +92,7 @@ def _build(name: str, bucket_cap_mb: float):
     if name == "torch_powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        # One bucket: with several, torch's hook aborts under gloo (GUIDE.md section 4).
+        # One bucket: with several, torch's hook aborts under gloo (docs/measuring.md).
         ddp = DDP(model, bucket_cap_mb=64, gradient_as_bucket_view=True)
         ddp.register_comm_hook(
             psgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2),

@@ -255,7 +255,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--bucket-sweep", default="5,25,100", help="DDP bucket sizes (MiB) to tune over")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (the guide uses 1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (the measuring rules use 1: docs/measuring.md)")
     p.add_argument("--slipstream-bucket", choices=("tuned", "default"), default="tuned",
                    help="DDP bucket of the slipstream:* systems: the peers' tuned one, or Slipstream's default")
     p.add_argument("--out", required=True)

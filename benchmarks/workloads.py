@@ -4,9 +4,9 @@ Each workload is a pure recipe: ``build()`` gives a freshly initialised model
 (same weights on every rank for one seed), ``batch(step, rank)`` a batch that is
 a pure function of (step, rank), so every system sees exactly the same data.
 
-* ``mlp``: the communication-heavy MLP of shared/GUIDE.md (8 x Linear(1024,
+* ``mlp``: the communication-heavy MLP of docs/measuring.md (8 x Linear(1024,
   1024)+ReLU, Linear(1024, 10); 8.4M parameters, 33.6 MB of fp32 gradients;
-  batch 64; SGD lr 0.01). The guide trains it on random labels, which no model
+  batch 64; SGD lr 0.01). docs/measuring.md trains it on random labels, which no model
   can learn, so a loss target would be meaningless: here each sample is one of
   10 fixed random class templates under Gaussian noise (std 3), scaled to unit
   variance, which the MLP learns steadily (He init; see build()): the loss falls

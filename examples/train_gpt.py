@@ -36,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slipstream  # slipstream
+from slipstream.names import renamed_flag  # slipstream
 from slipstream.data import ShardedDataset, SlipstreamLoader, pack_text  # slipstream
 
 
@@ -226,12 +227,14 @@ def main() -> None:
                    metavar="DIR", help="where the packed stdlib corpus and shards read from URLs are kept")
     p.add_argument("--out", default=None, help="directory for the final model's state_dict")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest complete one")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="save every N optimizer steps")
+    p.add_argument("--checkpoint-every-steps", type=int, default=None, help="save every N optimizer steps")
+    p.add_argument("--checkpoint-every", type=int, default=None, help=argparse.SUPPRESS)  # the old name, until 0.2
     # Parallel layout (default: data parallel over every rank; `slipstream run --tp 2 ...` sets these too).
     p.add_argument("--dp-shard", type=int, default=None, help="FSDP2 over this many ranks")
     p.add_argument("--tp", type=int, default=None, help="tensor parallel degree")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (split between blocks)")
     args = p.parse_args()
+    args.checkpoint_every_steps = renamed_flag(args.checkpoint_every_steps, args.checkpoint_every, "--checkpoint-every")
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
 
@@ -261,7 +264,7 @@ def main() -> None:
         scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(
             opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
         ),
-        total_steps=args.steps, checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every,
+        total_steps=args.steps, checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every_steps,
         dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, tp_plan=TP_PLAN,
         # The data position is saved with the model, so a resumed run reads the batches it would have read.
         extra_state={"data": position} if args.checkpoint_dir else None,
@@ -275,6 +278,7 @@ def main() -> None:
         print(f"GPT: {params / 1e6:.2f}M parameters, data {data} ({len(dataset)} samples of {field.shape[0]} tokens), "
               f"{rt.world_size} rank(s) on {rt.device}, precision {c.numerics.precision}, sync {c.sync.strategy}, "
               f"layout {run.describe_layout()}")
+        print(f"run directory: {run.recorder.run_dir} (metrics; at the end: slipstream report {run.recorder.run_dir})")
 
     started = time.perf_counter()
     # run.step_count comes back from a checkpoint on resume, and the loader's position
@@ -306,6 +310,7 @@ def main() -> None:
             os.makedirs(args.out, exist_ok=True)
             torch.save(state, os.path.join(args.out, "model.pt"))
             print(f"saved {os.path.join(args.out, 'model.pt')}")
+        print(f"run directory: {run.recorder.run_dir}; see the run with: slipstream report {run.recorder.run_dir}")
     # Ends the process here: torch's gloo can abort in interpreter teardown (see shutdown's docstring).
     slipstream.shutdown(exit_code=0)
 

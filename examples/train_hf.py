@@ -34,6 +34,7 @@ except ImportError:
     sys.exit(2)
 
 import slipstream  # slipstream
+from slipstream.names import renamed_flag  # slipstream
 
 VOCAB = 256  # byte tokens
 
@@ -96,8 +97,10 @@ def main() -> None:
     p.add_argument("--corpus-mb", type=float, default=4.0)
     p.add_argument("--out", default=None, help="directory for the final model (model.pt, and save_pretrained's files)")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest complete one")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="save every N optimizer steps")
+    p.add_argument("--checkpoint-every-steps", type=int, default=None, help="save every N optimizer steps")
+    p.add_argument("--checkpoint-every", type=int, default=None, help=argparse.SUPPRESS)  # the old name, until 0.2
     args = p.parse_args()
+    args.checkpoint_every_steps = renamed_flag(args.checkpoint_every_steps, args.checkpoint_every, "--checkpoint-every")
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
 
@@ -111,7 +114,7 @@ def main() -> None:
         model,
         lambda params: torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01),
         scheduler=lambda opt: transformers.get_cosine_schedule_with_warmup(opt, warmup, args.steps),
-        total_steps=args.steps, checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every,
+        total_steps=args.steps, checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every_steps,
     )
     if rt.is_main:
         c = run.config

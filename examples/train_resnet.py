@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import slipstream  # slipstream
+from slipstream.names import renamed_flag  # slipstream
 
 
 class BasicBlock(nn.Module):
@@ -78,8 +79,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="directory for the final model's state_dict")
     p.add_argument("--checkpoint-dir", default=None, help="save checkpoints here; resume from the newest complete one")
-    p.add_argument("--checkpoint-every", type=int, default=None, help="save every N optimizer steps")
+    p.add_argument("--checkpoint-every-steps", type=int, default=None, help="save every N optimizer steps")
+    p.add_argument("--checkpoint-every", type=int, default=None, help=argparse.SUPPRESS)  # the old name, until 0.2
     args = p.parse_args()
+    args.checkpoint_every_steps = renamed_flag(args.checkpoint_every_steps, args.checkpoint_every, "--checkpoint-every")
     if args.steps < 1 or args.batch_size < 1:
         p.error("--steps and --batch-size must be >= 1")
 
@@ -89,7 +92,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     run = slipstream.accelerate(  # slipstream
         model, optimizer, total_steps=args.steps,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every_steps,
     )
     if rt.is_main:
         params = sum(p.numel() for p in model.parameters())

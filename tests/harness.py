@@ -21,6 +21,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from typing import Any, Callable
 
@@ -61,6 +62,22 @@ def _entry(fn, rank, world_size, local_world_size, port, extra_env, args, result
             dist.destroy_process_group()
 
 
+def _next_result(results: Any, procs: list, reported: dict, deadline: float) -> tuple[int, str, Any]:
+    """The next rank's report; a rank that died without one fails at once (not at the deadline)."""
+    while True:
+        try:
+            return results.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            if time.monotonic() >= deadline:
+                raise
+        dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in reported]
+        if dead:
+            try:  # its report may still be in the pipe
+                return results.get(timeout=2)
+            except queue.Empty:
+                return dead[0], "error", f"exited with code {procs[dead[0]].exitcode} without reporting a result"
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -84,9 +101,10 @@ def run_ranks(
         p.start()
     out: dict[int, Any] = {}
     errors = []
+    deadline = time.monotonic() + timeout_s
     try:
         for _ in range(world_size):
-            rank, status, value = results.get(timeout=timeout_s)
+            rank, status, value = _next_result(results, procs, out, deadline)
             if status == "ok":
                 import torch
 

@@ -8,7 +8,7 @@ each configuration: precision fp32, bf16, and fp32 with TF32 matmuls (the
 baseline vendors usually quote their 1.5-2x against; no effect on a CPU), each with the
 profiler (TrainConfig.profile) on and off. Every configuration is built afresh
 in each of --rounds rounds, the order rotating between rounds so a noisy
-neighbour hurts all alike (shared/GUIDE.md, "How we measure"); a round runs
+neighbour hurts all alike (docs/measuring.md, "The rules"); a round runs
 --warmup steps, then times --steps steps. Step times are medians over every
 timed step of every round; each round's median is reported too, to judge the noise.
 

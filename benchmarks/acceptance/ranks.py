@@ -9,6 +9,10 @@ plan.json::
     {"steps": 4, "model": {"dim": 64, "layers": 2, "heads": 4, "context": 32, "batch": 8},
      "configs": [{"name": "sync/powersgd", "options": {"sync": "powersgd"}}, ...]}
 
+A configuration may also have a ``case`` (see :func:`train_one`): bf16 parameters, an
+asynchronous save on the final step followed by a resume and compressed steps, or a
+forced loss-scale change under fp16 error feedback.
+
 ``options`` go to ``slipstream.accelerate`` as keyword options (sync, precision,
 dp_shard, tp, pp, ...). Per configuration and rank, in DIR/<name with / as __>/:
 ``rank<R>.started`` when it begins, then ``rank<R>.json``: status, the effective
@@ -59,10 +63,18 @@ def effective_mismatches(config, options: dict) -> list[str]:
     return wrong
 
 
-def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path) -> dict:
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCALE_GAP_BOUND = 0.02
+"""Largest |loss difference| allowed between an fp16 run whose loss scale is forced down
+mid-run and the same run without: a scale change is exact in binary (a power of two),
+so only rounding may differ; error feedback kept in loss-scaled units is off by the
+factor after the change and moves the loss far more."""
+
+
+def _accelerate(ex, model_cfg: dict, steps: int, options: dict, run_dir: Path, param_dtype: str):
     torch.manual_seed(0)  # the same initial weights on every rank
     model = ex.GPT(dim=model_cfg["dim"], layers=model_cfg["layers"], heads=model_cfg["heads"],
-                   context=model_cfg["context"])
+                   context=model_cfg["context"]).to(PARAM_DTYPES[param_dtype])
     run = slipstream.accelerate(
         model,
         lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
@@ -76,12 +88,60 @@ def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path)
     wrong = effective_mismatches(run.config, options)
     if wrong:
         raise RuntimeError("the run's config does not show the options given: " + "; ".join(wrong))
+    return run, model
+
+
+def _train_to(ex, rt, run, model_cfg: dict, until: int, corpus, force_scale: dict | None = None) -> list:
     losses = []
-    corpus = ex.load_corpus(int(0.25 * 2**20))
-    while run.step_count < steps:
+    while run.step_count < until:
         # Ranks of one tensor-parallel group or pipeline read the same rows: index by dp_rank.
         x, y = ex.batch_for(run.micro_step_count, run.dp_rank, corpus, model_cfg["batch"], model_cfg["context"], 0)
         losses.append(run.train_step(x.to(rt.device), y.to(rt.device), ex.loss_fn))
+        if force_scale and run.step_count == force_scale["at"]:
+            # Every rank the same new scale (a power of two), between two steps, as a skipped step would.
+            run.scaler.update(new_scale=float(run.scaler.get_scale() * force_scale["factor"]))
+    return losses
+
+
+def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path, case: dict | None = None) -> dict:
+    """One configuration. ``case`` (optional) adds what the plain run lacks:
+
+    * ``param_dtype``: the model's parameters in bf16/fp16 (default fp32);
+    * ``resume_at``: train to that step with checkpoints saved asynchronously every
+      ``resume_at`` steps (so the last step's save is async and still in flight when
+      ``finish()`` runs), then a second accelerate() over the same directory must resume
+      there and take the remaining steps under the configuration's sync (compressed steps);
+    * ``force_scale``: {"at": k, "factor": f} with precision fp16: after step k the loss
+      scale is set to f times itself; the same run without it is trained first, and the
+      losses after k must stay within SCALE_GAP_BOUND of it.
+    """
+    case = case or {}
+    dtype = case.get("param_dtype", "fp32")
+    corpus = ex.load_corpus(int(0.25 * 2**20))
+    extra: dict = {}
+    if case.get("force_scale"):
+        ref, _ = _accelerate(ex, model_cfg, steps, options, run_dir / "unforced", dtype)
+        ref_losses = torch.stack(_train_to(ex, rt, ref, model_cfg, steps, corpus)).float().cpu().tolist()
+        ref.finish()
+        del ref
+    if case.get("resume_at"):
+        at = case["resume_at"]
+        ckpt = {"checkpoint_dir": str(run_dir / "ckpt"), "checkpoint_every_steps": at, "checkpoint_async": True}
+        first, _ = _accelerate(ex, model_cfg, at, {**options, **ckpt}, run_dir / "first", dtype)
+        losses = _train_to(ex, rt, first, model_cfg, at, corpus)
+        first.finish()  # the save of step `at` was started asynchronously by the step itself
+        del first
+        run, model = _accelerate(ex, model_cfg, steps, {**options, **ckpt}, run_dir, dtype)
+        extra["resumed_from"] = run.resumed_from_step
+        if run.resumed_from_step != at:
+            raise RuntimeError(f"the second launch resumed from step {run.resumed_from_step}, expected {at} "
+                               "(the asynchronous save of the first launch's final step)")
+        losses += _train_to(ex, rt, run, model_cfg, steps, corpus)
+    else:
+        run, model = _accelerate(ex, model_cfg, steps, options, run_dir, dtype)
+        losses = _train_to(ex, rt, run, model_cfg, steps, corpus, case.get("force_scale"))
+        if case.get("force_scale"):
+            extra["scale_after"] = float(run.scaler.get_scale())
     run.finish()
     state = run.unwrapped_state_dict()  # a collective on sharded layouts: every rank calls it
     digests = {name: tensor_digest(t) for name, t in state.items() if isinstance(t, torch.Tensor)}
@@ -93,12 +153,17 @@ def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path)
     del run, model, state
     if rt.device.type == "cuda":
         torch.cuda.empty_cache()
+    if case.get("force_scale"):
+        after = case["force_scale"]["at"]
+        gaps = [abs(a - b) for a, b in zip(loss_values[after:], ref_losses[after:])]
+        extra.update(loss_gap=round(max(gaps), 6) if gaps else float("nan"), loss_gap_bound=SCALE_GAP_BOUND)
     return {
         "digests": digests,
         "tied_equal": tied,
         "losses": [round(v, 6) for v in loss_values],
         "losses_finite": all(math.isfinite(v) for v in loss_values),
         "layout": layout,
+        **extra,
     }
 
 
@@ -124,7 +189,7 @@ def main() -> None:
             if (asked_backend and rt.backend != asked_backend) or (asked_device and rt.device.type != asked_device):
                 raise RuntimeError(f"asked for backend {asked_backend} on {asked_device}, "
                                    f"slipstream.init() gave {rt.backend} on {rt.device}")
-            record = train_one(ex, rt, plan["model"], plan["steps"], cfg["options"], folder / "run")
+            record = train_one(ex, rt, plan["model"], plan["steps"], cfg["options"], folder / "run", cfg.get("case"))
             record.update(status="ok", placement=placement, seconds=round(time.perf_counter() - started, 2))
             write_result(folder / f"rank{rt.rank}.json", record)
         except Exception as exc:  # noqa: BLE001 - recorded, then this launch ends (see the module docstring)

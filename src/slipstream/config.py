@@ -203,7 +203,8 @@ class CheckpointConfig:
     every_steps: int | None = None
     """Save every this many optimizer steps (None: only on preemption and at the end)."""
     every_s: float | None = None
-    """Save when this many seconds passed since the last save (checked every step)."""
+    """Save when this many seconds passed since the last save (the ranks agree on the clock about
+    once a second, not every step, so such a save can come up to a second and a step late)."""
     keep_last: int = 3
     """Complete checkpoints kept; older ones are deleted."""
     async_save: bool = False
@@ -273,7 +274,7 @@ class MetricsConfig:
     than this fraction, in most of the last 5 log steps."""
     log_to: tuple[str, ...] = field(default=(), metadata={"choices": TRACKERS})
     """Experiment trackers that receive every metric: tensorboard, wandb, mlflow (comma-separated
-    from the environment or ``--log-to``). Each needs its package (``pip install slipstream[wandb]``)."""
+    from the environment or ``--log-to``). Each needs its package (the extra of the same name: docs/install.md)."""
 
     FLAT: ClassVar[dict[str, str]] = {
         "profile": "profile",
@@ -420,6 +421,11 @@ class TrainConfig:
                 "gradients (leave sync at allreduce)",
             )
             _require(self.numerics.precision != "fp16", "precision fp16 is not supported with dp_shard, tp or pp; use bf16")
+        if self.parallel.pp > 1 and self.numerics.accumulate_steps > 1:
+            raise ConfigError(
+                f"accumulate_steps({self.numerics.accumulate_steps}) with pp({self.parallel.pp}): use pp_microbatches "
+                "instead (the pipeline already accumulates over its micro-batches)"
+            )
         from .sync.options import check_sync_options  # the options' names and values, before any worker starts
 
         check_sync_options(self.sync.strategy, self.sync.options)
@@ -516,6 +522,38 @@ class TrainConfig:
                     value = json.dumps(value)
                 out[ENV_PREFIX + name.upper()] = str(value)
         return out
+
+
+PARAMETER_DTYPES = ("fp32", "bf16", "fp16")
+"""Dtypes a model's parameters may be in when handed to accelerate()."""
+
+
+def check_parameter_dtype(config: TrainConfig, dtype: str) -> None:
+    """Refuse a parameter dtype the config cannot train, before anything is built.
+
+    ``dtype`` names the model's parameter dtype (fp32, bf16, fp16). Pure: accelerate()
+    calls it first, and the conformance matrix (tests/conformance) calls it in-process.
+
+    Example::
+
+        check_parameter_dtype(TrainConfig(precision="bf16"), "bf16")   # accepted
+    """
+    _require(dtype in PARAMETER_DTYPES, f"parameter dtype must be one of {', '.join(PARAMETER_DTYPES)}, got {dtype!r}")
+    precision = config.numerics.precision
+    # Both found by the conformance matrix (tests/conformance): fp16 parameters train to NaN by the
+    # second step with fp32 numerics (AdamW's eps=1e-8 is 0 in fp16), torch's GradScaler refuses
+    # their fp16 gradients under precision fp16, and bf16 autocast over them mixes dtypes in LayerNorm.
+    _require(
+        dtype != "fp16",
+        f"parameter dtype fp16 with precision {precision} is not supported: pure fp16 weights need fp32 master "
+        "weights and a loss scaler (GradScaler refuses fp16 gradients); keep fp32 parameters with precision fp16, "
+        "or use bf16 parameters",
+    )
+    _require(
+        not (dtype == "bf16" and precision == "fp16"),
+        "parameter dtype bf16 with precision fp16 is not supported: autocast to fp16 over bf16 weights mixes two "
+        "16-bit formats; use precision bf16 (or fp32) with bf16 parameters, or fp32 parameters with precision fp16",
+    )
 
 
 def _unknown_message(unknown: list[str]) -> str:

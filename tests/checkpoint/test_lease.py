@@ -23,6 +23,19 @@ from ..data.conftest import s3, s3_endpoint  # noqa: F401 - the moto S3 server f
 
 HOST = socket.gethostname()
 FAST = {"interval_s": 0.05, "stale_after_s": 0.3}
+# Where a holder must stay fresh: a loaded machine may starve a 0.05 s heartbeat thread
+# past 0.3 s, and a record written a moment ago would count as stale.
+FRESH = {"interval_s": 0.05, "stale_after_s": 60.0}
+DEADLINE_S = 30.0  # how long a test waits for something that takes milliseconds when all is well
+
+
+def _until(condition, what: str) -> None:
+    """Wait for ``condition()`` (polled), failing after DEADLINE_S: no fixed window to miss."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not seen within {DEADLINE_S:g} s")
+        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -46,11 +59,11 @@ def _on_disk(directory) -> dict:
 
 
 def test_a_second_live_holder_is_refused_in_one_line(tmp_path, sleeper):
-    first = Lease(str(tmp_path), holder=Holder("job-a", HOST, sleeper.pid, pid_start=start_time(sleeper.pid)), **FAST)
+    first = Lease(str(tmp_path), holder=Holder("job-a", HOST, sleeper.pid, pid_start=start_time(sleeper.pid)), **FRESH)
     first.acquire()
     try:
         with pytest.raises(CheckpointDirInUse) as info:
-            Lease(str(tmp_path), **FAST).acquire()
+            Lease(str(tmp_path), **FRESH).acquire()
         message = str(info.value)
         assert "\n" not in message
         assert f"run job-a (host {HOST}, pid {sleeper.pid}, attempt 0, last heartbeat" in message, message
@@ -86,7 +99,7 @@ def test_a_reused_pid_does_not_keep_a_dead_holder_alive(sleeper):
 def test_another_hosts_holder_is_refused_while_fresh_and_taken_over_when_stale(tmp_path, caplog):
     _record(tmp_path, run_id="job-far", host="node-elsewhere", pid=os.getpid())
     with pytest.raises(CheckpointDirInUse, match=r"run job-far \(host node-elsewhere"):
-        Lease(str(tmp_path), **FAST).acquire()
+        Lease(str(tmp_path), **FRESH).acquire()
     _record(tmp_path, run_id="job-far", host="node-elsewhere", pid=os.getpid(), heartbeat_unix_s=time.time() - 1.0)
     lease = Lease(str(tmp_path), **FAST)
     with caplog.at_level(logging.WARNING, logger="slipstream.checkpoint"):
@@ -127,8 +140,7 @@ def test_the_record_is_written_atomically(tmp_path, monkeypatch):
     lease = Lease(str(tmp_path), **FAST)
     lease.acquire()
     first = _on_disk(tmp_path)["heartbeat_unix_s"]
-    time.sleep(0.2)  # a few heartbeats
-    assert _on_disk(tmp_path)["heartbeat_unix_s"] > first
+    _until(lambda: _on_disk(tmp_path)["heartbeat_unix_s"] > first, "a heartbeat after the first record")
     lease.release()
     assert os.listdir(tmp_path) == []
 
@@ -146,9 +158,7 @@ def test_the_heartbeat_notices_a_takeover_and_release_leaves_the_new_holder(tmp_
     lease.acquire()
     with caplog.at_level(logging.ERROR, logger="slipstream.checkpoint"):
         _record(tmp_path, run_id="job-thief", host="node-elsewhere")
-        deadline = time.monotonic() + 5
-        while not lease.lost and time.monotonic() < deadline:
-            time.sleep(0.02)
+        _until(lambda: lease.lost, "the heartbeat noticing the takeover")
     lease.release()
     assert lease.lost and any("taken over by run job-thief" in r.getMessage() for r in caplog.records)
     assert _on_disk(tmp_path)["run_id"] == "job-thief"
@@ -162,7 +172,7 @@ def test_an_unreadable_record_is_replaced_and_a_deleted_directory_stops_the_hear
         assert _on_disk(tmp_path)["run_id"] == lease.holder.run_id
         os.unlink(tmp_path / LEASE_FILE)
         os.rmdir(tmp_path)  # a test's tmp_path removed under a manager never closed
-        lease._thread.join(timeout=5)
+        lease._thread.join(timeout=DEADLINE_S)
     assert not lease._thread.is_alive()
     assert any("is gone; its lease heartbeat stops" in r.getMessage() for r in caplog.records)
     lease.release()
@@ -208,7 +218,9 @@ HOLDER = textwrap.dedent("""
     from slipstream.checkpoint import CheckpointManager
     while len(sys.argv) > 2 and not os.path.exists(os.path.join(sys.argv[1], ".lease.json")):
         time.sleep(0.02)  # the second job: imported alongside the first, it starts once the first holds
-    manager = CheckpointManager(sys.argv[1], handle_sigterm=False, lease_interval_s=0.2)
+    # Beats every 5 s (stale after 30 s): the second job, importing torch on a loaded
+    # machine, must find this holder fresh, however late the heartbeat thread runs.
+    manager = CheckpointManager(sys.argv[1], handle_sigterm=False, lease_interval_s=5.0)
     print("holding", flush=True)
     sys.stdin.read()  # until the test closes our stdin
     manager.close()
@@ -248,9 +260,7 @@ def test_a_job_whose_lease_was_taken_over_writes_no_more_checkpoints(tmp_path):
     manager.register("rng", RNGState(), per_rank=True)
     assert manager.save(1)
     _record(tmp_path, run_id="job-thief", host="node-elsewhere")  # another job took the directory over
-    deadline = time.monotonic() + 5
-    while not manager.lease.lost and time.monotonic() < deadline:
-        time.sleep(0.02)
+    _until(lambda: manager.lease.lost, "the heartbeat noticing the takeover")
     with pytest.raises(CheckpointDirInUse, match="another job took over its writer lease"):
         manager.save(2)
     manager.close()

@@ -99,7 +99,7 @@ class ContainerJob:
             "name": name, "image": image, "replicas": 2, "gpu_count": 0,
             "command": ["python", "examples/train_gpt.py"],
             "args": ["--steps", str(STEPS), *TINY, "--checkpoint-dir", "/shared/ckpt",
-                     "--checkpoint-every", str(CHECKPOINT_EVERY), "--out", "/shared/out"],
+                     "--checkpoint-every-steps", str(CHECKPOINT_EVERY), "--out", "/shared/out"],
             "checkpoint": {"dir": "/shared/ckpt"},
             "restarts": {"max_restarts": 3},
         }

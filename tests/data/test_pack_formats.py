@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ from slipstream.cli import main
 from slipstream.data import ShardedDataset, ShardWriter, load_index, pack
 from slipstream.data.source import Source
 from slipstream.errors import ConfigError, UsageError
+from slipstream.extras import pip_install_hint
 
 try:  # in the data extra, which `bash scripts/install.sh test` installs: fail loudly, never skip
     import pyarrow as pa
@@ -169,7 +171,7 @@ def test_a_truncated_parquet_file_is_named(tmp_path, capsys):
 def test_parquet_without_pyarrow_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(UsageError, match=r"^reading Parquet needs pyarrow: pip install 'slipstream\[data\]'$"):
+    with pytest.raises(UsageError, match=f"^{re.escape('reading Parquet needs pyarrow: ' + pip_install_hint('data'))}$"):
         pack(str(tmp_path / "t.parquet"), str(tmp_path / "ds"))
 
 

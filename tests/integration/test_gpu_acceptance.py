@@ -1,5 +1,9 @@
 """The GPU acceptance run (benchmarks/gpu_acceptance.py), whole, on the CPU.
 
+Every run here is on an imitation of the bare GPU machine (bare_machine_env): the
+source tree on PYTHONPATH, the installed package hidden, nothing importable beyond
+the standard library, torch, numpy, pyyaml and rich.
+
 The first machine with a GPU runs that script once, under an 8-minute budget;
 running it here first means that run is not spent on bugs in the script. Real
 runs throughout: the examples train, checkpoint and resume, `slipstream run`
@@ -23,11 +27,48 @@ from tests.conftest import cannot_run_here
 REPO = Path(__file__).resolve().parents[2]
 
 
+def bare_machine_allowed() -> list[str]:
+    """Top-level modules of torch, numpy, pyyaml and rich and of what they require (their
+    distributions' requirements, followed), plus the source tree's two packages."""
+    import importlib.metadata as md
+    import re
+
+    todo, seen = ["torch", "numpy", "pyyaml", "rich"], set()
+    while todo:
+        name = todo.pop()
+        key = name.lower().replace("_", "-")
+        if key in seen:
+            continue
+        try:
+            dist = md.distribution(name)
+        except md.PackageNotFoundError:
+            continue
+        seen.add(key)
+        todo += [re.split(r"[ ;<>=!\[~(]", req, maxsplit=1)[0] for req in dist.requires or [] if "extra ==" not in req]
+    tops = {"slipstream", "benchmarks"}
+    for top, dists in md.packages_distributions().items():
+        if any(d.lower().replace("_", "-") in seen for d in dists):
+            tops.add(top)
+    return sorted(tops)
+
+
+def bare_machine_env(audit: Path) -> dict[str, str]:
+    """The command docs/gpu.md gives, `PYTHONPATH=src python3 -m benchmarks.gpu_acceptance`, on an
+    imitation of the bare GPU machine (tests/integration/bare_python/sitecustomize.py): the
+    installed slipstream hidden, every module beyond the standard library, torch, numpy, pyyaml
+    and rich absent, in this process and every one it starts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}  # nothing leaks in
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "integration" / "bare_python"), "src"])
+    env.update(SLIPSTREAM_BARE_ALLOWED=",".join(bare_machine_allowed()), SLIPSTREAM_BARE_SRC=str(REPO / "src"),
+               SLIPSTREAM_BARE_AUDIT=str(audit))
+    return env
+
+
 def acceptance(out: Path, *args: str, timeout: float) -> tuple[subprocess.CompletedProcess, dict, str]:
+    out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_acceptance", "--out", str(out), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")},  # nothing leaks in
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, env=bare_machine_env(out / "blocked-imports.txt"),
     )
     doc = json.loads((out / "acceptance.json").read_text())
     return proc, doc, (out / "acceptance.md").read_text()
@@ -49,9 +90,10 @@ def test_whole_run_passes_on_cpu(tmp_path):
     names = [s["name"] for s in doc["steps"]]
     expected = (["environment"]
                 + [f"example/{e}/{p}" for p in ("fp32", "bf16", "fp16") for e in ("gpt", "resnet")]
-                + ["perf", "nccl/2-ranks-1-gpu"]
+                + ["perf", "nccl/2-ranks-1-gpu", "binding/per-rank-gpu"]
                 + [f"sync/{s}" for s in sync.available()]
-                + [f"layout/{n}" for n in (*gpu_acceptance.LAYOUTS_2, *gpu_acceptance.LAYOUTS_4)])
+                + [f"layout/{n}" for n in (*gpu_acceptance.LAYOUTS_2, *gpu_acceptance.LAYOUTS_4)]
+                + [s.name for s in gpu_acceptance.conformance_steps(list(sync.available()), 3, 0)])
     assert sorted(names) == sorted(expected)
     assert doc["device"] == "cpu" and doc["environment"]["torch"]
     assert doc["summary"] == {"pass": len(names) - 1, "fail": 0, "skipped": 1}
@@ -69,7 +111,7 @@ def test_whole_run_passes_on_cpu(tmp_path):
     for name in names:
         if name.startswith("example/"):
             assert by_name[name]["figures"]["bitwise_equal"] == "3/3", by_name[name]
-        if name.startswith(("sync/", "layout/")):
+        if name.startswith(("sync/", "layout/", "conformance/")):
             step = by_name[name]
             assert any(c["name"].startswith("parameter digests equal") and c["ok"] for c in step["checks"]), step
             assert step["figures"]["backend"] == "gloo" and step["figures"]["device"] == "cpu"
@@ -143,3 +185,28 @@ def test_nccl_refusal_is_judged_from_a_real_launch(tmp_path):
     assert step.status == "pass", (step.reason, step.output_tail)
     assert step.figures["outcome"] == "refused as expected"
     assert "slipstream: error" in step.figures["message"] and "nccl" in step.figures["message"].lower()
+
+
+def test_digest_check_fails_with_zero_tensors():
+    # An empty state dict on every rank compares nothing: that must not read as "equal".
+    ok = {"placement": {"backend": "gloo", "device": "cpu"}, "digests": {}, "tied_equal": None,
+          "losses": [5.0], "losses_finite": True}
+    env = {"SLIPSTREAM_BACKEND": "gloo", "SLIPSTREAM_DEVICE": "cpu"}
+    checks = {c["name"]: c for c in gpu_acceptance.ranks_checks([ok, ok], env)}
+    digest = checks["parameter digests equal on all 2 ranks"]
+    assert not digest["ok"] and "zero tensors" in digest["detail"], digest
+    one_empty = {**ok, "digests": {"a": "1"}}
+    assert not gpu_acceptance.ranks_checks([one_empty, ok], env)[1]["ok"]
+
+
+def test_bare_machine_imitation_blocks_what_the_gpu_machine_lacks(tmp_path):
+    # The imitation itself: the installed slipstream is hidden (this checkout's src/ wins, or
+    # nothing), a package beyond the five is absent to import and to find_spec, torch imports.
+    code = ("import importlib.util, slipstream, torch; print(slipstream.__file__); "
+            "print(importlib.util.find_spec('moto')); import moto")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=bare_machine_env(tmp_path / "audit.txt"))
+    lines = proc.stdout.splitlines()
+    assert lines[0] == str(REPO / "src" / "slipstream" / "__init__.py"), proc.stdout + proc.stderr
+    assert lines[1] == "None"
+    assert proc.returncode == 1 and "No module named 'moto' (not on the bare GPU machine)" in proc.stderr

@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from slipstream.job.validate import CRD_FILES, crd_schemas_from_yaml
-from tests.conftest import need
 
 from .conftest import EXAMPLES, REPO, run_cli, write_spec
 
@@ -137,19 +136,35 @@ def test_kubernetes_validate_cli_agrees(tmp_path, capsys):
     assert "WARN" not in proc.stdout and proc.stdout.count("passed") == len(files)
 
 
-SHARED_CRDS = REPO.parent / "shared" / "k8s-crds"
+# SHA-256 of the vendored schemas, as extracted (crd_schemas_from_yaml) from the upstream CRD files
+# docs/job.md lists ("CRD schema sources", with the upstream files' own digests); a refresh changes both.
+VENDORED_CRD_SHA256 = {
+    "jobset.x-k8s.io_v1alpha2_jobset.json": "20a226345ef48828ecade5afe752bad59f117b98a2754132476a5ce66c6f2591",
+    "kubeflow.org_v1_pytorchjob.json": "203d27463f31ee9c74457a5e6d033a894df297442d352cd46ecfb8c0939249a5",
+    "trainer.kubeflow.org_v1alpha1_trainjob.json": "f451af0f4d002476c04903a6995e708d6acb70ee58ce6eaf3d76460adcb3e06b",
+}
 
 
-def test_vendored_crd_schemas_match_shared_copy():
-    """src/slipstream/job/crds/*.json are the openAPIV3Schema of ../shared/k8s-crds, unchanged."""
-    need(SHARED_CRDS.is_dir(), "../shared/k8s-crds is not beside this checkout")
-    assert SHARED_CRDS.is_dir(), f"{SHARED_CRDS} is missing (CI copies shared/ beside the repo)"
-    schemas = {}
-    for f in SHARED_CRDS.glob("*.yaml"):
-        schemas.update(crd_schemas_from_yaml(f.read_text()))
+def test_vendored_crd_schemas_are_the_extracted_upstream_ones():
+    """src/slipstream/job/crds/*.json are unchanged since their extraction from the upstream CRDs."""
+    import hashlib
+
     pkg = REPO / "src" / "slipstream" / "job" / "crds"
-    for key, fname in CRD_FILES.items():
-        assert json.loads((pkg / fname).read_text()) == schemas[key], fname
+    assert sorted(CRD_FILES.values()) == sorted(VENDORED_CRD_SHA256)
+    for fname, digest in VENDORED_CRD_SHA256.items():
+        assert hashlib.sha256((pkg / fname).read_bytes()).hexdigest() == digest, f"{fname} changed"
+
+
+def test_crd_extraction_returns_each_served_version_schema_unchanged():
+    """crd_schemas_from_yaml (what refreshes the vendored files) takes openAPIV3Schema as it is."""
+    pkg = REPO / "src" / "slipstream" / "job" / "crds"
+    for (api_version, kind), fname in CRD_FILES.items():
+        group, version = api_version.split("/")
+        schema = json.loads((pkg / fname).read_text())
+        crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+               "spec": {"group": group, "names": {"kind": kind},
+                        "versions": [{"name": version, "served": True, "schema": {"openAPIV3Schema": schema}}]}}
+        assert crd_schemas_from_yaml(yaml.safe_dump(crd)) == {(api_version, kind): schema}
 
 
 def test_dockerfile_is_consistent_with_the_repo_and_the_manifests():

@@ -83,7 +83,7 @@ def valid_specs(draw):
             spec["elastic"] = {"min_replicas": draw(st.integers(1, replicas)),
                                "max_replicas": draw(st.integers(replicas, replicas + 4))}
         if draw(st.booleans()):
-            ck = {"dir": "/ckpt/run", "interval_steps": draw(st.integers(1, 1000))}
+            ck = {"dir": "/ckpt/run", "every_steps": draw(st.integers(1, 1000))}
             if draw(st.booleans()):
                 ck["volume_claim"] = draw(dns_label)
             spec["checkpoint"] = ck
@@ -91,8 +91,9 @@ def valid_specs(draw):
             spec["data"] = {"source": "s3://bucket/shards", "cache_dir": "/cache", "cache_size": "10Gi",
                             "prewarm": draw(st.booleans())}
         if draw(st.booleans()):
-            spec["sync"] = {"strategy": "allreduce", "precision": draw(st.sampled_from(["fp32", "bf16", "fp16"])),
-                            "accumulate_steps": draw(st.integers(1, 16))}
+            spec["sync"] = {"strategy": "allreduce"}
+            spec["numerics"] = {"precision": draw(st.sampled_from(["fp32", "bf16", "fp16"])),
+                                "accumulate_steps": draw(st.integers(1, 16))}
     return spec
 
 
@@ -141,8 +142,8 @@ MUTATIONS = [
     (("memory",), st.integers(max_value=0), "memory: must be > 0"),
     (("env",), st.lists(st.integers(), max_size=2), "env: must be a mapping"),
     (("restarts", "max_restarts"), st.integers(max_value=-1), "restarts.max_restarts: must be >= 0"),
-    (("sync", "precision"), st.text(max_size=6).filter(lambda s: s not in ("fp32", "bf16", "fp16")), "sync.precision: must be one of"),
-    (("sync", "accumulate_steps"), st.integers(max_value=0), "sync.accumulate_steps: must be >= 1"),
+    (("numerics", "precision"), st.text(max_size=6).filter(lambda s: s not in ("fp32", "bf16", "fp16")), "numerics.precision: must be one of"),
+    (("numerics", "accumulate_steps"), st.integers(max_value=0), "numerics.accumulate_steps: must be >= 1"),
     (("gpu_slice", "memory_fraction"), st.floats(min_value=1.01, max_value=1e6), "gpu_slice.memory_fraction: must be <= 1"),
     (("checkpoint", "keep_last"), st.integers(max_value=0), "checkpoint.keep_last: must be >= 1"),
     (("network", "host_network"), st.text(max_size=4), "network.host_network: must be true or false"),

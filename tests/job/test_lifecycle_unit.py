@@ -232,6 +232,6 @@ def test_an_unreachable_api_server_is_one_line_and_exit_2(command, monkeypatch, 
         "contexts:\n- {name: dead, context: {cluster: dead, user: u}}\ncurrent-context: dead\n"
         "users:\n- {name: u, user: {token: x}}\n")
     monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-    line = _one_line_exit_2([command, "gpt", "--target", "jobset", "-n", "ml"], capsys)
+    line = _one_line_exit_2([command, "gpt", "--target", "jobset", "--namespace", "ml"], capsys)
     assert "no Kubernetes cluster reachable" in line and "127.0.0.1:9" in line
     assert os.environ["KUBECONFIG"] == str(kubeconfig)

@@ -39,7 +39,7 @@ def test_enumerations_come_from_the_core():
     from slipstream import sync
 
     props = job_schema()["properties"]
-    assert props["sync"]["properties"]["precision"]["enum"] == list(PRECISIONS)
+    assert props["numerics"]["properties"]["precision"]["enum"] == list(PRECISIONS)
     assert props["sync"]["properties"]["strategy"]["enum"] == list(sync.available())
 
 

@@ -172,3 +172,41 @@ def test_timeline_samples_steps_after_the_first_ones(tmp_path):
     tl.close()
     steps = [e["args"]["step"] for e in load_events(str(tmp_path / "rank0.json")) if e["ph"] == "X"]
     assert steps == [1, 2, 3, 4, 5, 10, 20, 30, 40]
+
+
+def _console_lines(capsys, total_steps, records):
+    sink = ConsoleSink(total_steps=total_steps, use_progress_bar=False)
+    for rec in records:
+        sink.write(rec)
+    sink.close()
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("[slipstream] step")]
+
+
+def test_console_line_has_step_of_total_eta_from_the_median_and_lr(capsys):
+    # The first window (compile, warm-up) is slow: the ETA uses the median of the windows after it.
+    recs = [{"step": 10, "loss": 2.0, "step_time_s": 1.0, "lr": 0.05},
+            {"step": 20, "loss": 1.5, "step_time_s": 0.1, "lr": 0.05},
+            {"step": 30, "loss": 1.2, "step_time_s": 0.3, "lr": 2.5e-4},
+            {"step": 40, "loss": 1.1, "step_time_s": 0.1, "lr": 1e-5}]
+    lines = _console_lines(capsys, 1000, recs)
+    assert lines[0].startswith("[slipstream] step 10/1000 |") and "lr 0.05" in lines[0]
+    assert "ETA 16m 30s" in lines[0]  # one window only: its own 1.0 s x 990 steps
+    assert "ETA 1m 38s" in lines[1]  # 0.1 s x 980
+    assert "ETA 3m 14s" in lines[2] and "lr 0.00025" in lines[2]  # median(0.1, 0.3) = 0.2 s x 970
+    assert "ETA 1m 36s" in lines[3] and "lr 1e-05" in lines[3]  # median(0.1, 0.3, 0.1) = 0.1 s x 960
+
+
+def test_console_line_without_a_known_total_prints_the_step_only(capsys):
+    lines = _console_lines(capsys, None, [{"step": 10, "loss": 2.0, "step_time_s": 0.5, "lr": 0.1}])
+    assert lines[0].startswith("[slipstream] step 10 |") and "/" not in lines[0].split("|")[0]
+    assert "ETA" not in lines[0] and "lr 0.1" in lines[0]
+    # The last step: nothing left to wait for.
+    lines = _console_lines(capsys, 20, [{"step": 10, "step_time_s": 0.5}, {"step": 20, "step_time_s": 0.5}])
+    assert "ETA 5s" in lines[0] and lines[1].startswith("[slipstream] step 20/20") and "ETA" not in lines[1]
+
+
+def test_eta_text_covers_seconds_to_days():
+    from slipstream.metrics.sinks import eta_text
+
+    assert [eta_text(s) for s in (0.4, 59.6, 61, 3599, 3600 * 5 + 61, 86400 * 2 + 3600 * 3)] == [
+        "0s", "1m 00s", "1m 01s", "59m 59s", "5h 01m", "2d 03h"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import struct
 import sys
 import time
@@ -21,6 +22,7 @@ from torch import nn
 import slipstream
 from slipstream.config import TrainConfig
 from slipstream.errors import EXIT_USAGE, ConfigError
+from slipstream.extras import pip_install_hint
 from slipstream.metrics import StepRecorder
 from slipstream.metrics.trackers import MlflowSink, WandbSink, metric_values, run_params
 from tests.conftest import need_module
@@ -247,10 +249,11 @@ def test_a_missing_tracker_package_is_one_config_error(single_process, tracker_e
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ConfigError) as info:
         slipstream.accelerate(model, opt, run_dir=str(tmp_path), progress=False, log_to="wandb")
-    assert str(info.value) == "log_to wandb needs the wandb package: pip install 'slipstream[wandb]'"
+    assert str(info.value) == f"log_to wandb needs the wandb package: {pip_install_hint('wandb')}"
+    assert "pip install 'slipstream[wandb]' 'torch==" in str(info.value)  # the installed torch stays
     assert info.value.exit_code == EXIT_USAGE == 2
     monkeypatch.setitem(sys.modules, "mlflow", None)
-    expected = r"log_to mlflow needs the mlflow package: pip install 'slipstream\[mlflow\]'"
+    expected = re.escape(f"log_to mlflow needs the mlflow package: {pip_install_hint('mlflow')}")
     with pytest.raises(ConfigError, match=expected):
         StepRecorder(rank=3, world_size=4, run_dir=str(tmp_path), progress=False).attach(
             model, TrainConfig(log_to=("mlflow",)))  # every rank checks, not rank 0 alone

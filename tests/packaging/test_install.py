@@ -4,7 +4,7 @@ The script's own pip calls run here with `--dry-run --report` (SLIPSTREAM_PIP_RE
 pip resolves them against this environment, with the script's constraints, and reports
 what it would install, which must not include torch. The full check in a fresh venv
 (install.sh, then install.sh test: one torch, the one installed first) is by hand; see
-the README's Set up section.
+docs/install.md, Set up.
 """
 
 from __future__ import annotations

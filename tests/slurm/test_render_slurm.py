@@ -17,7 +17,7 @@ from tests.job.conftest import run_cli, write_spec
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
 UPDATE = os.environ.get("SLIPSTREAM_UPDATE_GOLDEN") == "1"
-SEED = {"name": "seed", "image": "ghcr.io/slipstream-ml/slipstream:0.1.0", "replicas": 2, "gpu_count": 0,
+SEED = {"name": "seed", "image": "slipstream:0.1.0", "replicas": 2, "gpu_count": 0,
         "command": ["python", "train.py"]}
 
 

@@ -40,7 +40,7 @@ def write_job(directory: Path, name: str) -> Path:
     """A 2-node CPU training spec for train_gpt.py that checkpoints to and writes its weights into ``directory``."""
     ckpt, out = directory / "ckpt", directory / "out"
     spec = {
-        "name": name, "image": "ghcr.io/slipstream-ml/slipstream:0.1.0",
+        "name": name, "image": "slipstream:0.1.0",
         "command": ["python", TRAIN_GPT],
         # train_gpt.py saves its data position only with --checkpoint-dir; the spec's dir is the same one.
         "args": [*GPT_ARGS, "--checkpoint-dir", str(ckpt), "--out", str(out)],
@@ -98,7 +98,7 @@ def baseline(slurm_env, tmp_path_factory):
 
 def test_seed_spec_passes_sbatch_test_only(slurm_env, tmp_path):
     spec = tmp_path / "seed.yaml"
-    spec.write_text(yaml.safe_dump({"name": "seed", "image": "ghcr.io/slipstream-ml/slipstream:0.1.0",
+    spec.write_text(yaml.safe_dump({"name": "seed", "image": "slipstream:0.1.0",
                                     "replicas": 2, "gpu_count": 0, "command": ["python", "train.py"]}))
     proc = slipstream(["validate", str(spec), "--target", "slurm"], slurm_env, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr

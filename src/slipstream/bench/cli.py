@@ -39,6 +39,7 @@ from pathlib import Path
 
 from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError, did_you_mean
+from ..names import warn_deprecated
 
 # Options of `slipstream bench` that may also be written after the script's own
 # arguments: (flags, dest, takes a value).
@@ -50,7 +51,8 @@ _OWN = {
     "--nproc-per-node": ("nproc_per_node", True),
     "--repeats": ("repeats", True),
     "--timeout-s": ("timeout_s", True),
-    "--json": ("json", True),
+    "--json": ("json", False),
+    "--json-out": ("json_out", True),
     "-m": ("module", False),
     "--module": ("module", False),
 }
@@ -97,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--link", default=None, metavar="RATE", help="with --emulate: link rate per node (default unshaped)")
     p.add_argument("--repeats", type=int, default=1, help="runs per strategy (median reported)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one run after this long")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--json-out", default=None, metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("-m", "--module", action="store_true", help="SCRIPT is a module name")
     p.add_argument("script", metavar="SCRIPT")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS")
@@ -119,6 +122,12 @@ def split_own_options(script_args: list[str], args: argparse.Namespace) -> list[
             out.extend(script_args[i + 1:])
             break
         flag, eq, value = tok.partition("=")
+        if flag == "--json" and (eq or script_args[i + 1:i + 2] and script_args[i + 1].endswith(".json")):
+            # the old spelling, --json PATH (slipstream.names.DEPRECATED): --json-out PATH
+            warn_deprecated("--json PATH", "--json-out PATH", "slipstream bench")
+            args.json_out = value if eq else script_args[i + 1]
+            i += 1 if eq else 2
+            continue
         if flag in _OWN:
             dest, takes = _OWN[flag]
             if not takes:
@@ -175,15 +184,16 @@ def run_command(args: argparse.Namespace, strategy: str, run_dir: str) -> list[s
     return cmd
 
 
-def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0) -> int:
-    """Run one trial; its exit code, 124 past ``timeout_s``.
+def run_one(cmd: list[str], timeout_s: float, grace_s: float = 30.0, stdout: int | None = None) -> int:
+    """Run one trial; its exit code, 124 past ``timeout_s``. ``stdout``: a file descriptor for the
+    trial's output (2 under ``--json``, so stdout holds the JSON alone); None: ours.
 
     The trial is stopped with SIGTERM first (SIGINT on Ctrl-C), and SIGKILL only
     after ``grace_s``: an emulated run needs the chance to delete its namespaces.
     """
     from ..launch.proc import stop_processes
 
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=stdout)
     # SIGTERM raises outside stdlib code only, and the wait is a loop of our own (a
     # signal inside Popen.wait could leave the Popen's lock held, its exit unseen).
     with safe_signals.installed(signal.SIGTERM, lambda signum: KeyboardInterrupt()):
@@ -213,7 +223,7 @@ def bench(args: argparse.Namespace, out=sys.stdout) -> list[BenchResult]:
                 cmd = run_command(args, strategy, run_dir)
                 print(f"[bench] {strategy} (run {rep + 1}/{args.repeats}): {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
                 t0 = time.perf_counter()
-                code = run_one(cmd, args.timeout_s)
+                code = run_one(cmd, args.timeout_s, stdout=2 if args.json else None)
                 wall = time.perf_counter() - t0
                 if code == EXIT_INTERRUPTED:
                     raise KeyboardInterrupt
@@ -255,7 +265,18 @@ def _f(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
+def take_old_json_spelling(args: argparse.Namespace) -> None:
+    """``bench --json out.json train.py``, the old spelling of ``--json-out out.json``: argparse reads
+    ``--json`` as the switch and out.json as SCRIPT (never a .json file); one warning line, then the
+    file is the output and the next word the script (slipstream.names.DEPRECATED)."""
+    if args.json and args.script.endswith(".json") and args.script_args:
+        warn_deprecated("--json PATH", "--json-out PATH", "slipstream bench")
+        args.json, args.json_out = False, args.script
+        args.script, args.script_args = args.script_args[0], list(args.script_args[1:])
+
+
 def main(args: argparse.Namespace) -> int:
+    take_old_json_spelling(args)
     args.script_args = split_own_options(list(args.script_args), args)
     # Options written after the script's arguments arrive as text (split_own_options).
     for dest, flag, kind in (("nproc_per_node", "-n", int), ("repeats", "--repeats", int),
@@ -302,7 +323,8 @@ def main(args: argparse.Namespace) -> int:
     else:
         shape = f"1 node x {args.nproc_per_node} process(es)"
     results = bench(args)
-    print(format_table(results, shape))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"shape": shape, "results": [r.as_dict() for r in results]}, indent=1))
+    doc = {"shape": shape, "results": [r.as_dict() for r in results]}
+    print(json.dumps(doc, indent=1) if args.json else format_table(results, shape))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=1))
     return EXIT_OK if all(r.ok for r in results) else EXIT_TRAINING_FAILED

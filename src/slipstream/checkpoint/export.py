@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from ..config import CHECKPOINT_VERIFY_MODES
 from ..errors import UsageError
+from ..extras import pip_install_hint
 from .layout import MARKER, CheckpointDir, find_latest
 from .safe_load import CheckpointRefused, WeightsOnlyLoadPlanner, check_dcp_metadata
 from .verify import check
@@ -227,5 +228,5 @@ def _safetensors_writer():  # noqa: ANN202 - safetensors.torch.save_file
         from safetensors.torch import save_file
     except ImportError:
         raise ExportError("--format safetensors needs the safetensors package: "
-                          "pip install 'slipstream[export]' (or use --format torch)") from None
+                          f"{pip_install_hint('export')} (or use --format torch)") from None
     return save_file

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..extras import pip_install_hint
 from ..pids import alive, start_time
 
 log = logging.getLogger("slipstream.checkpoint")
@@ -159,7 +160,7 @@ class Lease:
                 import fsspec  # the optional 'data' extra
             except ImportError:
                 raise ConfigError(
-                    f"checkpoint_dir {directory} is a URL, which needs fsspec: pip install 'slipstream[data]'"
+                    f"checkpoint_dir {directory} is a URL, which needs fsspec: {pip_install_hint('data')}"
                 ) from None
             self._fs, root = fsspec.core.url_to_fs(directory, **dict(storage_options or {}))
             self.path = root.rstrip("/") + "/" + LEASE_FILE

@@ -48,6 +48,10 @@ from . import verify as integrity  # the name `verify` is the constructor's opti
 
 log = logging.getLogger("slipstream.checkpoint")
 
+# The most steps between two agreements of the stop flag and the save clock: with
+# steps of 1 ms, one small all-reduce per 100 steps, and a stop request seen 0.1 s later.
+STOP_CHECK_MAX_STEPS = 100
+
 
 class NoUsableCheckpoint(ConfigError):
     """The checkpoint directory held checkpoints, and none of them verifies (exit 2)."""
@@ -68,6 +72,8 @@ class CheckpointManager:
     ``verify``: how a checkpoint is checked before loading (``full``, ``size``,
     ``off``; see :mod:`slipstream.checkpoint.verify`). ``max_failures``: saves
     that may fail in a row before the run gives up with exit 1.
+    ``stop_check_s``: how often (in time) the ranks agree on a stop request and on
+    ``every_s``'s clock, both rank-local; see :meth:`should_save`.
     ``lease_interval_s``/``lease_stale_after_s``: rank 0 holds the directory's
     writer lease (:mod:`.lease`), beating every interval; another live job on
     the same directory is refused with :class:`~slipstream.checkpoint.lease.CheckpointDirInUse`
@@ -86,6 +92,7 @@ class CheckpointManager:
         async_save: bool = False,
         handle_sigterm: bool = True,
         preemption_deadline_s: float = 25.0,
+        stop_check_s: float = 1.0,
         device: torch.device | str | None = None,
         verify: str = "full",
         max_failures: int = 3,
@@ -101,6 +108,9 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint_every_s must be > 0, got {every_s}")
         if preemption_deadline_s <= 0:
             raise ConfigError(f"preemption_deadline_s must be > 0, got {preemption_deadline_s}")
+        if not 0 < stop_check_s < preemption_deadline_s:
+            raise ConfigError(f"stop_check_s must be > 0 and below preemption_deadline_s ({preemption_deadline_s}), "
+                              f"got {stop_check_s:g}")
         if keep_last < 1:
             raise ConfigError(f"checkpoint_keep_last must be >= 1, got {keep_last}")
         if verify not in integrity.VERIFY_MODES:
@@ -153,6 +163,14 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.preempt_requested = False
         self.preemption_deadline_s = preemption_deadline_s
+        self.stop_check_s = stop_check_s
+        # should_save's agreements: the step of the last one (None: none yet), the next step
+        # that agrees (both the same on every rank), and when this rank left the last one.
+        self._agreed_step: int | None = None
+        self._next_agreement_step = 0
+        self._agreed_at = time.monotonic()
+        # The newest step every rank agreed was written (or restored): set only after an
+        # agreement, so a branch before a collective may read it (save_final does).
         self.last_saved_step: int | None = None
         self.blocking_s: list[float] = []  # time each save held the training loop
         if self.rank == 0 and self.fs is None:
@@ -187,13 +205,44 @@ class CheckpointManager:
         timer.start()
 
     def should_save(self, step: int) -> tuple[bool, bool]:
-        """(save now, preempted): agreed by all ranks through one tiny all-reduce."""
+        """(save now, preempted), the same on every rank at every step.
+
+        ``every_steps`` is the same number on every rank: a step on the interval saves
+        without asking the others. The clock (``every_s``) and a stop request (SIGTERM
+        may reach one rank alone) are rank-local, so they are agreed, in one small
+        all-reduce on the checkpoint's gloo group, on agreement steps only: every step
+        on the interval, and otherwise about every ``stop_check_s``. The gap to the
+        next agreement is counted in steps, from the slowest rank's step time since
+        the last one (an agreed number, so every rank skips the same steps), at most
+        ``STOP_CHECK_MAX_STEPS``. A stop request thus starts the emergency checkpoint
+        about ``stop_check_s`` (+ one step) after the signal, and a step between two
+        agreements runs no host collective (it ran one every step: a host barrier
+        across nodes). A single process checks both every step.
+
+        Example::
+
+            save, preempted = mgr.should_save(step)   # every rank, every step, same step numbers
+        """
         due = self.every_steps is not None and step % self.every_steps == 0
-        timed = self.every_s is not None and time.monotonic() - self._last_save_time >= self.every_s
-        flags = torch.tensor([int(due or timed), int(self.preempt_requested)], dtype=torch.int32)
-        if self.group is not None and self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flags[0] or flags[1]), bool(flags[1])
+        if self.group is None or self.world_size == 1:
+            timed = self.every_s is not None and time.monotonic() - self._last_save_time >= self.every_s
+            return due or timed or self.preempt_requested, self.preempt_requested
+        between = self._agreed_step is not None and self._agreed_step < step < self._next_agreement_step
+        if between and not due:
+            return False, False
+        now = time.monotonic()
+        timed = self.every_s is not None and now - self._last_save_time >= self.every_s
+        # This rank's mean step time since the last agreement (none yet: as if one step took
+        # stop_check_s, so the next step agrees again and measures).
+        gap = step - self._agreed_step if self._agreed_step is not None and step > self._agreed_step else 0
+        step_s = (now - self._agreed_at) / gap if gap else self.stop_check_s
+        flags = torch.tensor([float(timed), float(self.preempt_requested), step_s], dtype=torch.float64)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        save, preempted, slowest_s = bool(flags[0]) or due, bool(flags[1]), float(flags[2])
+        ahead = int(self.stop_check_s / slowest_s) if slowest_s > 0 else STOP_CHECK_MAX_STEPS
+        self._agreed_step, self._agreed_at = step, time.monotonic()
+        self._next_agreement_step = step + max(1, min(STOP_CHECK_MAX_STEPS, ahead))
+        return save or preempted, preempted
 
     def maybe_save(self, step: int) -> bool:
         """Save when due; returns True when the job was preempted (and saved)."""
@@ -264,6 +313,24 @@ class CheckpointManager:
         self.blocking_s.append(time.perf_counter() - started)
         return ok
 
+    def save_final(self, step: int) -> bool:
+        """The run's last checkpoint: wait for a save in flight, then write ``step``
+        (blocking) unless the newest agreed save is ``step`` already (or ``step`` is 0).
+
+        Every rank takes the same branch: it is decided on :attr:`last_saved_step`,
+        which only an agreement sets, never on rank 0's writer thread having
+        committed (the save is a collective: a rank that skipped it alone left the
+        others waiting in its first all-reduce until the timeout).
+
+        Example::
+
+            mgr.save_final(run.step_count)   # in every rank's run.finish()
+        """
+        ok = self.wait()
+        if step > 0 and self.last_saved_step != step:
+            ok = self.save(step, blocking=True)
+        return ok
+
     def _write_dir(self, step: int) -> str:
         """Where the files of ``step`` are written: ``step_N.partial`` locally, ``step_N/`` in an object store."""
         return layout.step_dir(self.directory, step, partial=self.fs is None)
@@ -313,7 +380,8 @@ class CheckpointManager:
                 raise FileNotFoundError(f"{final}: {', '.join(missing)} not found after the write; not committed")
             layout.commit_marker(final, {**info, "files": files}, self.fs)
         layout.prune(self.directory, self.keep_last, in_flight_step=None, fs=self.fs)
-        self.last_saved_step = info["step"]
+        # Not last_saved_step: this runs on rank 0 alone (in the writer thread when async);
+        # last_saved_step is set on every rank once they agreed the save was written (_saved).
         if self.fs is None:  # free space is a local notion; an object store has none to check
             self._check_space(sum(entry["bytes"] for entry in files.values()))
 
@@ -448,27 +516,44 @@ class CheckpointManager:
         if isinstance(choice[0], str):
             raise NoUsableCheckpoint(choice[0])
         path, step, saved_world = choice[0]
+        # This rank's own file is read (and refused) before the collective load, and the
+        # outcome agreed: a rank refusing alone would leave the others in DCP's load.
+        per_rank, refusal = self._read_rank_file(path)
+        safe_load.agree_refusal(refusal, self.group)
         # DCP copies every tensor into the registered one, on that tensor's device; its
         # non-tensor values (counters, scaler and scheduler state) and its metadata are
-        # read as plain data, not as arbitrary pickles.
+        # read as plain data, not as arbitrary pickles (refusals agreed there too).
         reader = remote.dcp_reader(path, self.storage_options) if self.fs is not None else None
         safe_load.dcp_load(dict(self._shared), path, process_group=self.group, storage_reader=reader, fs=self.fs)
-        rank_file = os.path.join(path, f"rank{self.rank}.pt")
-        if self._per_rank:
-            data = self._read_object(rank_file) if self.fs is not None else None
-            if os.path.exists(rank_file) if self.fs is None else data is not None:
-                per_rank = safe_load.load_rank_file(rank_file, self.device, data=data)
-                for name, obj in self._per_rank.items():
-                    if name in per_rank:
-                        obj.load_state_dict(per_rank[name])
-            else:
-                log.warning(
-                    "checkpoint %s was written by %s rank(s); rank %d has no per-rank state there "
-                    "(RNG streams and gradient-sync buffers start fresh)", path, saved_world, self.rank
-                )
+        if per_rank is not None:
+            for name, obj in self._per_rank.items():
+                if name in per_rank:
+                    obj.load_state_dict(per_rank[name])
+        elif self._per_rank:
+            log.warning(
+                "checkpoint %s was written by %s rank(s); rank %d has no per-rank state there "
+                "(RNG streams and gradient-sync buffers start fresh)", path, saved_world, self.rank
+            )
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         return step
+
+    def _read_rank_file(self, path: str) -> tuple[dict | None, Exception | None]:
+        """(this rank's per-rank state in checkpoint ``path`` or None when it has no file
+        there, the error when the file cannot be used): never raises, so that every
+        rank reaches the agreement (:func:`~.safe_load.agree_refusal`)."""
+        if not self._per_rank:
+            return None, None
+        rank_file = os.path.join(path, f"rank{self.rank}.pt")
+        try:
+            data = self._read_object(rank_file) if self.fs is not None else None
+            if not (os.path.exists(rank_file) if self.fs is None else data is not None):
+                return None, None
+            return safe_load.load_rank_file(rank_file, self.device, data=data), None
+        except safe_load.CheckpointRefused as exc:
+            return None, exc
+        except Exception as exc:  # noqa: BLE001 - an object store's read error: agreed, not raised alone (a hang)
+            return None, OSError(f"checkpoint file {rank_file} cannot be read: {type(exc).__name__}: {exc}")
 
     def _read_object(self, url: str) -> bytes | None:
         try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..extras import pip_install_hint
 
 
 def is_url(path: str) -> bool:
@@ -59,11 +60,11 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> An
     try:
         import fsspec  # the optional 'data' extra
     except ImportError:
-        raise ConfigError(f"checkpoint_dir {url} is a URL, which needs fsspec: pip install 'slipstream[data]'") from None
+        raise ConfigError(f"checkpoint_dir {url} is a URL, which needs fsspec: {pip_install_hint('data')}") from None
     try:
         fs, _ = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as exc:  # fsspec's "Install s3fs to access S3"
-        raise ConfigError(f"checkpoint_dir {url}: {_first_line(exc)}: pip install 'slipstream[data]'") from None
+        raise ConfigError(f"checkpoint_dir {url}: {_first_line(exc)}: {pip_install_hint('data')}") from None
     except ValueError as exc:  # an unknown protocol
         raise ConfigError(f"checkpoint_dir {url} is not a usable fsspec URL: {_first_line(exc)}") from None
     return fs

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
@@ -218,15 +219,21 @@ class _MetadataUnpickler(pickle.Unpickler):
 def dcp_load(state: dict[str, Any], checkpoint_dir: str, process_group: Any = None,
              storage_reader: Any = None, fs: Any = None) -> None:
     """``dcp.load`` of ``state`` from ``checkpoint_dir`` as plain data: the metadata is
-    checked first, non-tensor values load weights_only, and a refusal on any rank is
-    raised as :class:`CheckpointRefused` (not inside DCP's CheckpointException).
+    checked first (on every rank, the outcome agreed: see :func:`agree_refusal`),
+    non-tensor values load weights_only, and a refusal on any rank is raised on
+    every rank as :class:`CheckpointRefused` (not inside DCP's CheckpointException).
     In an object store, ``storage_reader`` is DCP's fsspec reader and ``fs`` the filesystem.
 
     Example::
 
         dcp_load({"model": model}, "ckpt/step_100")
     """
-    check_dcp_metadata(checkpoint_dir, fs)
+    refusal = None
+    try:
+        check_dcp_metadata(checkpoint_dir, fs)  # each rank reads the file itself: it may differ (a node-local copy)
+    except CheckpointRefused as exc:
+        refusal = exc
+    agree_refusal(refusal, process_group)  # before the collective: a rank refusing alone left the others in it
     where = {"checkpoint_id": checkpoint_dir} if storage_reader is None else {"storage_reader": storage_reader}
     try:
         dcp.load(state, **where, process_group=process_group, planner=WeightsOnlyLoadPlanner())
@@ -235,6 +242,42 @@ def dcp_load(state: dict[str, Any], checkpoint_dir: str, process_group: Any = No
         if refused:
             raise refused[0] from None
         raise
+
+
+def agree_refusal(refusal: Exception | None, group: Any = None) -> None:
+    """Every rank of ``group`` learns whether any rank failed a check of a checkpoint,
+    and all of them raise the first failing rank's reason (``"rank R: ..."``): as
+    :class:`CheckpointRefused` (exit 2) when that rank refused the file, else as
+    ``OSError`` (exit 1: an object store's read error may pass, a restart may
+    succeed). When none failed, it returns on every rank. Call it on every rank
+    after a rank-local check and before a collective load: a rank that raised
+    alone would leave the others in that load until the collective timeout.
+
+    A collective on ``group`` (the checkpoint's gloo group: the reasons travel as CPU
+    tensors); ``None``: the default group. Without a process group it raises
+    ``refusal`` itself.
+
+    Example::
+
+        try:
+            per_rank = load_rank_file(path)
+        except CheckpointRefused as exc:
+            refusal = exc
+        agree_refusal(refusal, group)   # every rank raises, or none does
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if refusal is not None:
+            raise refusal
+        return
+    mine = None if refusal is None else (isinstance(refusal, CheckpointRefused), str(refusal))
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    for rank, failure in enumerate(gathered):
+        if failure is not None:
+            refused, reason = failure
+            global_rank = dist.get_global_rank(group, rank) if group is not None else rank
+            message = reason if reason.startswith("rank ") else f"rank {global_rank}: {reason}"
+            raise CheckpointRefused(message) if refused else OSError(message)
 
 
 def check_dcp_metadata(checkpoint_dir: str, fs: Any = None) -> None:

@@ -33,6 +33,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 
 from ..errors import ConfigError, UsageError
+from ..extras import pip_install_hint
 from .format import DEFAULT_SHARD_SIZE_BYTES, Index, ShardWriter
 
 Tokenizer = Callable[[str], "list[int] | np.ndarray"]
@@ -228,7 +229,7 @@ def _pyarrow():
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise UsageError("reading Parquet needs pyarrow: pip install 'slipstream[data]'") from None
+        raise UsageError(f"reading Parquet needs pyarrow: {pip_install_hint('data')}") from None
     return pyarrow
 
 

@@ -12,6 +12,7 @@ import tempfile
 from typing import Any, Mapping
 
 from ..errors import ConfigError, SlipstreamError, UsageError
+from ..extras import pip_install_hint
 
 
 class SourceUnavailable(SlipstreamError, OSError):
@@ -76,7 +77,7 @@ class Source:
             try:
                 import fsspec
             except ImportError:  # pragma: no cover - fsspec is a declared extra
-                raise UsageError("reading from a URL needs fsspec: pip install 'slipstream[data]'") from None
+                raise UsageError(f"reading from a URL needs fsspec: {pip_install_hint('data')}") from None
             try:
                 self._fs, self._path = fsspec.core.url_to_fs(self.url, **self.storage_options)
                 self._fs_pid = os.getpid()

@@ -14,7 +14,8 @@ import subprocess
 import sys
 
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
-from ..launch.cli import check_launcher_flags, parse_rdzv_conf, torchrun_option_defaults, worker_env_from_args
+from ..launch.cli import (apply_launch_settings, check_launcher_flags, parse_rdzv_conf, run_file,
+                          torchrun_option_defaults, worker_env_from_args)
 from .kubectl import JOB_LABEL, cluster_unreachable
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
@@ -322,6 +323,12 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
     path = args.script
     check_launcher_flags(args)
     spec = load_spec(path)
+    found = run_file(args)
+    clash = [key for key in (found.launch if found else {}) if key in {dest for dest, *_ in _TOPOLOGY_FLAGS}]
+    if clash:
+        raise UsageError(f"{args.config}: {', '.join(clash)} cannot be combined with a job spec ({path}); "
+                         "the spec sets the topology (replicas, gpu_count, processes_per_replica, command)")
+    apply_launch_settings(args)  # the other launcher settings of a run config, checked below as the flags are
     for dest, default, flag, where in _TOPOLOGY_FLAGS:
         if getattr(args, dest) != default:
             raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")

@@ -63,7 +63,7 @@ class Rule:
     reserved: tuple[str, ...] = ()
     """For ``env``: names refused (one ending in ``_`` refuses every name it begins)."""
     config: str | None = None
-    """The flat :class:`~slipstream.config.TrainConfig` name this key feeds (``checkpoint.interval_steps``:
+    """The flat :class:`~slipstream.config.TrainConfig` name this key feeds (``checkpoint.every_steps``:
     ``checkpoint_every_steps``); the workers get it as ``SLIPSTREAM_<NAME>``. A key with no default of
     its own (None) takes the engine's."""
     section: type | None = None

@@ -45,6 +45,7 @@ def job_schema() -> dict[str, Any]:
     from ..config import TrainConfig
 
     schema.update(_object(JobSpec, TrainConfig().flat()))
+    _deprecated_keys(schema["properties"])
     kinds = {rule.only_for for rule in rules(JobSpec).values() if rule.only_for}
     # Keys of the other kind are refused: "kind: inference" (given) against the training-only keys, and the
     # inference-only keys otherwise (kind defaults to training).
@@ -53,6 +54,19 @@ def job_schema() -> dict[str, Any]:
     schema["then"] = {"properties": forbid.get("inference", {})}
     schema["else"] = {"properties": forbid.get("training", {})}
     return schema
+
+
+def _deprecated_keys(props: dict[str, Any]) -> None:
+    """The old spellings the reader still takes (slipstream.names.DEPRECATED), as their new key with
+    ``deprecated: true``, so an editor marks them rather than refusing a spec the reader accepts."""
+    from ..names import JOB_SPEC, REMOVED_IN, nested_aliases
+
+    for old, new in nested_aliases(JOB_SPEC).items():
+        (old_section, old_key), (new_section, new_key) = old.split("."), new.split(".")
+        entry = dict(props[new_section]["properties"][new_key])
+        entry["description"] = f"Deprecated (refused from {REMOVED_IN}): write {new}. " + entry.get("description", "")
+        entry["deprecated"] = True
+        props[old_section]["properties"][old_key] = entry
 
 
 def schema_text() -> str:

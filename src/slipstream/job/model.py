@@ -10,7 +10,7 @@ Example::
 
     from slipstream.job.spec import parse_spec
     spec = parse_spec({"name": "a", "image": "i", "command": ["python", "t.py"], "gpu_count": 2})
-    spec.procs_per_replica, spec.sync.precision     # (2, "fp32")
+    spec.procs_per_replica, spec.numerics.precision     # (2, "fp32")
 """
 
 from __future__ import annotations
@@ -121,10 +121,11 @@ class Checkpoint:
     volume_claim: str | None = string(
         pattern=_PVC_PATTERN, rule="a PersistentVolumeClaim name (DNS-1123 subdomain)", max_len=253,
         doc="PersistentVolumeClaim mounted at dir (which must then be an absolute path).")
-    interval_steps: int | None = integer(
-        minimum=1, config="checkpoint_every_steps", doc="Checkpoint every N optimizer steps.")
-    interval_s: float | None = number(
-        minimum=0.0, exclusive_minimum=True, config="checkpoint_every_s", doc="Checkpoint every N seconds.")
+    every_steps: int | None = integer(
+        minimum=1, config="checkpoint_every_steps", doc="Checkpoint every N optimizer steps (was interval_steps).")
+    every_s: float | None = number(
+        minimum=0.0, exclusive_minimum=True, config="checkpoint_every_s",
+        doc="Checkpoint every N seconds (was interval_s).")
     keep_last: int = integer(3, minimum=1, maximum=1000, config="checkpoint_keep_last",
                              doc="Complete checkpoints kept.")
     verify: str | None = choice(
@@ -154,11 +155,17 @@ class Sync:
     strategy: str = choice(
         "allreduce", sync_strategies, config="sync",
         doc="Gradient synchronisation strategy (slipstream.sync.available()).")
-    precision: str = choice("fp32", PRECISIONS, config="precision", doc="Training precision.")
-    accumulate_steps: int = integer(1, minimum=1, maximum=100000, config="accumulate_steps",
-                                    doc="Micro-steps per optimizer step.")
     bucket_cap_mb: float = number(25.0, minimum=0.0, exclusive_minimum=True, maximum=65536.0,
                                   config="bucket_cap_mb", doc="DDP bucket size in MiB.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Numerics:
+    """Precision and accumulation: TrainConfig's ``numerics`` section (was under ``sync``)."""
+
+    precision: str = choice("fp32", PRECISIONS, config="precision", doc="Training precision (was sync.precision).")
+    accumulate_steps: int = integer(1, minimum=1, maximum=100000, config="accumulate_steps",
+                                    doc="Micro-steps per optimizer step (was sync.accumulate_steps).")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -276,6 +283,7 @@ class JobSpec:
                                             doc="Where and how often to checkpoint.")
     data: Data | None = section(Data, optional=True, only_for="training", doc="The data set and its node-local cache.")
     sync: Sync = section(Sync, only_for="training", doc="Gradient synchronisation options.")
+    numerics: Numerics = section(Numerics, only_for="training", doc="Precision and gradient accumulation.")
     parallel: Parallel | None = section(Parallel, optional=True, only_for="training",
                                         doc="The parallel layout; absent: data parallel over every process.")
     queue: str | None = string(pattern=NAME_PATTERN, rule=DNS_LABEL_RULE + " naming a Kueue LocalQueue", max_len=63,

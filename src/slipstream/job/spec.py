@@ -28,10 +28,11 @@ from typing import Any, Callable, Mapping
 import yaml
 
 from ..errors import ConfigError, UsageError
+from ..names import JOB_SPEC, rename_nested
 from .fields import rules
 from .model import (
     GENERATED_ENV_PREFIXES, KINDS, NAME_MAX_CHARS, RDZV_PORT, TIME_SLICED_RESOURCE, Checkpoint, Data, Elastic,
-    Entrypoint, GpuSlice, JobSpec, Network, Parallel, Restarts, Serve, Slurm, Sync, parse_entrypoint, train_config,
+    Entrypoint, GpuSlice, JobSpec, Network, Numerics, Parallel, Restarts, Serve, Slurm, Sync, parse_entrypoint, train_config,
 )
 from .quantity import parse_quantity
 from .reader import Errors, read_section, type_name
@@ -209,10 +210,17 @@ def parse_spec(data: Any, source_path: str | None = None) -> JobSpec:
     where = f"{source_path}: " if source_path else ""
     if not isinstance(data, dict):
         raise ConfigError(f"{where}the job spec must be a mapping of keys (name, image, command, ...), got {type_name(data)}")
+    renamed: dict[str, str] = {}
+    try:  # old key names (checkpoint.interval_steps, sync.precision, ...): one warning line each
+        data = rename_nested(data, JOB_SPEC, source_path or "job spec", renamed)
+    except ValueError as exc:
+        raise ConfigError(f"{where}{exc}") from None
     errors = Errors()
     values = read_section(data, JobSpec, "", errors, {})
     for check in CHECKS:
         check(values, data, errors)
+    for new, old in renamed.items():  # name the key as the file writes it
+        errors.items = [f"{old}{e[len(new):]}" if e.startswith(f"{new}:") else e for e in errors.items]
     if errors.items:
         if len(errors.items) == 1:
             raise ConfigError(f"{where}{errors.items[0]}")
@@ -289,7 +297,7 @@ def is_job_file(path: str) -> bool:
 
 
 __all__ = [
-    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Parallel", "Network", "Slurm", "Serve",
+    "JobSpec", "GpuSlice", "Restarts", "Elastic", "Checkpoint", "Data", "Sync", "Numerics", "Parallel", "Network", "Slurm", "Serve",
     "Entrypoint", "parse_spec", "load_spec", "load_spec_text", "parse_entrypoint", "is_job_file",
     "RDZV_PORT", "KINDS", "NAME_MAX_CHARS", "TIME_SLICED_RESOURCE", "GENERATED_ENV_PREFIXES", "CHECKS",
 ]

@@ -32,6 +32,7 @@ from importlib import resources
 from typing import Any, Iterable
 
 from ..errors import ConfigError, UsageError
+from ..extras import pip_install_hint
 from .quantity import parse_quantity
 
 K8S_VERSION = "1.37"
@@ -104,7 +105,7 @@ def _kv():
         import kubernetes_validate.utils as kvu
     except ImportError:
         raise UsageError(
-            "manifest validation needs kubernetes-validate and jsonschema: pip install 'slipstream[job]'"
+            f"manifest validation needs kubernetes-validate and jsonschema: {pip_install_hint('job')}"
         ) from None
     return kvu
 

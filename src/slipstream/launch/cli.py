@@ -8,8 +8,9 @@ Three kinds of options:
 * the launcher's own (``--backend``, ``--device``, ``--collective-timeout-s``, ``--emulate``);
 * training options: one flag per TrainConfig flat name, generated from config.py's
   fields (type, ``choices``/``metavar`` metadata, docstring as help), plus
-  ``--config FILE`` (launch/run_config.py). Flags override the file, which overrides
-  the ``SLIPSTREAM_*`` environment.
+  ``--config FILE`` (launch/run_config.py), which may hold the launcher's options too
+  (``nproc_per_node: 4``). Flags override the file, which overrides the ``SLIPSTREAM_*``
+  environment.
 
 Example::
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 import re
@@ -275,7 +277,8 @@ def _optional(kind: type):  # noqa: ANN202 - an argparse type
 def _add_training_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", default=None,
                    help="run config: TrainConfig's fields as YAML, flat (precision: bf16) or nested "
-                   "(numerics: {precision: bf16}); flags override it, it overrides SLIPSTREAM_* variables")
+                   "(numerics: {precision: bf16}), and launcher settings by the flag's name (nproc_per_node: 4); "
+                   "flags override it, it overrides SLIPSTREAM_* variables")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in train_flags():
         section = FLAT_NAMES[flag.flat][0]
@@ -338,6 +341,89 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m), or JOB.yaml")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
     p.set_defaults(func=main)
+    _track_given(p)
+
+
+# -- launcher settings in the run config ---------------------------------------------------
+
+_GIVEN_CLASSES: dict[type, type] = {}
+
+
+def _track_given(p: argparse.ArgumentParser) -> None:
+    """Each launcher option, when given on the command line, adds its dest to ``args.given_flags``:
+    a flag overrides the run config's value even when it repeats the default (``--max-restarts 0``)."""
+    for action in p._actions:
+        if action.option_strings and action.dest not in ("help", "config") and not action.dest.startswith("train_"):
+            cls = type(action)
+            if cls not in _GIVEN_CLASSES:
+                def call(self, parser, namespace, values, option_string=None, _base=cls):  # noqa: ANN001
+                    _base.__call__(self, parser, namespace, values, option_string)
+                    namespace.given_flags = {*getattr(namespace, "given_flags", ()), self.dest}
+
+                _GIVEN_CLASSES[cls] = type(f"Given{cls.__name__}", (cls,), {"__call__": call})
+            action.__class__ = _GIVEN_CLASSES[cls]
+
+
+@functools.lru_cache(maxsize=1)
+def launcher_settings() -> dict[str, argparse.Action]:
+    """The launcher's options a run config may hold, by dest (the flag's name with underscores):
+    every ``slipstream run`` option but the training ones, ``--config`` and ``--help``.
+
+    Example::
+
+        sorted(launcher_settings())[:3]   # ["backend", "collective_timeout_s", "device"]
+    """
+    subparsers = argparse.ArgumentParser(add_help=False).add_subparsers()
+    register(subparsers)
+    run = subparsers.choices["run"]
+    return {a.dest: a for a in run._actions
+            if a.option_strings and a.dest not in ("help", "config") and not a.dest.startswith("train_")}
+
+
+def run_file(args: argparse.Namespace) -> run_config.RunFile | None:
+    """``--config FILE``, read once per parse (None without ``--config``)."""
+    path = getattr(args, "config", None)
+    if not path:
+        return None
+    cached = getattr(args, "run_file", None)
+    if cached is None:
+        cached = run_config.read(path, launcher_settings())
+        args.run_file = cached
+    return cached
+
+
+def _launch_value(action: argparse.Action, key: str, value: object, source: str) -> object:
+    """A run config's launcher value as the flag would give it (the flag's own conversion)."""
+    if action.nargs == 0:  # a switch
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, dict):
+        text = ",".join(f"{k}={v}" for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        text = ",".join(map(str, value))
+    elif value is None or isinstance(value, bool):
+        raise ConfigError(f"{source}: {key} must be {action.metavar or 'a value'}, got {value!r}")
+    else:
+        text = str(value)
+    if action.type is None:
+        return text
+    try:
+        return action.type(text)
+    except (argparse.ArgumentTypeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {key} must be {action.metavar or 'a value'}, got {value!r} ({exc})") from None
+
+
+def apply_launch_settings(args: argparse.Namespace) -> None:
+    """The run config's launcher settings into ``args``, where no flag gave them (flags override the file)."""
+    found = run_file(args)
+    if found is None or not found.launch:
+        return
+    actions = launcher_settings()
+    given = getattr(args, "given_flags", set())
+    for key, value in found.launch.items():
+        if key not in given:
+            setattr(args, key, _launch_value(actions[key], key, value, args.config))
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -374,12 +460,12 @@ def training_options(args: argparse.Namespace) -> dict[str, object]:
         training_options(parse(["run", "--config", "run.yaml", "--tp", "1", "train.py"]))
         # {"precision": "bf16", "tp": 1}
     """
-    path = getattr(args, "config", None)
     try:
-        given = run_config.load(path) if path else {}
+        found = run_file(args)
     except (ConfigError, UsageError) as exc:
         text = str(exc)
         raise UsageError(text if text.startswith("--config") else f"--config {text}") from None
+    given = dict(found.train) if found else {}
     for name in FLAT_NAMES:
         value = getattr(args, f"train_{name}", None)
         if value is not None:
@@ -520,6 +606,7 @@ def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
         args = build_parser().parse_args(["run", "--standalone", "--nproc_per_node", "2", "train.py", "--steps", "5"])
         launch_options_from_args(args)   # LaunchOptions(entrypoint="train.py", args=["--steps", "5"], nproc_per_node=2, ...)
     """
+    apply_launch_settings(args)
     check_launcher_flags(args)
     min_nodes, max_nodes = parse_nnodes(args.nnodes)
     nproc = resolve_nproc(args.nproc_per_node)

@@ -39,6 +39,7 @@ import torch
 
 from ..config import TrainConfig
 from ..errors import ConfigError, UsageError
+from ..extras import pip_install_hint
 from ..log import CONSOLE
 from .profiler import (
     CudaClock,
@@ -61,7 +62,7 @@ def _require_module(name: str, option: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(name) is None:
-        raise ConfigError(f"{option} needs the {name} package: pip install 'slipstream[metrics]'")
+        raise ConfigError(f"{option} needs the {name} package: {pip_install_hint('metrics')}")
 
 
 class StepRecorder:

@@ -21,8 +21,10 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import statistics
 import sys
 from typing import Any, Protocol
 
@@ -50,10 +52,25 @@ class JsonlSink:
             self._file.close()
 
 
-def _fmt(record: dict[str, Any]) -> str:
-    parts = [f"step {record['step']}"]
+def eta_text(seconds: float) -> str:
+    """``75`` -> ``"1m 15s"``: two units at most, as a person reads a remaining time."""
+    s = round(max(0.0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def _fmt(record: dict[str, Any], total_steps: int | None = None, eta_s: float | None = None) -> str:
+    step = f"step {record['step']}" + (f"/{total_steps}" if total_steps else "")
+    parts = [step]
     if record.get("loss") is not None:
         parts.append(f"loss {record['loss']:.4f}")
+    if record.get("lr") is not None:
+        parts.append(f"lr {record['lr']:.3g}")
     if record.get("samples_per_s") is not None:
         parts.append(f"{record['samples_per_s']:.1f} samples/s")
     if record.get("tokens_per_s") is not None:
@@ -66,11 +83,19 @@ def _fmt(record: dict[str, Any]) -> str:
         parts.append(f"MFU {record['mfu'] * 100:.1f}%")
     if record.get("straggler_rank") is not None:
         parts.append(f"straggler rank {record['straggler_rank']} +{record.get('straggler_slowdown', 0) * 100:.0f}%")
+    if eta_s is not None:
+        parts.append(f"ETA {eta_text(eta_s)}")
     return " | ".join(parts)
 
 
 class ConsoleSink:
-    """A rich progress bar when stderr is a terminal, else one plain line per record."""
+    """A rich progress bar when stderr is a terminal, else one plain line per record:
+    ``step N/total | loss | lr | ... | ETA`` (``step N`` and no ETA when the total is unknown).
+
+    The ETA is the median step time of the last 64 log windows after the first (compilation and
+    warm-up make the first slow) times the steps left; it uses only figures the record
+    already holds, so it adds no host synchronisation.
+    """
 
     def __init__(self, total_steps: int | None, use_progress_bar: bool | None = None) -> None:
         self.total_steps = total_steps
@@ -97,9 +122,23 @@ class ConsoleSink:
             self._task = self._bar.add_task("train", total=total_steps, status="")
             self._bar.start()
         self._announced_rank: int | None = None
+        self._first_step_s: float | None = None  # the warm-up window, used only while it is alone
+        self._window_step_s: collections.deque[float] = collections.deque(maxlen=64)  # recent windows
+
+    def _eta_s(self, record: dict[str, Any]) -> float | None:
+        step_s = record.get("step_time_s")
+        if isinstance(step_s, (int, float)):
+            if self._first_step_s is None:
+                self._first_step_s = float(step_s)
+            else:
+                self._window_step_s.append(float(step_s))
+        left = (self.total_steps or 0) - int(record["step"])
+        if left <= 0 or self._first_step_s is None:
+            return None
+        return statistics.median(self._window_step_s or [self._first_step_s]) * left
 
     def write(self, record: dict[str, Any]) -> None:
-        line = _fmt(record)
+        line = _fmt(record, self.total_steps, self._eta_s(record))
         if self._bar is not None:
             self._bar.update(self._task, completed=record["step"], status=line)
         else:

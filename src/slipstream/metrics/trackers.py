@@ -39,6 +39,7 @@ from typing import Any
 
 from ..config import TrainConfig
 from ..errors import ConfigError
+from ..extras import pip_install_hint
 from .sinks import Sink
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def require_trackers(names: Sequence[str]) -> None:
     for name in names:
         module = MODULES.get(name)
         if module is not None and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"log_to {name} needs the {module} package: pip install 'slipstream[{name}]'")
+            raise ConfigError(f"log_to {name} needs the {module} package: {pip_install_hint(name)}")
 
 
 def metric_values(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:

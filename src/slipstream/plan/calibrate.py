@@ -5,8 +5,8 @@ Three figures, each measured the way the model uses it:
 * ``matmul_flops_per_s``: dense fp32 matmul throughput of this CPU with torch at a
   fixed thread count (1 by default: one core per rank, as on the emulated cluster);
 * ``step_phases``: forward / backward / optimizer time of one worker with no
-  communication (the physical floor of a data-parallel step, shared/GUIDE.md
-  section 4), from which the model's achievable-MFU factor follows;
+  communication (the physical floor of a data-parallel step, docs/measuring.md),
+  from which the model's achievable-MFU factor follows;
 * ``codec_compute_s``: the local compute time of a gradient codec on a bucket
   (no communication), like the sync policy measures it;
 * the link: :func:`slipstream.sync.probe.probe_link` on a process group

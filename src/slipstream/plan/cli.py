@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from .. import __version__
 from ..errors import ConfigError, UsageError, did_you_mean
 from .costmodel import Layout
 from .planner import PlanResult, fmt_s, plan
@@ -128,7 +129,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), help="default: bf16 where the GPU has it, else fp16")
     p.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     p.add_argument("--script", default="train.py", help="training script named in the written run command and job")
-    p.add_argument("--image", default="ghcr.io/slipstream-ml/slipstream:0.1.0", help="container image for --write-job")
+    p.add_argument("--image", default=f"slipstream:{__version__}",
+                   help="container image for --write-job (default: the one scripts/build_image.sh builds)")
     p.add_argument("--write-config", metavar="PATH",
                    help="write the chosen layout as a run config for `slipstream run --config PATH` "
                         "(the run command and the prediction as comments)")
@@ -180,10 +182,29 @@ def layout_env(result: PlanResult, layout: Layout) -> dict[str, str]:
     return env
 
 
+NODE0_HOST = "NODE0_HOST"  # the placeholder the user replaces in a several-node command
+RDZV_PORT = 29500  # torchrun's usual store port
+
+
+def rendezvous_flags(nodes: int) -> list[str]:
+    """Across nodes, the rendezvous store every node joins (``slipstream run`` refuses --nnodes
+    above 1 without one): the first node's address, a placeholder to fill in, and a port."""
+    return ["--rdzv-endpoint", f"{NODE0_HOST}:{RDZV_PORT}"] if nodes > 1 else []
+
+
+def rendezvous_note(nodes: int) -> str | None:
+    if nodes <= 1:
+        return None
+    return (f"Run it on each of the {nodes} nodes, with {NODE0_HOST} replaced by an address of the first node "
+            f"that every node reaches (that node hosts the rendezvous store on port {RDZV_PORT}; any free port "
+            f"does). Your own script replaces train.py.")
+
+
 def config_doc(result: PlanResult, script: str) -> dict[str, Any]:
     c = result.best
     L, p = c.layout, c.prediction
     flags = run_flags(L, result.nodes, min(result.gpus, result.gpus_per_node))
+    flags[4:4] = rendezvous_flags(result.nodes)  # after --nnodes N -n K
     return {
         "run": "slipstream run " + " ".join(shlex.quote(f) for f in [*flags, script]),
         "train": L.train_fields(tuple(_ckpt_classes(result.model))),
@@ -213,15 +234,15 @@ def job_doc(result: PlanResult, script: str, image: str) -> dict[str, Any]:
         "name": name, "image": image, "command": ["python", script],
         "replicas": result.nodes, "gpu_count": min(result.gpus, result.gpus_per_node),
         "env": layout_env(result, L),
-        "sync": {"strategy": L.sync if L.dp_shard == 1 else "allreduce", "precision": L.precision,
-                 "accumulate_steps": L.accumulate_steps},
+        "sync": {"strategy": L.sync if L.dp_shard == 1 else "allreduce"},
+        "numerics": {"precision": L.precision, "accumulate_steps": L.accumulate_steps},
     }
 
 
 def run_config_text(doc: dict[str, Any], header: str) -> str:
     """The chosen layout as a run config (``slipstream run --config``): the format of
     :func:`slipstream.launch.run_config.dump`, with the run command, batch sizes,
-    cluster and prediction as comments above it (a run config holds training options only).
+    cluster and prediction as comments above it (the launcher settings stay in the run command).
     """
     from ..config import TrainConfig
     from ..launch.run_config import dump
@@ -242,9 +263,106 @@ def _write_yaml(path: str, doc: dict, header: str) -> None:
     _write_text(path, header + yaml.safe_dump(doc, sort_keys=False))
 
 
-def main(args: argparse.Namespace) -> int:
+MEMORY_WARN_FRACTION = 0.90
+"""Warn when the chosen layout's predicted memory is above this fraction of the device's memory:
+the prediction is a model (fragmentation, library workspaces and the data loader vary by a few
+GiB), so a pick above it may not fit when run."""
+
+# One entry per part of a layout name (costmodel.Layout.label): (pattern, how it is written, meaning).
+_LEGEND = (
+    (r"(?:^|x)ddp\d", "ddpN", ("N data-parallel replicas (DDP: each holds the whole model; the sync column "
+                              "is their gradient sync)")),
+    (r"fsdp\d+\(z\d\)", "fsdpN(zS)", ("the model sharded over N data-parallel ranks (FSDP), ZeRO stage S: 3 "
+                                     "re-gathers parameters in backward (least memory), 2 keeps them "
+                                     "gathered through backward (one all-gather per step)")),
+    (r"(?:^|x)tp\d", "tpN", "tensor parallel: each layer's weights split over N GPUs"),
+    (r"pp\d+\(", "ppN(S,mM)", ("pipeline parallel: N stages, schedule S (gpipe or 1f1b), M micro-batches "
+                           "per step")),
+    (r"^single$", "single", "one GPU, no parallelism"),
+)
+
+
+def terminal_width() -> int:
+    """The terminal's columns (``COLUMNS`` first, as :func:`shutil.get_terminal_size` reads it);
+    120 when the output is not a terminal."""
+    import shutil
+
+    return shutil.get_terminal_size((120, 24)).columns
+
+
+def layout_legend(labels: list[str]) -> list[str]:
+    """What the parts of ``labels`` (as the table shows them) and the table's short columns mean.
+
+    Example::
+
+        layout_legend(["ddp8xfsdp8(z3)"])
+        # ['layouts: ddpN = N data-parallel replicas ...', '  fsdpN(zS) = ...', '  AxB = ...', ...]
+    """
+    parts = [f"{name} = {meaning}" for pattern, name, meaning in _LEGEND
+             if any(re.search(pattern, label) for label in labels)]
+    if any("x" in label for label in labels):
+        parts.append("AxB = both at once (N ranks in all = the product; device mesh pp, ddp, fsdp, tp, "
+                     "tp innermost)")
+    parts.append("micro x acc = micro-batch per rank x micro-batches per optimizer step; ckpt = activation "
+                 "checkpointing; mem/GPU = predicted / usable GiB")
+    return [f"{'layouts: ' if i == 0 else '  '}{part}" for i, part in enumerate(parts)]
+
+
+def memory_warning(result: PlanResult) -> str | None:
+    """A warning when the chosen layout leaves under 10% of the device's memory free
+    (:data:`MEMORY_WARN_FRACTION`), naming the best layout that leaves more."""
+    device = result.gpu.memory_bytes
+    limit = MEMORY_WARN_FRACTION * device
+    need = result.best.prediction.memory_bytes
+    if need <= limit:
+        return None
+    text = (f"warning: memory: the chosen layout needs {need / GIB:.1f} GiB of {device / GIB:.0f} GiB per "
+            f"{result.gpu.name} ({need / device:.0%}), above {MEMORY_WARN_FRACTION:.0%} of the device's memory; "
+            f"the prediction is a model, so it may not fit.")
+    alt = next(((i, c) for i, c in enumerate(result.candidates, 1) if c.prediction.memory_bytes <= limit), None)
+    if alt is not None:
+        i, c = alt
+        slower = c.time_to_train_s / result.best.time_to_train_s - 1
+        text += (f" The best under {MEMORY_WARN_FRACTION:.0%}: #{i} {c.layout.label()}, "
+                 f"{c.prediction.memory_bytes / GIB:.1f} GiB, time to train {fmt_s(c.time_to_train_s)} "
+                 f"({slower:+.1%}).")
+    return text
+
+
+def print_ranking(result: PlanResult, doc: dict[str, Any], top: int, explain_it: bool) -> None:
+    """The table, its legend, warnings, the chosen layout's run command and environment, at the
+    terminal's width. Lines meant to be copied (the command, the variables) are printed whole."""
     from rich.console import Console
 
+    console = Console(width=terminal_width(), soft_wrap=False, highlight=False)
+    console.print(result.table(top, width=console.width))
+    for line in layout_legend([c.layout.label() for c in result.candidates[:top]]):
+        console.print(line, markup=False)
+    b = result.best
+    console.print(f"{len(result.candidates)} layouts fit in memory, {result.rejected_memory} do not. "
+                  f"Chosen: {b.layout.label()}, predicted step {fmt_s(b.prediction.step_s)}, time to train "
+                  f"{fmt_s(b.time_to_train_s)}, cost ${b.cost:,.0f} at ${result.price_per_gpu_hour:g}/GPU-hour.",
+                  markup=False)
+    warning = memory_warning(result)
+    if warning:
+        console.print(warning, markup=False, style="yellow")
+    for note in result.notes:
+        console.print(note, markup=False)
+    if explain_it:
+        from .explain import explain
+
+        console.print(explain(result), markup=False)
+    console.file.flush()
+    print(doc["run"], flush=True)
+    note = rendezvous_note(result.nodes)
+    if note:
+        console.print(note, markup=False)
+    console.print("The layout as environment variables (config.py reads SLIPSTREAM_<FIELD>):", markup=False)
+    console.file.flush()
+    print(" ".join(f"{k}={v}" for k, v in layout_env(result, b.layout).items()), flush=True)
+
+
+def main(args: argparse.Namespace) -> int:
     tokens = parse_count(args.tokens, "--tokens") if args.tokens is not None else None
     samples = parse_count(args.samples, "--samples") if args.samples is not None else None
     check_plan_args(args)
@@ -284,29 +402,14 @@ def main(args: argparse.Namespace) -> int:
                  "scaling_efficiency_range": result.uncertainty.efficiency_range(c.prediction.scaling_efficiency)}
                 for c in result.candidates[: args.top]]
         out = {"chosen": doc, "ranking": rows, "uncertainty": result.uncertainty.source}
+        out["memory_warning"] = memory_warning(result)  # None when the pick leaves 10% of the device free
         if args.explain:
             from .explain import explain
 
             out["explain"] = explain(result)
         print(json.dumps(out, indent=1))
     else:
-        console = Console(width=max(160, Console().width), soft_wrap=False)
-        console.print(result.table(args.top))
-        b = result.best
-        console.print(f"{len(result.candidates)} layouts fit in memory, {result.rejected_memory} do not. "
-                      f"Chosen: {b.layout.label()}, predicted step {fmt_s(b.prediction.step_s)}, time to train "
-                      f"{fmt_s(b.time_to_train_s)}, cost ${b.cost:,.0f} at ${result.price_per_gpu_hour:g}/GPU-hour.",
-                      highlight=False)
-        for note in result.notes:
-            console.print(note, highlight=False, markup=False)
-        if args.explain:
-            from .explain import explain
-
-            console.print(explain(result), highlight=False, markup=False)
-        console.print(doc["run"], highlight=False, markup=False)
-        env = layout_env(result, b.layout)
-        console.print("layout as environment: " + " ".join(f"{k}={v}" for k, v in env.items()), highlight=False,
-                      markup=False)
+        print_ranking(result, doc, args.top, args.explain)
     header = f"# written by: slipstream plan {' '.join(shlex.quote(a) for a in sys.argv[2:])}\n"
     if args.write_config:
         _write_text(args.write_config, run_config_text(doc, header))

@@ -85,7 +85,8 @@ def explain(result: PlanResult, index: int = 0) -> str:
                  f"{gpu.memory_bytes_per_s / 1e9:.0f} GB/s [{'measured' if cpu else 'spec sheet'}]")
     lines.append("")
     lines.append(f"Memory per GPU: {_gb(p.memory_bytes)} of {_gb(p.memory_limit_bytes)} usable "
-                 f"({'fits' if p.fits else 'does NOT fit'}):")
+                 f"({'fits' if p.fits else 'does NOT fit'}; {p.memory_bytes / gpu.memory_bytes:.0%} of the "
+                 f"device's {_gb(gpu.memory_bytes)}):")
     act_src = ("measured: bytes autograd saves in one forward on the meta device" if m.measured else
                "model: Korthikanti et al. 2022" if m.kind == "transformer" else "assumed: rough per-sample estimate")
     src = {"params": "model: ZeRO paper's bytes per parameter, divided by the shard degree",

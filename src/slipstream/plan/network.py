@@ -15,7 +15,7 @@ A network SPEC names the link between nodes::
 
 Fabric defaults (one-hop latency, fraction of the line rate a ring achieves):
 ``ib`` 2 us / 0.90, ``roce`` 5 us / 0.85, ``tcp`` (default) 30 us / 0.80. A ring
-that is right reaches about 0.9 of the link (shared/GUIDE.md section 4); RoCE
+that is right reaches about 0.9 of the link (docs/measuring.md); RoCE
 and TCP lose a little more to congestion control and the kernel stack.
 
 Example::

@@ -64,18 +64,19 @@ class PlanResult:
     def nodes(self) -> int:
         return max(1, math.ceil(self.gpus / self.gpus_per_node))
 
-    def table(self, top: int = 10):
-        """A rich Table of the ``top`` candidates."""
+    def table(self, top: int = 10, width: int | None = None):
+        """A rich Table of the ``top`` candidates; with ``width`` (the terminal's columns), the
+        least telling columns are left out until it fits, and the caption names them. No cell
+        is cut: a layout name is what you pick by."""
         from rich.table import Table
 
         t = Table(title=(f"{self.model.name} on {self.gpus} x {self.gpu.name} ({self.nodes} node(s) of "
                          f"{self.gpus_per_node}), {self.network.spec}, global batch {self.global_batch}, "
                          f"{self.total_samples:.3g} samples"))
-        for col, just in (("#", "right"), ("layout", "left"), ("sync", "left"), ("micro x acc", "right"),
-                          ("ckpt", "left"), ("step", "right"), ("exposed comm", "right"), ("bubble", "right"),
-                          ("time to train", "right"), ("cost", "right"), ("mem/GPU", "right"),
-                          ("scaling eff", "right")):
-            t.add_column(col, justify=just)
+        columns = (("#", "right"), ("layout", "left"), ("sync", "left"), ("micro x acc", "right"),
+                   ("ckpt", "left"), ("step", "right"), ("exposed comm", "right"), ("bubble", "right"),
+                   ("time to train", "right"), ("cost", "right"), ("mem/GPU", "right"), ("scaling eff", "right"))
+        rows = []
         for i, c in enumerate(self.candidates[:top], 1):
             p, L = c.prediction, c.layout
             mb = f"{L.micro_batch} x {L.microbatches_per_step}"
@@ -84,12 +85,32 @@ class PlanResult:
             spread = (hi - lo) / 2 / p.step_s
             eff = (f"{p.scaling_efficiency:.0%} ±{u.eff_pts:.0f}" if u.eff_pts else
                    f"{p.scaling_efficiency:.0%}" if not u.step_rel else f"{p.scaling_efficiency:.0%} ±{spread:.0%}")
-            t.add_row(str(i), L.label(), L.sync if L.dp_shard == 1 and L.dp_replicate > 1 else "-", mb,
-                      "yes" if L.activation_checkpointing else "no", f"{fmt_s(p.step_s)} ±{spread:.0%}",
-                      fmt_s(p.exposed_comm_s), fmt_s(p.bubble_s), fmt_s(c.time_to_train_s), f"${c.cost:,.0f}",
-                      f"{p.memory_bytes / GIB:.1f}/{p.memory_limit_bytes / GIB:.0f} GiB", eff)
+            rows.append((str(i), L.label(), L.sync if L.dp_shard == 1 and L.dp_replicate > 1 else "-", mb,
+                         "yes" if L.activation_checkpointing else "no", f"{fmt_s(p.step_s)} ±{spread:.0%}",
+                         fmt_s(p.exposed_comm_s), fmt_s(p.bubble_s), fmt_s(c.time_to_train_s), f"${c.cost:,.0f}",
+                         f"{p.memory_bytes / GIB:.1f}/{p.memory_limit_bytes / GIB:.0f} GiB", eff))
+        keep = list(range(len(columns)))
+        hidden: list[str] = []
+        if width is not None:
+            natural = [max([len(name)] + [len(r[j]) for r in rows]) for j, (name, _) in enumerate(columns)]
+            # Each column takes its text, one space either side and a border; the first border too.
+            for name in ("bubble", "exposed comm", "ckpt", "sync", "scaling eff", "cost", "micro x acc"):
+                if sum(natural[j] + 3 for j in keep) + 1 <= width:
+                    break
+                j = [n for n, _ in columns].index(name)
+                keep.remove(j)
+                hidden.append(name)
+        for j in keep:
+            t.add_column(columns[j][0], justify=columns[j][1], no_wrap=True)
+        for r in rows:
+            t.add_row(*(r[j] for j in keep))
+        captions = []
+        if hidden:
+            captions.append(f"not shown at {width} columns: {', '.join(hidden)} (--json has every figure)")
         if self.uncertainty.source:
-            t.caption = f"±: {self.uncertainty.source}"
+            captions.append(f"±: {self.uncertainty.source}")
+        if captions:
+            t.caption = "\n".join(captions)
         return t
 
 

@@ -104,7 +104,7 @@ def local_cpu_spec(threads: int = 1) -> GpuSpec:
                     mem = int(line.split()[1]) * 1024
     except OSError:
         pass
-    # 20 GB/s: the guide's MLP's SGD step (read param + grad, write param: 3 x 33.6 MB) took 5-6 ms here.
+    # 20 GB/s: the benchmark MLP's SGD step (read param + grad, write param: 3 x 33.6 MB) took 5-6 ms here.
     return GpuSpec("CPU", flops, flops, flops, mem, 20e9, 5e9, 50e-6, 1, 0.05,
                    f"measured: fp32 matmul at {threads} thread(s) on {os.cpu_count()} cores")
 
@@ -216,12 +216,12 @@ MODELS: dict[str, ModelSpec] = {
     "vgg16": ModelSpec("vgg16", "cnn", 138.36e6, 2 * 15.47e9, 16, 55e6, 6e6, "sgd",
                        mfu_fp32=0.55, mfu_16=0.30, half_batch=4, default_batch_per_gpu=64, matrix_aspect=6.0,
                        source="torchvision vgg16: 138.4M params, 15.47 GMACs"),
-    # The guide's MLP (shared/GUIDE.md section 4): 8 x Linear(1024,1024) + Linear(1024,10), batch 64.
+    # The benchmark MLP (docs/measuring.md): 8 x Linear(1024,1024) + Linear(1024,10), batch 64.
     # MFU 0.5: its floor here (forward + backward ~ 40 ms for 3.2 GFLOP) against the 1-thread matmul
     # rate (~155 GFLOP/s), measured by benchmarks/plan_validation.py.
     "mlp": ModelSpec("mlp", "mlp", 8 * (1024 * 1024 + 1024) + 10 * 1024 + 10, 2 * (8 * 1024 * 1024 + 10240),
                      9, 2 * 17 * 1024, 2 * 1024, "sgd", mfu_fp32=0.5, mfu_16=0.5, half_batch=1.0,
-                     matrix_aspect=1.0, default_batch_per_gpu=64, source="shared/GUIDE.md section 4"),
+                     matrix_aspect=1.0, default_batch_per_gpu=64, source="docs/measuring.md, the benchmark MLP"),
     # Global batch in sequences of 2048: GPT-3's 0.5M / 1M / 2M tokens, rounded to powers of two.
     "gpt-125m": gpt_model("gpt-125m", 12, 768, 12, 256),
     "gpt-350m": gpt_model("gpt-350m", 24, 1024, 16, 256),

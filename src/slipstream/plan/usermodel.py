@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..extras import pip_install_hint
 from .specs import ModelSpec
 
 _CONTEXT_ATTRS = ("context", "block_size", "max_seq_len", "seq_len", "n_positions", "max_position_embeddings")
@@ -153,7 +154,7 @@ def _from_hf_config(path: str) -> ModelSpec:
         import transformers
     except ImportError:
         raise ConfigError("--model: a config.json needs the optional dependency transformers "
-                          "(pip install 'slipstream[hf]' or pip install transformers)") from None
+                          f"({pip_install_hint('hf')})") from None
     import torch
 
     verbosity = transformers.logging.get_verbosity()

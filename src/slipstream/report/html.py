@@ -33,6 +33,7 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .fig{margin:10px 0}.fig img{max-width:100%;border:1px solid #eee}
 .alert{background:#fff3f3;border:1px solid #e0a0a0;padding:8px 12px;border-radius:4px}
 .warn{background:#fffbe8;border:1px solid #e0d090;padding:8px 12px;border-radius:4px}
+tr.changed td{font-weight:600;background:#e8f1ff}
 pre{background:#f7f7f7;padding:8px;overflow-x:auto;font-size:12px}
 .sw{display:inline-block;width:10px;height:10px;margin-right:4px;vertical-align:middle}
 """
@@ -134,6 +135,36 @@ def _phase_table(run: Run) -> str:
     return "<table><tr><th>rank</th>" + head + "<th>busy</th><th>step</th></tr>" + "".join(body) + "</table>" + note
 
 
+_UNKNOWN = object()
+
+
+def _config_text(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def _config_table(config: dict[str, Any]) -> str:
+    """The run's TrainConfig (``metrics/run.json``, by flat name) as a table; a setting changed
+    from TrainConfig's default is marked and its default shown beside it."""
+    from ..config import TrainConfig
+
+    defaults = TrainConfig().flat()
+    rows = []
+    for name, value in config.items():
+        default = defaults.get(name, _UNKNOWN)
+        changed = default is _UNKNOWN or _config_text(default) != _config_text(value)
+        shown = "" if not changed else "?" if default is _UNKNOWN else _config_text(default)
+        rows.append(f"<tr{' class=' + repr('changed') if changed else ''}><td>{html.escape(name)}</td>"
+                    f"<td>{html.escape(_config_text(value))}</td><td>{html.escape(shown)}</td></tr>")
+    return ("<table><tr><th>setting</th><th>value</th><th>default, where changed</th></tr>" + "".join(rows)
+            + "</table><p class='sub'>TrainConfig by flat name (<code>grad_clip_norm</code>: flag "
+            "<code>--grad-clip-norm</code>, variable <code>SLIPSTREAM_GRAD_CLIP_NORM</code>), as rank 0 "
+            "recorded it in metrics/run.json; bold: changed from the default.</p>")
+
+
 def render_html(run: Run, png_dir: str | None = None) -> tuple[str, list[str]]:
     """The page as a string, and the PNG paths written (when ``png_dir`` is given)."""
     s = run.summary()
@@ -166,6 +197,12 @@ def render_html(run: Run, png_dir: str | None = None) -> tuple[str, list[str]]:
         parts.append("<h2>Step time by phase and rank</h2>" + _phase_table(run))
     for key, title, uri, _ in figures:
         parts.append(f"<h2>{html.escape(title)}</h2><div class='fig' id='fig-{key}'><img alt='{html.escape(title)}' src='{uri}'></div>")
+    config = run.info.get("config")
+    if isinstance(config, dict) and config:
+        parts.append("<h2>Configuration</h2>" + _config_table(config))
+    else:
+        parts.append("<h2>Configuration</h2><p class='sub'>not recorded (metrics/run.json has no config: "
+                     "a run from before it was recorded, or a recorder attached without one).</p>")
     if run.bad_lines:
         parts.append(f"<p class='sub'>{run.bad_lines} unreadable metrics line(s) skipped (a run cut short).</p>")
     if os.path.exists(os.path.join(run.run_dir, "timeline.json")):

@@ -22,6 +22,9 @@ PHASE_COLOURS = {
     "checkpoint_s": "#ccb974",
     "other_s": "#dddddd",
 }
+# Colours no other figure uses, so a screenshot test can find these two plots by their pixels.
+LR_COLOUR = "#2a9d8f"
+GRAD_NORM_COLOUR = "#e76f51"
 RANK_COLOURS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#8c8c8c"]
 
 
@@ -60,6 +63,33 @@ def loss_figure(run: Run) -> Any:
         ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def _rank0_line(run: Run, key: str, title: str, ylabel: str, colour: str) -> Any:
+    """One field of rank 0's records over the steps (a log scale when it spans over 100x)."""
+    xs, ys = run.series(key)
+    if not xs:
+        return None
+    fig, ax = _new(title)
+    ax.plot(xs, ys, color=colour, marker="o", ms=3, lw=1.5)
+    positive = [y for y in ys if y > 0]
+    if len(positive) == len(ys) and max(ys) > 100 * min(ys):
+        ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    return fig
+
+
+def lr_figure(run: Run) -> Any:
+    """The learning rate of the first parameter group at each log step (``lr`` in the records)."""
+    return _rank0_line(run, "lr", "Learning rate (parameter group 0)", "lr", LR_COLOUR)
+
+
+def grad_norm_figure(run: Run) -> Any:
+    """The global gradient 2-norm at each log step, before clipping (``grad_norm``; the same on
+    every rank)."""
+    return _rank0_line(run, "grad_norm", "Gradient norm (global, before clipping)", "2-norm", GRAD_NORM_COLOUR)
 
 
 def throughput_figure(run: Run) -> Any:
@@ -230,6 +260,8 @@ def timeline_figure(run: Run, last_steps: int = 3) -> Any:
 
 FIGURES = (
     ("loss", "Loss", loss_figure),
+    ("lr", "Learning rate", lr_figure),
+    ("grad_norm", "Gradient norm", grad_norm_figure),
     ("throughput", "Throughput", throughput_figure),
     ("breakdown", "Step-time breakdown", breakdown_figure),
     ("ranks", "Per-rank comparison", ranks_figure),
@@ -238,4 +270,4 @@ FIGURES = (
     ("timeline", "Timeline (last steps)", timeline_figure),
 )
 
-__all__ = ["FIGURES", "PHASE_COLOURS"]
+__all__ = ["FIGURES", "GRAD_NORM_COLOUR", "LR_COLOUR", "PHASE_COLOURS"]

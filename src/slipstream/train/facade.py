@@ -36,7 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint.states import CallbackState
-from ..config import TrainConfig
+from ..config import TrainConfig, check_parameter_dtype
 from ..errors import EXIT_PREEMPTED, ConfigError
 from ..fault import progress
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
@@ -301,8 +301,7 @@ class Accelerated:
 
         Writes a last checkpoint when the newest one is older than the current step."""
         if self.checkpoints is not None:
-            if self.checkpoints.last_saved_step != self.step_count and self.step_count > 0:
-                self.checkpoints.save(self.step_count, blocking=True)  # the final state, for a clean resume
+            self.checkpoints.save_final(self.step_count)  # the final state, for a clean resume (ranks agree)
             self.checkpoints.close()
         if self.progress is not None:
             self.progress.close()
@@ -427,6 +426,10 @@ def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, 
                 "with dp_shard, tp or pp the optimizer is rebuilt over the sharded parameters, so a scheduler "
                 "bound to the old one would not see it: pass scheduler=lambda optimizer: ... (a factory)"
             )
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
+        if dtype in dtypes:
+            check_parameter_dtype(config, name)
     if extra_state and config.checkpoint.dir is None:
         raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
 

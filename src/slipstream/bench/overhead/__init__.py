@@ -10,7 +10,7 @@
    and ``profile=False`` in one process, steps alternating ABBA, medians of
    this thread's CPU time (robust on a shared machine) and of wall time.
 
-Run (the GUIDE's MLP workload: 8 x Linear(1024, 1024) + ReLU, batch 64)::
+Run (the benchmark MLP of docs/measuring.md: 8 x Linear(1024, 1024) + ReLU, batch 64)::
 
     python -m slipstream.bench.overhead                  # one process
     slipstream run -n 2 -m slipstream.bench.overhead     # two gloo ranks (includes the straggler gather)

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 
+from ...names import REFUSED
 from . import TARGETS, Action, LifecycleRequest, cancel, format_status, logs, status
 
 _JOB_HELP = ("job name or id from `slipstream submit` (its record says where it runs); "
@@ -18,8 +19,18 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", choices=TARGETS, default=None,
                    help="where the job runs (default: from the submission record); kubernetes means indexed-job")
     p.add_argument("--kubectl", default="kubectl", metavar="PATH", help="kubectl to use (default: kubectl on PATH)")
-    p.add_argument("--namespace", "-n", default=None, metavar="NS",
+    p.add_argument("--namespace", default=None, metavar="NS",
                    help="Kubernetes namespace (default: the record's, else kubectl's current one)")
+    # -n is processes per node everywhere (run, bench): here it is refused with the flag to use.
+    p.add_argument("-n", dest="refused_n", action=_Refused, default=None, help=argparse.SUPPRESS)
+
+
+class _Refused(argparse.Action):
+    """A flag that would give a name a second meaning (slipstream.names.REFUSED): one line naming the live one."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        entry = next(r for r in REFUSED if r.old == option_string and parser.prog.split()[-1] in r.commands)
+        raise argparse.ArgumentError(self, f"{entry.why}; write {entry.new} {values}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -31,7 +31,7 @@ class Cast(Codec):
     def encode(self, flat: torch.Tensor, n: int) -> torch.Tensor:
         """The 16-bit payload. fp16 divides ``flat`` in place (``decode`` overwrites it
         anyway), as torch's fp16_compress_hook does: ``flat.div(n)`` made a whole fp32
-        copy of the bucket first. Measured on the guide's MLP (2 ranks, loopback, one
+        copy of the bucket first. Measured on the benchmark MLP (2 ranks, loopback, one
         core each, load ~3, medians of 20 steps, 3 runs, interleaved in one process):
         the in-place step 0.89-0.94x the copying one; 0.98-1.08x torch's hook."""
         if self.dtype == torch.float16:
