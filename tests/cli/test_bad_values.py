@@ -123,7 +123,7 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("bench", "--link"): [bad("--link", "1gbit")],
     ("bench", "--repeats"): [bad("--repeats", "0"), bad("--repeats", "x")],
     ("bench", "--timeout-s"): [bad("--timeout-s", "0"), bad("--timeout-s", "x")],
-    ("bench", "--json"): [bad("--json", "nodir/out.json")],
+    ("bench", "--json-out"): [bad("--json-out", "nodir/out.json")],
     ("bench", "script"): [Bad((), ("script", "nofile.py"))],
     # -- plan ------------------------------------------------------------------------------
     ("plan", "--model"): [bad("--model", "gpt-8b")],
@@ -168,6 +168,8 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     **{(cmd, "--namespace"): [bad("--namespace", "Not_A_Namespace", "--target", "kubernetes")]
        for cmd in ("status", "logs", "cancel")},
     **{(cmd, "job"): [Bad(("--target", "slurm"), ("not-a-number",))] for cmd in ("status", "logs", "cancel")},
+    # -n is processes per node (run, bench): here any value is refused, with the flag to write.
+    **{(cmd, "-n"): [bad("-n", "ns", names=("-n", "--namespace ns"))] for cmd in ("status", "logs", "cancel")},
     ("status", "--run-dir"): [bad("--run-dir", "afile", "--target", "slurm")],
     ("logs", "--rank"): [bad("--rank", "-1"), bad("--rank", "x")],
     # -- data ------------------------------------------------------------------------------

@@ -288,8 +288,9 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} must be {rule}, got {getattr(args, dest)!r}") from None
     if args.timeout_s <= 0:
         raise UsageError(f"--timeout-s must be > 0, got {args.timeout_s}")
-    if args.json is not None and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(args.json) or ".")):
-        raise UsageError(f"--json must be a file path in an existing directory, got {args.json!r}")
+    out = args.json_out
+    if out is not None and (os.path.isdir(out) or not os.path.isdir(os.path.dirname(out) or ".")):
+        raise UsageError(f"--json-out must be a file path in an existing directory, got {out!r}")
     if args.link is not None and not args.emulate:
         raise UsageError(f"--link {args.link} shapes the links of an emulated cluster: it needs --emulate NODESxPROCS")
     if args.repeats < 1:

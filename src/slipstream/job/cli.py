@@ -321,7 +321,6 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
         job_run_from_args(args)   # JobRun(spec=..., script_args=("--steps", "5"), worker_env={"SLIPSTREAM_PRECISION": "bf16"})
     """
     path = args.script
-    check_launcher_flags(args)
     spec = load_spec(path)
     found = run_file(args)
     clash = [key for key in (found.launch if found else {}) if key in {dest for dest, *_ in _TOPOLOGY_FLAGS}]
@@ -329,6 +328,7 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
         raise UsageError(f"{args.config}: {', '.join(clash)} cannot be combined with a job spec ({path}); "
                          "the spec sets the topology (replicas, gpu_count, processes_per_replica, command)")
     apply_launch_settings(args)  # the other launcher settings of a run config, checked below as the flags are
+    check_launcher_flags(args)
     for dest, default, flag, where in _TOPOLOGY_FLAGS:
         if getattr(args, dest) != default:
             raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")

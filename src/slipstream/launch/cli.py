@@ -387,7 +387,11 @@ def run_file(args: argparse.Namespace) -> run_config.RunFile | None:
         return None
     cached = getattr(args, "run_file", None)
     if cached is None:
-        cached = run_config.read(path, launcher_settings())
+        try:
+            cached = run_config.read(path, launcher_settings())
+        except (ConfigError, UsageError) as exc:  # one line that names the flag, as every flag's error does
+            text = str(exc)
+            raise UsageError(text if text.startswith("--config") else f"--config {text}") from None
         args.run_file = cached
     return cached
 
@@ -460,11 +464,7 @@ def training_options(args: argparse.Namespace) -> dict[str, object]:
         training_options(parse(["run", "--config", "run.yaml", "--tp", "1", "train.py"]))
         # {"precision": "bf16", "tp": 1}
     """
-    try:
-        found = run_file(args)
-    except (ConfigError, UsageError) as exc:
-        text = str(exc)
-        raise UsageError(text if text.startswith("--config") else f"--config {text}") from None
+    found = run_file(args)
     given = dict(found.train) if found else {}
     for name in FLAT_NAMES:
         value = getattr(args, f"train_{name}", None)
