@@ -35,18 +35,10 @@ def check_report_args(args: argparse.Namespace) -> None:
     if args.png_dir is not None and os.path.exists(args.png_dir) and not os.path.isdir(args.png_dir):
         raise UsageError(f"--png-dir must be a directory, got a file: {args.png_dir}")
     if importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("report draws its plots with matplotlib, which the plain install leaves out: "
-                         f"pip install 'slipstream[metrics]' {_torch_pin()}(from a checkout: bash scripts/install.sh test)")
+        from ..extras import pip_install_hint
 
-
-def _torch_pin() -> str:
-    """``"torch==X" `` for the torch installed, so pip keeps it (an unpinned extra can replace it)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f'"torch=={version("torch").split("+")[0]}" '
-    except PackageNotFoundError:
-        return ""
+        raise UsageError(f"report draws its plots with matplotlib, which the plain install leaves out: "
+                         f"{pip_install_hint('metrics')}")
 
 
 def main(args: argparse.Namespace) -> int:
