@@ -391,7 +391,7 @@ def run_file(args: argparse.Namespace) -> run_config.RunFile | None:
             cached = run_config.read(path, launcher_settings())
         except (ConfigError, UsageError) as exc:  # one line that names the flag, as every flag's error does
             text = str(exc)
-            raise UsageError(text if text.startswith("--config") else f"--config {text}") from None
+            raise type(exc)(text if text.startswith("--config") else f"--config {text}") from None
         args.run_file = cached
     return cached
 
