@@ -1,7 +1,7 @@
 """The moving parts of the chaos harness (benchmarks/chaos.py): a watched launcher and the faults.
 
 ``Launch`` starts ``python -m slipstream run ...`` in a session of its own and
-reads its console in a thread: every ``[slipstream] step N |`` line rank 0
+reads its console in a thread: every ``[slipstream] step N |`` (or ``step N/TOTAL |``) line rank 0
 prints is kept with the monotonic time it arrived, so a fault can wait for a
 step and the harness can time fault -> next step. Each fault function acts on
 a live ``Launch`` and returns a :class:`FaultRecord`; nothing here decides
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from slipstream.launch.proc import kill_tree
 
-STEP_RE = re.compile(r"^\[slipstream\] step (\d+) \|")
+STEP_RE = re.compile(r"^\[slipstream\] step (\d+)(?:/\d+)? \|")
 RESUMED_RE = re.compile(r"resumed from .* at step (\d+)")
 PARTIAL_RE = re.compile(r"^step_(\d+)\.partial$")
 

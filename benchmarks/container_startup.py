@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -27,17 +28,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = ["examples/train_gpt.py", "--steps", "3", "--dim", "32", "--layers", "1", "--context", "32",
          "--batch-size", "4", "--corpus-mb", "0.5"]
-FIRST_STEP = "step 1 |"
+FIRST_STEP = r"step 1(?:/\d+)? \|"  # a regular expression: the log line reads "step 1/TOTAL |" when the total is known
 
 
 def time_to_line(argv: list[str], line: str | None, env: dict[str, str] | None = None) -> tuple[float, float]:
-    """Seconds to the first output line containing ``line`` (None: to the end), and to the end."""
+    """Seconds to the first output line matching the regular expression ``line`` (None: to the end), and to the end."""
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
     seen = None
     assert proc.stdout is not None
     for text in proc.stdout:
-        if seen is None and line is not None and line in text:
+        if seen is None and line is not None and re.search(line, text):
             seen = time.monotonic() - t0
     code = proc.wait()
     total = time.monotonic() - t0

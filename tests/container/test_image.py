@@ -47,7 +47,7 @@ def docker(*args: str, timeout_s: float = 120, check: bool = True) -> subprocess
 
 
 def losses(log: str) -> list[float]:
-    return [float(x) for x in re.findall(r"step \d+ \| loss ([0-9.]+)", log)]
+    return [float(x) for x in re.findall(r"step \d+(?:/\d+)? \| loss ([0-9.]+)", log)]
 
 
 def test_image_trains_with_two_workers(docker_image):

@@ -84,7 +84,7 @@ def wait_done(job_id: str, env: dict[str, str]) -> dict[str, str]:
 
 
 def losses(log: str) -> list[float]:
-    return [float(x) for x in re.findall(r"\] step \d+ \| loss ([0-9.]+)", log)]
+    return [float(x) for x in re.findall(r"\] step \d+(?:/\d+)? \| loss ([0-9.]+)", log)]
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +141,7 @@ def test_preempted_job_requeues_and_resumes_bitwise(baseline, slurm_env, tmp_pat
     output = directory / f"slipstream-gpt-preempt-{job_id}.out"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     # SIGTERM to the job's steps (the agents) once training runs, as the time limit's --signal would send it.
-    while not re.search(r"\] step \d+ \|", output.read_text() if output.exists() else ""):
+    while not re.search(r"\] step \d+(?:/\d+)? \|", output.read_text() if output.exists() else ""):
         assert time.monotonic() < deadline, f"job {job_id} never started training: {job_fields(job_id, slurm_env)}"
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", job_id], env=slurm_env, check=True, timeout=30)
