@@ -485,9 +485,13 @@ def exit_on_error(exc: SlipstreamError) -> NoReturn:
             recorded = True
         except OSError:
             pass  # the exit code alone still tells the launcher what happened
-    # Under `slipstream run` (its agent's pid in SLIPSTREAM_AGENT_PID) the launcher prints the
-    # recorded line in its report, once for all ranks: printing it here too repeated it per rank.
-    if not (recorded and os.environ.get("SLIPSTREAM_AGENT_PID")):
+    # Under `slipstream run` (its agent's pid in SLIPSTREAM_AGENT_PID) the launcher prints a
+    # recorded configuration error (exit 2) in its report, once for all ranks: printing it here
+    # too repeated it per rank. Any other error is printed here as well: the launcher's report
+    # names only the rank that failed first (a SIGKILLed rank, say), and a survivor's hang
+    # diagnosis ("rank 1 failed first: its heartbeat stopped ...") must still reach the user.
+    once_by_launcher = recorded and os.environ.get("SLIPSTREAM_AGENT_PID") and exc.exit_code == 2
+    if not once_by_launcher:
         # One write: ranks share the terminal, and print()'s separate newline interleaves their lines.
         sys.stderr.write(line + "\n")
         sys.stderr.flush()

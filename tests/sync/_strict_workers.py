@@ -80,11 +80,13 @@ def rule(rank: int, world: int, port: int, out_path: str, local_world: int) -> N
         manager.save(1)
         manager.wait()
         res["restored_step"] = manager.restore_latest()
+        # Every group of the run, read before close() destroys the manager's own two.
+        groups = list(dist.distributed_c10d._world.pg_map)
         manager.close()
     except Exception:
         res["errors"]["checkpoint"] = traceback.format_exc()
+        groups = list(dist.distributed_c10d._world.pg_map)
     strict.uninstall()
-    groups = list(dist.distributed_c10d._world.pg_map)
     res["group_timeouts_s"] = sorted({group_timeout_of(g).total_seconds() for g in groups})
     res["groups"] = len(groups)
     res["violations"] = strict.violations[:20]
