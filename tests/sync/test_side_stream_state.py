@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.compress.base import layout_from_shapes
@@ -23,18 +22,9 @@ from slipstream.sync.compress.sign import ScaledSign
 from slipstream.sync.compress.topk import TopK
 from slipstream.sync.hierarchical import FlatReducer
 from slipstream.sync.hooks import HookSync
-from tests.harness import free_port
 
 SHAPES = [torch.Size([32, 16]), torch.Size([32]), torch.Size([8, 32]), torch.Size([8])]
 
-
-@pytest.fixture()
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
 
 
 class _SideStream:
