@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--sample", type=int, metavar="N", help="N accepted rows of the full product")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--launch-timeout-s", type=float, default=3 * 3600,
+                   help="wall limit of one launch of 2 ranks (the full product is one launch unless a row breaks it)")
     args = p.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(rows)} rows: {len(accepted)} accepted, {len(refused)} refused ({time.perf_counter() - t0:.0f} s to classify)",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="conformance-") as work:
-        results = matrix.run_rows(accepted, work, timeout_s=3600)
+        results = matrix.run_rows(accepted, work, timeout_s=args.launch_timeout_s)
     launches = results.pop(None)["launches"]
     wall = time.perf_counter() - t0
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
