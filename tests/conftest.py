@@ -95,3 +95,17 @@ def _submission_records_stay_in_the_test(tmp_path_factory, monkeypatch):
     """`slipstream submit` records jobs under ~/.local/state; no test writes to the user's home."""
     if "SLIPSTREAM_STATE_DIR" not in os.environ:
         monkeypatch.setenv("SLIPSTREAM_STATE_DIR", str(tmp_path_factory.mktemp("submissions")))
+
+
+@pytest.fixture()
+def one_rank_group():
+    """A one-member gloo group for tests that drive the engine in-process (the default group)."""
+    import torch.distributed as dist
+
+    from tests.harness import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -3,7 +3,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch.distributed as dist
 
 from tests.harness import free_port, run_ranks
 
@@ -29,13 +28,3 @@ def suite_results(tmp_path_factory):
 @pytest.fixture(scope="session")
 def hierarchy_results(tmp_path_factory):
     return spawn("hierarchy", 4, 2, tmp_path_factory.mktemp("hier"))
-
-
-@pytest.fixture()
-def one_rank_group():
-    """A one-member gloo group for tests that drive the sync engine in-process (the default group)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()

@@ -10,6 +10,9 @@ torch 2.13 from aborting a rank that finished training (SIGABRT in interpreter
 teardown), an abort the elastic agent would otherwise count as a failed
 attempt and restart the job for. ``python -m`` cannot take a hook of its own,
 so this small entry point is the way to add one without touching the script.
+When ``slipstream run`` was given training options (``--sync``, ...), every
+DistributedDataParallel model the script builds gets them first
+(:mod:`slipstream.train.adopt`: zero-change acceleration).
 A :class:`~slipstream.errors.SlipstreamError` escaping the script ends the
 worker as ``slipstream.init()``'s excepthook would: one line, its exit code.
 Started by ``slipstream run`` (``SLIPSTREAM_AGENT_PID`` set), the worker first
@@ -117,6 +120,19 @@ def _library_frame(filename: str) -> bool:
             or filename == os.path.abspath(__file__))
 
 
+def adopt_ddp_models():  # -> slipstream.train.adopt.Adopter | None
+    """Zero-change acceleration (:mod:`slipstream.train.adopt`): when ``slipstream run`` was given a
+    training option, every DDP model the script builds gets it. Without one, nothing is imported
+    or changed: the script runs as under torchrun."""
+    from slipstream.config import ENV_PREFIX, FLAT_NAMES
+
+    if not any(os.environ.get(ENV_PREFIX + name.upper()) for name in FLAT_NAMES if name != "run_dir"):
+        return None
+    from slipstream.train import adopt  # imports torch: only now
+
+    return adopt.install(os.environ)
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-m", "--module") and len(argv) < 2:
         sys.exit(f"slipstream worker: {USAGE}")
@@ -128,17 +144,28 @@ def main(argv: list[str]) -> None:
     from slipstream.runtime import exit_on_error
 
     gloo_exit.install()
+    adopter = None
     try:
+        adopter = adopt_ddp_models()
         script_globals = run_as_main(argv)
     except SlipstreamError as exc:
         # Also before (or without) slipstream.init(), whose excepthook does the
         # same: one line, the message in the error file, exit 2 for a
         # configuration error, which the launcher does not restart.
         exit_on_error(exc)
+    except SystemExit:  # the script's own sys.exit(): its last metrics window still counts
+        if adopter is not None:
+            adopter.finish()
+        raise
     except Exception as exc:
+        diagnosed = adopter.diagnose(exc) if adopter is not None else None
+        if diagnosed is not None:  # a collective of the script's own loop hung or lost a peer
+            exit_on_error(diagnosed)
         if not peer_gone(exc):
             raise
         exit_peer_gone(exc)
+    if adopter is not None:
+        adopter.finish()
     # The script's objects (a DDP model holding the process group, ...) are
     # freed when its globals go; settle the worker threads before that.
     gloo_exit.wait_for_gloo_workers()

@@ -44,6 +44,7 @@ from ..metrics import StepRecorder
 from ..metrics.sinks import Sink
 from ..runtime import Runtime, current
 from ..sync import SyncHandle
+from . import adopt
 from .bookkeeping import new_recorder, open_checkpoints
 from .layout import Layout, LossFn
 from .layout_dp import DataParallelLayout
@@ -482,6 +483,7 @@ def accelerate(
     elif options:
         raise ConfigError(f"give either config or keyword options, not both (got {', '.join(options)})")
     runtime = current()
+    adopt.mark_accelerate_called()  # under `slipstream run`, the options reach this loop
     plain = config.is_plain_data_parallel(runtime.world_size)
     _check_inputs(model, optimizer, scheduler, extra_state, config, plain)
 

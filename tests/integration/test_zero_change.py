@@ -1,0 +1,104 @@
+"""Zero-change acceleration at 2 ranks: `slipstream run --sync ...` on a plain DDP script.
+
+The script (scripts_zero_change.py) is an unmodified torchrun DDP loop; the same file
+with --mode accelerate wraps the same model with slipstream.accelerate().
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+SCRIPT = str(HERE / "scripts_zero_change.py")
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def run(tmp_path: Path, name: str, *flags: str, script_args: tuple[str, ...] = (), timeout: float = 240):
+    out, run_dir = tmp_path / name, tmp_path / f"run-{name}"
+    out.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "slipstream", "run", "-n", "2", "--run-dir", str(run_dir), *flags, SCRIPT,
+         "--out", str(out), *script_args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **ENV},
+    )
+    return proc, out, run_dir
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "model.pt")
+
+
+def bitwise_equal(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    proc, out, _ = run(tmp_path_factory.mktemp("plain"), "plain")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "adopted" not in proc.stdout  # no option: nothing installed
+    return weights(out), json.loads((out / "result.json").read_text())["losses"]
+
+
+def test_bf16_on_a_plain_ddp_script_equals_accelerate_bitwise(tmp_path, plain):
+    proc, ours, run_dir = run(tmp_path, "ddp", "--sync", "bf16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "adopted the script's DistributedDataParallel (Sequential" in proc.stdout
+    assert "gradient sync bf16" in proc.stdout
+    proc, reference, _ = run(tmp_path, "accelerate", script_args=("--mode", "accelerate", "--sync", "bf16"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "adopted" not in proc.stdout  # accelerate()'s own DDP is not adopted
+    assert bitwise_equal(weights(ours), weights(reference))
+    assert not bitwise_equal(weights(ours), plain[0])  # the strategy ran
+
+    # Metrics as for an accelerate() script: every rank's records, the strategy's figures, the report.
+    records = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [10, 12]
+    assert records[0]["sync_strategy"] == "bf16" and records[0]["sync_compression_ratio"] == pytest.approx(2.0)
+    assert records[0]["samples"] == 16 * 10 and records[0]["busy_s_ranks"] and records[0]["comm_exposed_s"] >= 0
+    assert (run_dir / "metrics" / "rank1.jsonl").exists() and (run_dir / "metrics" / "run.json").exists()
+    report = subprocess.run([sys.executable, "-m", "slipstream", "report", str(run_dir)], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "bf16" in report.stdout
+
+
+@pytest.mark.parametrize("strategy", ["powersgd", "auto"])
+def test_compressing_strategies_run_on_a_plain_ddp_script(tmp_path, plain, strategy):
+    proc, out, run_dir = run(tmp_path, strategy, "--sync", strategy, "--log-every-steps", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"gradient sync {strategy}" in proc.stdout
+    losses = json.loads((out / "result.json").read_text())["losses"]
+    assert all(map(torch.isfinite, torch.tensor(losses)))
+    assert abs(losses[-1] - plain[1][-1]) <= 0.05 * plain[1][-1]
+    last = json.loads((run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()[-1])
+    assert last["sync_strategy"] == strategy and last["sync_decision"]
+    if strategy == "powersgd":
+        assert not bitwise_equal(weights(out), plain[0])
+        assert last["sync_compression_ratio"] > 1
+
+
+def test_a_hang_in_the_scripts_loop_gets_the_hang_report(tmp_path):
+    proc, _, run_dir = run(tmp_path, "hang", "--sync", "bf16", "--collective-timeout-s", "6",
+                           script_args=("--hang-at", "3"))
+    assert proc.returncode != 0
+    text = (run_dir / "hang.txt").read_text()
+    assert "rank 1 stalled first" in text, text
+    assert "rank 1 stalled first" in proc.stderr
+
+
+def test_options_that_cannot_apply_are_named_at_start(tmp_path):
+    proc, _, _ = run(tmp_path, "named", "--accumulate-steps", "2", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     script_args=("--steps", "2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--accumulate-steps 2 not applied: the script's loop decides" in proc.stderr
+    assert "--checkpoint-dir" in proc.stderr and "not applied" in proc.stderr
+    assert not (tmp_path / "ckpt").exists()
