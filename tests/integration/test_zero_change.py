@@ -102,3 +102,10 @@ def test_options_that_cannot_apply_are_named_at_start(tmp_path):
     assert "--accumulate-steps 2 not applied: the script's loop decides" in proc.stderr
     assert "--checkpoint-dir" in proc.stderr and "not applied" in proc.stderr
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_no_python_says_the_options_reach_only_accelerate(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "run", "-n", "1", "--no-python", "--sync", "bf16",
+                           "--precision", "bf16", "true"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--sync, --precision with --no-python: training options reach only a slipstream.accelerate()" in proc.stderr

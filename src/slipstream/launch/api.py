@@ -497,11 +497,26 @@ def agent_config(opts: LaunchOptions) -> "tuple[LaunchConfig, str, list[str]]":
         **optional,
     )
     if opts.no_python:
+        _note_no_python_adoption(opts.worker_env)
         return config, opts.entrypoint, list(opts.args)
     # Each worker runs the script through slipstream.launch.worker: the script as
     # Python would run it, plus a wait at exit that keeps gloo from aborting it.
     target = ["--module", opts.entrypoint] if opts.module else [opts.entrypoint]
     return config, os.getenv("PYTHON_EXEC", sys.executable), ["-u", "-m", "slipstream.launch.worker", *target, *opts.args]
+
+
+def _note_no_python_adoption(worker_env: dict[str, str]) -> None:
+    """--no-python runs the program itself, not the worker entry that adopts DDP models: training
+    options then reach only a slipstream.accelerate() inside it. Said once, at start."""
+    from ..config import ENV_PREFIX, FLAT_NAMES
+
+    given = [name for name in FLAT_NAMES if name != "run_dir" and worker_env.get(ENV_PREFIX + name.upper())]
+    if given:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        print(f"slipstream run: {flags} with --no-python: training options reach only a slipstream.accelerate() "
+              "call inside the program, which runs without the worker entry that adopts the DDP models a script "
+              "builds (docs/zero-change.md)",
+              file=sys.stderr, flush=True)
 
 
 def _logs_specs_class(name: str | None, default: type) -> type:
