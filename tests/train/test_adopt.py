@@ -202,3 +202,12 @@ def test_a_script_without_ddp_gets_the_line_at_exit(adopting, capsys):
     adopter = adopting(sync="powersgd")
     adopter.finish()
     assert "--sync not applied: the script built no DistributedDataParallel" in capsys.readouterr().err
+
+
+def test_the_docs_table_names_every_option():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "zero-change.md").read_text()
+    table = text[text.index("## Every option"):text.index("## What differs")]
+    missing = [name for name in config.FLAT_NAMES if f"`--{name.replace('_', '-')}" not in table]
+    assert not missing, f"docs/zero-change.md's table lacks {missing}"
