@@ -109,3 +109,13 @@ def test_no_python_says_the_options_reach_only_accelerate(tmp_path):
                            "--precision", "bf16", "true"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--sync, --precision with --no-python: training options reach only a slipstream.accelerate()" in proc.stderr
+
+
+def test_collective_timeout_reaches_the_scripts_own_process_group(tmp_path):
+    """--sync allreduce keeps DDP's reducer on the script's default group: only the group's own
+    timeout (30 min by default) can end the hang, so the flag must have reached init_process_group."""
+    proc, _, run_dir = run(tmp_path, "timeout", "--sync", "allreduce", "--collective-timeout-s", "5",
+                           "--device", "cpu", script_args=("--hang-at", "3"), timeout=180)
+    assert proc.returncode != 0
+    assert "--device cpu not applied: the script places its model itself" in proc.stderr
+    assert "rank 1 stalled first" in (run_dir / "hang.txt").read_text()

@@ -125,7 +125,10 @@ def adopt_ddp_models():  # -> slipstream.train.adopt.Adopter | None
     training option, every DDP model the script builds gets it. Without one, nothing is imported
     or changed: the script runs as under torchrun."""
     from slipstream.config import ENV_PREFIX, FLAT_NAMES
+    from slipstream.launch import process_group_flags
 
+    if process_group_flags.given(os.environ):
+        process_group_flags.install(os.environ)
     if not any(os.environ.get(ENV_PREFIX + name.upper()) for name in FLAT_NAMES if name != "run_dir"):
         return None
     from slipstream.train import adopt  # imports torch: only now
