@@ -118,7 +118,9 @@ class StepRecorder:
 
     # --- what components report ----------------------------------------------------
     def add_loss(self, loss: torch.Tensor) -> None:
-        loss = loss.detach().float()
+        # A copy (on the device, no sync): ``.float()`` of an fp32 loss is the caller's tensor
+        # itself, which a loop may change in place after handing it over.
+        loss = loss.detach().to(torch.float32, copy=True)
         self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
         self._loss_count += 1
 

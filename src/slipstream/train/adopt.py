@@ -14,7 +14,8 @@ then constructs is *adopted* right after DDP's own constructor:
   for ``slipstream report``: step boundaries are the optimizer steps of the
   optimizers that hold the model's parameters (torch's global optimizer hooks);
   the loss is the one the model returns (``output.loss``, as Hugging Face models
-  compute it) and is absent from the records otherwise;
+  compute it), read when the micro-step ends (after the loop's own in-place
+  rescaling), and is absent from the records otherwise;
 * the options with a well-defined meaning outside our loop: ``precision bf16``
   (autocast around the DDP forward, outputs back in fp32), ``grad_clip_norm``
   (clipped right before each optimizer step, after a GradScaler's unscale),
@@ -180,6 +181,7 @@ class Adopter:
         self._hooks: list[Any] = []
         self._optimizer_timing: Any = None
         self._backward_timing: Any = None
+        self._pending_loss: tuple[torch.Tensor, sync.SyncHandle | None] | None = None
         self._notes: list[str] = []
         self._finished = False
 
@@ -270,6 +272,7 @@ class Adopter:
         self._optimizer_timing = None  # a closure run inside optimizer.step (Lightning): not optimizer time
         assert self.recorder is not None
         self._end_backward()  # a micro-step without an optimizer step (accumulation)
+        self._take_loss()
         count_inputs(self.recorder, args, kwargs)
         return self.recorder.begin("forward")
 
@@ -278,14 +281,27 @@ class Adopter:
         self.recorder.end("forward", token)
         loss = _model_loss(output)
         if loss is not None:
-            self.recorder.add_loss(loss)
-            if ddp.require_backward_grad_sync:
-                handle.observe_loss(loss.detach())
+            # Read when the micro-step ends, not now: the loop may still rescale the very tensor
+            # in place (the Hugging Face Trainer multiplies it by the number of processes when it
+            # normalises by the tokens of all ranks), and the figure is the loss as the loop used it.
+            self._pending_loss = (loss, handle if ddp.require_backward_grad_sync else None)
         start = _first_grad_tensor(output)
         if start is not None and torch.is_grad_enabled():
             start.register_hook(self._backward_begins)
         if self.progress is not None:
             self.progress.mark(progress.BACKWARD if ddp.require_backward_grad_sync else progress.BACKWARD_LOCAL)
+
+    def _take_loss(self) -> None:
+        """The last forward's loss, as the loop left it: into the metrics (a device copy, no sync)
+        and, on a synchronising micro-step, to the strategy's convergence guard."""
+        if self._pending_loss is None or self.recorder is None:
+            return
+        loss, handle = self._pending_loss
+        self._pending_loss = None
+        value = loss.to(torch.float32, copy=True)
+        self.recorder.add_loss(value)
+        if handle is not None:
+            handle.observe_loss(value)
 
     def _backward_begins(self, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of the model's output is ready: the backward through the model starts.
@@ -314,6 +330,7 @@ class Adopter:
             self.progress.mark(progress.OPTIMIZER)
         assert self.recorder is not None
         self._end_backward()
+        self._take_loss()
         model = self.models[0].module
         clip = self.config.numerics.grad_clip_norm
         if clip is not None:
@@ -330,6 +347,7 @@ class Adopter:
             return
         assert self.recorder is not None
         self._end_backward()  # a closure's backward (Lightning) ran inside optimizer.step
+        self._take_loss()
         if self._optimizer_timing is not None:
             self.recorder.end("optimizer", self._optimizer_timing)
             self._optimizer_timing = None
@@ -354,6 +372,7 @@ class Adopter:
         self._finished = True
         for hook in self._hooks:
             hook.remove()
+        self._take_loss()
         if self.recorder is not None:
             self.recorder.straggler = None  # no collective at exit: ranks may leave at different times
             self.recorder.close()
