@@ -3,7 +3,6 @@
     python examples/accelerate_ddp.py                                      # one process
     torchrun --standalone --nproc_per_node 2 examples/accelerate_ddp.py    # two, data parallel (DDP, gloo)
     slipstream run -n 2 examples/accelerate_ddp.py                         # the same line under Slipstream
-    accelerate launch --cpu --num_processes 2 examples/accelerate_ddp.py   # also works
 
 --out DIR writes rank 0's final weights (DIR/model.pt) and final loss (DIR/result.json).
 """
