@@ -54,7 +54,8 @@ def run_once(script: list[str], mode: str, link: str, work: Path, timeout_s: flo
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     result = json.loads((out / "result.json").read_text())
-    row = {"wall_s": wall, "final_loss": result["final_loss"], "train_s": result.get("train_s")}
+    # ddp_torchrun.py writes final_loss; hf_trainer.py its last logged loss (the mean over ranks)
+    row = {"wall_s": wall, "final_loss": result.get("final_loss", result.get("loss")), "train_s": result.get("train_s")}
     metrics = run_dir / "metrics" / "rank0.jsonl"
     if mode == "auto" and metrics.exists():
         records = [json.loads(line) for line in metrics.read_text().splitlines()]

@@ -143,3 +143,52 @@ def test_each_framework_script_also_runs_alone_as_one_process(tmp_path):
         assert math.isfinite(result["loss"]) and result["loss"] < ex.untrained_loss, (name, result)
         weights = torch.load(tmp_path / name / "model.pt")
         assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point()), name
+
+
+# --- zero-change acceleration (docs/zero-change.md): `slipstream run --sync ...` on the Trainer ---
+
+@pytest.fixture(scope="module")
+def trainer_plain(tmp_path_factory) -> Run:
+    need_module("transformers", EXAMPLES["hf_trainer"].hint)
+    return run_example("slipstream", "hf_trainer", tmp_path_factory.mktemp("plain"))
+
+
+def metrics_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["bf16", "powersgd"])
+def test_the_trainer_gets_the_strategy_unchanged(tmp_path, trainer_plain, strategy):
+    """The Trainer's DDP model is adopted: the strategy is reported and ran (other weights than
+    the plain run's), the loss stays within 2% of it, and the metrics hold the Trainer's loss."""
+    run_dir = tmp_path / "run"
+    ours = run_example("slipstream", "hf_trainer", tmp_path,
+                       ("--sync", strategy, "--log-every-steps", "5", "--run-dir", str(run_dir)))
+    assert f"gradient sync {strategy}" in ours.output and "adopted the script's DistributedDataParallel" in ours.output
+    assert ours.result["world_size"] == NPROC
+    assert abs(ours.result["loss"] - trainer_plain.result["loss"]) <= 0.02 * trainer_plain.result["loss"]
+    assert any(not torch.equal(ours.weights[k], trainer_plain.weights[k]) for k in ours.weights), "the strategy ran"
+    last = metrics_records(run_dir)[-1]
+    assert last["step"] == 10 and last["sync_strategy"] == strategy and last["sync_compression_ratio"] > 1
+    # The model's output.loss as the Trainer left it (it rescales the tensor in place by the
+    # number of processes): rank 0's mean of steps 6-10 against the Trainer's mean over ranks.
+    assert abs(last["loss"] - ours.result["loss"]) <= 0.1 * ours.result["loss"], (last["loss"], ours.result)
+    assert last["tokens"] > 0 and last["forward_s"] > 0
+
+
+@pytest.mark.distributed
+def test_the_trainer_under_auto_decides_on_a_slow_link(tmp_path, trainer_plain):
+    """`auto` on the emulated cluster (two network namespaces, 20 Mbit/s): it probes, decides
+    to compress, and the Trainer still trains to within 2% of the plain run's loss."""
+    from tests.conftest import require_root
+
+    require_root("the emulated cluster (network namespaces, tc)")
+    run_dir = tmp_path / "run"
+    ours = run_example("slipstream", "hf_trainer", tmp_path,
+                       ("--emulate", "2x1", "--link", "20mbit", "--sync", "auto", "--run-dir", str(run_dir)))
+    assert "gradient sync auto" in ours.output
+    assert abs(ours.result["loss"] - trainer_plain.result["loss"]) <= 0.02 * trainer_plain.result["loss"]
+    decision = metrics_records(run_dir)[-1]["sync_decision"]
+    assert decision and decision != "allreduce" and "observing" not in decision, decision
+    assert any(not torch.equal(ours.weights[k], trainer_plain.weights[k]) for k in ours.weights)
