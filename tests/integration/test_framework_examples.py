@@ -192,3 +192,16 @@ def test_the_trainer_under_auto_decides_on_a_slow_link(tmp_path, trainer_plain):
     decision = metrics_records(run_dir)[-1]["sync_decision"]
     assert decision and decision != "allreduce" and "observing" not in decision, decision
     assert any(not torch.equal(ours.weights[k], trainer_plain.weights[k]) for k in ours.weights)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("example", ["lightning_ddp", "accelerate_ddp"])
+def test_lightning_and_accelerate_scripts_get_the_strategy_unchanged(tmp_path, example):
+    """Lightning's DDP strategy and Accelerate's prepare() build the DDP model: it is adopted too."""
+    ex = EXAMPLES[example]
+    need_module(ex.module, ex.hint)
+    theirs, ours = run_both(example, tmp_path, ("--sync", "powersgd"))
+    assert "adopted the script's DistributedDataParallel" in ours.output and "gradient sync powersgd" in ours.output
+    assert ours.result["world_size"] == NPROC and math.isfinite(ours.result["loss"])
+    assert ours.result["loss"] < ex.untrained_loss
+    assert any(not torch.equal(ours.weights[k], theirs.weights[k]) for k in ours.weights), "the strategy ran"
