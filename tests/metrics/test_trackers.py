@@ -1,7 +1,8 @@
 """Experiment trackers (log_to=wandb, mlflow) and the user's own sinks, on one process.
 
 Real libraries: W&B in offline mode (its run file is read back below), MLflow on
-a file store. Outside CI a missing library skips its tests; with CI=true they fail.
+its default store here, the SQLite database RUN_DIR/mlflow.db (the other stores,
+a tracking server among them: test_mlflow_stores.py). Outside CI a missing library skips its tests; with CI=true they fail.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ from slipstream.metrics.trackers import MlflowSink, WandbSink, metric_values, ru
 from tests.conftest import need_module
 
 
-def require(module: str) -> None:
-    need_module(module, f"pip install 'slipstream[{module}]'")
+# What each tracker's tests import: MLflow's default store, a SQLite database, needs SQLAlchemy and alembic.
+NEEDS = {"mlflow": ("mlflow", "sqlalchemy", "alembic")}
+
+
+def require(extra: str) -> None:
+    for module in NEEDS.get(extra, (extra,)):
+        need_module(module, f"pip install 'slipstream[{extra}]'")
 
 
 def _children() -> set[int]:
@@ -58,6 +64,7 @@ def tracker_env(monkeypatch, tmp_path):
     for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_NAME", "WANDB_RESUME",
                  "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "MLFLOW_ALLOW_FILE_STORE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")  # no attempt to reach MLflow's servers
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONSOLE", "off")  # leave pytest's capture of stdout/stderr alone
@@ -136,7 +143,7 @@ def mlflow_run(run_dir: Path):
     from mlflow.tracking import MlflowClient
 
     ids = json.loads((run_dir / "metrics" / "trackers.json").read_text())["mlflow"]
-    assert ids["tracking_uri"] == "file:" + str(run_dir / "mlruns")
+    assert ids["tracking_uri"] == "sqlite:///" + str(run_dir / "mlflow.db")
     client = MlflowClient(ids["tracking_uri"])
     return client, client.get_run(ids["run_id"])
 
@@ -269,7 +276,7 @@ def test_only_rank_0_opens_a_tracker_run(tracker_env, tmp_path):
     kinds = {type(s).__name__ for s in rec.sinks}
     rec.close()
     assert kinds == {"JsonlSink", "TensorBoardSink"}  # tensorboard in log_to = tensorboard=True, per rank
-    assert not (tmp_path / "wandb").exists() and not (tmp_path / "mlruns").exists()
+    assert not (tmp_path / "wandb").exists() and not (tmp_path / "mlflow.db").exists()
     assert not (tmp_path / "metrics" / "trackers.json").exists()
 
 

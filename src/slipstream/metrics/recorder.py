@@ -178,9 +178,9 @@ class StepRecorder:
         try:  # on every rank, before anything is opened: all ranks stop alike (exit 2)
             if tensorboard and self.run_dir is not None:
                 _require_module("tensorboard", "tensorboard=True" if cfg.metrics.tensorboard else "log_to tensorboard")
-            require_trackers(trackers)
             if trackers and self.run_dir is None:
                 raise ConfigError(f"log_to {','.join(trackers)} needs a run directory (run_dir)")
+            require_trackers(trackers, self.run_dir or ".")
         except ConfigError:
             self.close()
             raise

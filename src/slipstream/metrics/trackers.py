@@ -26,7 +26,6 @@ Example::
 from __future__ import annotations
 
 import atexit
-import contextlib
 import importlib.util
 import json
 import logging
@@ -34,12 +33,13 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..extras import pip_install_hint
+from .mlflow_store import check_store, tracking_uri
 from .sinks import Sink
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,10 @@ _MLFLOW_BATCH = 100  # MLflow's limit of params per log_batch call
 _MLFLOW_PARAM_CHARS = 6000  # and of a param value's length
 
 
-def require_trackers(names: Sequence[str]) -> None:
-    """Raise one ConfigError (exit 2) when a tracker in ``names`` is not installed.
+def require_trackers(names: Sequence[str], run_dir: str = ".") -> None:
+    """Raise one ConfigError (exit 2) when a tracker in ``names`` is not installed, or
+    MLflow's store (``MLFLOW_TRACKING_URI``, default ``RUN_DIR/mlflow.db``) needs
+    what is not (mlflow_store.check_store).
 
     Every rank checks, so all of them stop before training rather than rank 0 alone.
 
@@ -65,6 +67,8 @@ def require_trackers(names: Sequence[str]) -> None:
         module = MODULES.get(name)
         if module is not None and importlib.util.find_spec(module) is None:
             raise ConfigError(f"log_to {name} needs the {module} package: {pip_install_hint(name)}")
+        if name == "mlflow":
+            check_store(*tracking_uri(run_dir))
 
 
 def metric_values(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
@@ -209,10 +213,11 @@ class WandbSink(_ClosedAtExit):
 
 
 class MlflowSink(_ClosedAtExit):
-    """One MLflow run. Tracking URI: ``MLFLOW_TRACKING_URI`` (default: the file
-    store ``RUN_DIR/mlruns``); experiment: ``MLFLOW_EXPERIMENT_NAME`` (default
-    "slipstream"); run name: the run directory's name; ``MLFLOW_RUN_ID``: log into
-    that existing run (as a restart does into its own). Metrics are sent with
+    """One MLflow run. Tracking URI: ``MLFLOW_TRACKING_URI`` (default: the SQLite
+    database ``RUN_DIR/mlflow.db``; mlflow_store says what each kind of store
+    needs); experiment: ``MLFLOW_EXPERIMENT_NAME`` (default "slipstream"); run
+    name: the run directory's name; ``MLFLOW_RUN_ID``: log into that existing run
+    (as a restart does into its own). Metrics are sent with
     ``log_batch(synchronous=False)``: MLflow's queue thread writes them, and
     ``close()`` waits for the last batch.
 
@@ -226,13 +231,13 @@ class MlflowSink(_ClosedAtExit):
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        uri = os.environ.get("MLFLOW_TRACKING_URI") or "file:" + os.path.abspath(os.path.join(run_dir, "mlruns"))
+        uri, uri_given = tracking_uri(run_dir)
+        check_store(uri, uri_given)
         experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "slipstream"
         ids = _TrackerIds(run_dir)
         known = ids.get("mlflow")
         try:
-            with _file_store_allowed(not os.environ.get("MLFLOW_TRACKING_URI")):
-                self.client = MlflowClient(tracking_uri=uri)
+            self.client = _client(MlflowClient, uri)
             given = os.environ.get("MLFLOW_RUN_ID")
             if given or (known.get("tracking_uri") == uri and known.get("experiment") == experiment):
                 self.run_id = given or known["run_id"]
@@ -295,20 +300,20 @@ def _param_text(value: Any) -> str:
     return text[:_MLFLOW_PARAM_CHARS]
 
 
-@contextlib.contextmanager
-def _file_store_allowed(allowed: bool) -> Iterator[None]:
-    """MLflow 3 refuses a ``file:`` store unless MLFLOW_ALLOW_FILE_STORE is set; the
-    default store here is one (mlflow-skinny has no SQLAlchemy for ``sqlite:``).
-    Set for the client's construction only (MLflow keeps the store it built), and
-    only for our default: a user's own URI follows MLflow's rules."""
-    if not allowed or "MLFLOW_ALLOW_FILE_STORE" in os.environ:
-        yield
-        return
-    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+def _client(client_class: Any, uri: str) -> Any:
+    """``MlflowClient(uri)``, which builds the store at once: a scheme MLflow has no
+    store for, or a database driver that is not installed, is one line here."""
+    from mlflow.tracking.registry import UnsupportedModelRegistryStoreURIException
+
     try:
-        yield
-    finally:
-        os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None)
+        return client_class(tracking_uri=uri)
+    except UnsupportedModelRegistryStoreURIException as exc:  # the tracking stores' registry raises it too
+        schemes = ", ".join(s for s in exc.supported_uri_schemes if s)
+        raise ConfigError(f"log_to mlflow: MLflow has no tracking store for the URI {uri} "
+                          f"(its schemes here: {schemes})") from exc
+    except ImportError as exc:  # SQLAlchemy imports a database's driver when it builds the engine
+        raise ConfigError(f"log_to mlflow: the tracking URI {uri} needs the Python module {exc.name}, "
+                          f"which is not installed (the database's driver)") from exc
 
 
 def open_trackers(names: Sequence[str], run_dir: str, params: Mapping[str, Any]) -> list[Sink]:
@@ -319,7 +324,7 @@ def open_trackers(names: Sequence[str], run_dir: str, params: Mapping[str, Any])
 
         open_trackers(("wandb", "mlflow"), "runs/a", run_params(config, world_size=8))
     """
-    require_trackers(names)
+    require_trackers(names, run_dir)
     sinks: list[Sink] = []
     try:
         for name in names:
