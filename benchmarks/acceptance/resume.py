@@ -85,6 +85,7 @@ def exec_example(argv: list[str]) -> None:
     code = 0
     try:
         make_deterministic(strict=os.environ.get(DETERMINISM_ENV, "strict") == "strict")
+        print(f"acceptance: {thread_settings()}", flush=True)
         run_as_main(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -98,6 +99,24 @@ def exec_example(argv: list[str]) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
+
+
+def thread_settings() -> str:
+    """This process's intra-op threading, one line: on a CPU, LayerNorm's backward sums its
+    weight and bias gradients in per-thread partial sums, so two runs with different thread
+    counts differ in the last bits (measured at the GPT example's kit sizes: 1 vs 2 threads,
+    up to 7.5e-6 in attn.k.bias after 3 steps). Printed by every run, compared when two differ."""
+    import torch
+
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_DYNAMIC", "MKL_DYNAMIC")
+                   if k in os.environ)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"threads {torch.get_num_threads()} interop {torch.get_num_interop_threads()} cpus {cpus} env [{env}]"
+
+
+def _settings_seen(run: Run) -> str:
+    found = re.findall(r"^acceptance: (threads .*)$", run.tail(100_000), re.M)
+    return found[0] if found else "not printed"
 
 
 def _wait(pid: int, deadline: float) -> tuple[int | None, bool]:
@@ -290,6 +309,10 @@ def main() -> None:
             detail = "; ".join(problems[:4])
             if problems and name == "sync_saves":
                 detail += " (two uninterrupted runs differ: nondeterminism or a checkpoint side effect)"
+            if problems:
+                mine, theirs = _settings_seen(run), _settings_seen(ref)
+                detail += (f"; thread settings: both {mine}" if mine == theirs
+                           else f"; thread settings differ: reference {theirs}, {name} {mine}")
             equal += check(f"{name} equals reference bitwise", not problems, detail or "torch.equal on every tensor")
         figures["bitwise_equal"] = f"{equal}/3"
     figures["run_seconds"] = {name: run.seconds for name, run in runs.items()}
