@@ -513,10 +513,10 @@ def _note_no_python_adoption(worker_env: dict[str, str]) -> None:
     given = [name for name in FLAT_NAMES if name != "run_dir" and worker_env.get(ENV_PREFIX + name.upper())]
     if given:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
-        print(f"slipstream run: {flags} with --no-python: training options reach only a slipstream.accelerate() "
+        log.info(f"slipstream run: {flags} with --no-python: training options reach only a slipstream.accelerate() "
               "call inside the program, which runs without the worker entry that adopts the DDP models a script "
               "builds (docs/zero-change.md)",
-              file=sys.stderr, flush=True)
+              extra=CONSOLE)
 
 
 def _logs_specs_class(name: str | None, default: type) -> type:

@@ -25,10 +25,15 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+import logging
 import os
 import sys
 from collections.abc import Mapping
 from typing import Any
+
+from ..log import CONSOLE
+
+log = logging.getLogger(__name__)
 
 KEYS = ("SLIPSTREAM_BACKEND", "SLIPSTREAM_DEVICE", "SLIPSTREAM_COLLECTIVE_TIMEOUT_S")
 
@@ -76,7 +81,7 @@ def install(environ: Mapping[str, str]) -> None:
                          "(slipstream.init() reads it)")
         if os.environ.get("RANK", "0") == "0":
             for line in lines:
-                print(f"[slipstream] {line}", file=sys.stderr, flush=True)
+                log.info(f"[slipstream] {line}", extra=CONSOLE)
         return original(*bound.args, **bound.kwargs)
 
     init_process_group._slipstream_flags = True  # type: ignore[attr-defined]

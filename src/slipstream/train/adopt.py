@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
-import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -59,6 +59,7 @@ from .. import sync
 from ..config import ENV_PREFIX, FLAT_NAMES, TrainConfig
 from ..errors import ConfigError, SlipstreamError
 from ..fault import progress
+from ..log import CONSOLE
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
 from ..metrics import StepRecorder
 from ..parallel.activation_checkpointing import apply_activation_checkpointing
@@ -98,6 +99,8 @@ NOT_APPLIED: dict[str, str] = {
 
 FP16_NOT_APPLIED = ("fp16 needs a loss scaler inside the loop, which the script owns: use its own fp16 option "
                     "(Trainer fp16=True, Lightning precision='16-mixed', torch.amp.GradScaler)")
+
+log = logging.getLogger(__name__)
 
 _ADOPTER: "Adopter | None" = None
 _ORIGINAL_INIT = DistributedDataParallel.__init__
@@ -248,13 +251,13 @@ class Adopter:
         precision = self.config.numerics.precision
         if "precision" in self.given and precision != "fp16":
             applied.insert(0, f"precision {precision}")
-        print(f"[slipstream] adopted the script's DistributedDataParallel ({type(ddp.module).__name__}, "
-              f"{n / 1e6:.2f}M parameters): {', '.join(applied) or 'metrics'}; gradient sync {handle.name}",
-              flush=True)
+        log.info(f"[slipstream] adopted the script's DistributedDataParallel ({type(ddp.module).__name__}, "
+                 f"{n / 1e6:.2f}M parameters): {', '.join(applied) or 'metrics'}; gradient sync {handle.name}",
+                 extra=CONSOLE)
         for note in self._notes:
-            print(f"[slipstream] {note}", flush=True)
+            log.info(f"[slipstream] {note}", extra=CONSOLE)
         for line in self.not_applied_lines():
-            print(line, file=sys.stderr, flush=True)
+            log.info(line, extra=CONSOLE)
 
     def not_applied_lines(self) -> list[str]:
         """One line per given option an adopted model cannot get, naming it and why."""
@@ -360,9 +363,9 @@ class Adopter:
         """The hang report for a collective that failed in the script (None when not one)."""
         if self.progress is None or self.recorder is None or not is_collective_failure(exc):
             return None
-        from ..runtime import _timeout_from_env
+        from ..runtime import group_timeout
 
-        return diagnose_hang(self.progress, exc, _timeout_from_env(), self.recorder.run_dir)
+        return diagnose_hang(self.progress, exc, group_timeout().total_seconds(), self.recorder.run_dir)
 
     def finish(self) -> None:
         """After the script: the last metrics window, heartbeats and strategies closed; the
@@ -385,8 +388,8 @@ class Adopter:
                 pass
         if not self.models and _rank() == 0 and not _accelerate_called():
             names = ", ".join(f"--{n.replace('_', '-')}" for n in self.given if n != "run_dir")
-            print(f"[slipstream] {names} not applied: the script built no DistributedDataParallel model and did "
-                  "not call slipstream.accelerate() (docs/zero-change.md)", file=sys.stderr, flush=True)
+            log.info(f"[slipstream] {names} not applied: the script built no DistributedDataParallel model and did "
+                     "not call slipstream.accelerate() (docs/zero-change.md)", extra=CONSOLE)
 
 
 def _wrap_forward(ddp: DistributedDataParallel, adopter: Adopter, handle: sync.SyncHandle, instrumented: bool) -> None:
