@@ -7,8 +7,9 @@ downloaded). It runs unchanged under
     slipstream run -n 2 examples/ddp_torchrun.py --steps 50
     slipstream run -n 2 --sync auto examples/ddp_torchrun.py --steps 50     # Slipstream's gradient sync
 
-and with ``--sync``, slipstream run installs the strategy on the DDP model built
-below (docs/zero-change.md). ``--out DIR`` writes rank 0's final weights
+and alone (``python examples/ddp_torchrun.py``: one process). With ``--sync``,
+slipstream run installs the strategy on the DDP model built below
+(docs/zero-change.md). ``--out DIR`` writes rank 0's final weights
 (``model.pt``) and losses (``result.json``).
 """
 
@@ -43,6 +44,8 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
 
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)  # `python examples/ddp_torchrun.py`: one process, no launcher
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
@@ -73,7 +76,8 @@ def main() -> None:
             os.makedirs(args.out, exist_ok=True)
             torch.save(model.module.state_dict(), os.path.join(args.out, "model.pt"))
             with open(os.path.join(args.out, "result.json"), "w") as f:
-                json.dump({"losses": losses, "final_loss": losses[-1], "train_s": elapsed}, f)
+                json.dump({"loss": losses[-1], "final_loss": losses[-1], "losses": losses, "steps": args.steps,
+                           "world_size": world, "train_s": elapsed}, f)
     dist.barrier()
     dist.destroy_process_group()
 

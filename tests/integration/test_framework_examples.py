@@ -1,6 +1,6 @@
-"""Scripts written for a framework (Hugging Face Trainer, Lightning, Accelerate), unchanged under `slipstream run`.
+"""Scripts written for a framework (torchrun DDP, Hugging Face Trainer, Lightning, Accelerate), unchanged under `slipstream run`.
 
-Each example in examples/ that imports no Slipstream (hf_trainer.py, lightning_ddp.py,
+Each example in examples/ that imports no Slipstream (ddp_torchrun.py, hf_trainer.py, lightning_ddp.py,
 accelerate_ddp.py) trains at 2 ranks on CPU under plain ``torchrun --standalone`` and under
 ``slipstream run -n 2``: the two end with bitwise the same weights and the same finite loss.
 :func:`run_example` runs one example under one launcher, with extra launcher flags if asked
@@ -37,6 +37,8 @@ class Example:
 
 
 EXAMPLES = {
+    "ddp_torchrun": Example("examples/ddp_torchrun.py", "torch", "pip install torch", 20,
+                            math.log(10)),  # uniform over the 10 classes
     "hf_trainer": Example("examples/hf_trainer.py", "transformers", "pip install 'slipstream[hf]'", 10,
                           math.log(256)),  # uniform over the 256 tokens
     "lightning_ddp": Example("examples/lightning_ddp.py", "lightning", "bash scripts/install.sh test", 10,
