@@ -10,9 +10,11 @@ workers), and prints a side-by-side table:
   Every script has it.
 * **samples/s** and **final loss**: read from the run's JSONL metrics
   (``RUN_DIR/metrics/rank0.jsonl``, written by scripts that use
-  :func:`slipstream.accelerate`): the median of the per-window
+  :func:`slipstream.accelerate`, and for the DDP model of any other script): the median of the per-window
   ``samples_per_s`` records after the first (warm-up) window, and the last
-  logged loss. A script without JSONL metrics shows ``-`` there; its
+  logged loss. A script that builds its own DDP model gets these metrics too
+  (docs/zero-change.md; the loss only when its model returns one, as Hugging
+  Face models do). A script without JSONL metrics shows ``-`` there; its
   end-to-end time is still compared.
 
 Medians over ``--repeats`` runs; ratios to the first strategy listed.
