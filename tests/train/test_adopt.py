@@ -211,3 +211,10 @@ def test_the_docs_table_names_every_option():
     table = text[text.index("## Every option"):text.index("## What differs")]
     missing = [name for name in config.FLAT_NAMES if f"`--{name.replace('_', '-')}" not in table]
     assert not missing, f"docs/zero-change.md's table lacks {missing}"
+
+
+def test_a_script_that_calls_accelerate_gets_no_line_at_exit(adopting, capsys):
+    adopter = adopting(sync="powersgd")
+    adopt.mark_accelerate_called()  # what slipstream.accelerate() does first
+    adopter.finish()
+    assert "not applied" not in capsys.readouterr().err

@@ -187,6 +187,7 @@ class Adopter:
         self._pending_loss: tuple[torch.Tensor, sync.SyncHandle | None] | None = None
         self._notes: list[str] = []
         self._finished = False
+        self.accelerate_called = False  # set by slipstream.accelerate(): the options reached its loop
 
     # --- construction -------------------------------------------------------------------
     def before_init(self, arguments: dict[str, Any]) -> None:
@@ -386,7 +387,7 @@ class Adopter:
                 handle.close()
             except Exception:  # noqa: BLE001 - the script may have destroyed the process group already
                 pass
-        if not self.models and _rank() == 0 and not _accelerate_called():
+        if not self.models and _rank() == 0 and not self.accelerate_called:
             names = ", ".join(f"--{n.replace('_', '-')}" for n in self.given if n != "run_dir")
             log.info(f"[slipstream] {names} not applied: the script built no DistributedDataParallel model and did "
                      "not call slipstream.accelerate() (docs/zero-change.md)", extra=CONSOLE)
@@ -462,17 +463,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
 
 
-_ACCELERATE_CALLED = False
-
-
 def mark_accelerate_called() -> None:
-    """:func:`slipstream.accelerate` ran in this process: the options reached its loop."""
-    global _ACCELERATE_CALLED
-    _ACCELERATE_CALLED = True
-
-
-def _accelerate_called() -> bool:
-    return _ACCELERATE_CALLED
+    """:func:`slipstream.accelerate` ran while options are adopted: they reached its loop."""
+    if _ADOPTER is not None:
+        _ADOPTER.accelerate_called = True
 
 
 __all__ = ["install", "uninstall", "current", "mark_accelerate_called", "Adopter", "given_options",
