@@ -33,6 +33,9 @@ def test_two_replica_spec_runs_to_completion(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     # world size 2, ranks 0 and 1 each contributed rank+1; the spec's env and sync options arrived.
     assert out.read_text().strip() == "world_size=2 sum=3 group_rank=0 job=allreduce-check precision=bf16"
+    # The spec's training option reached the workers' entry, which says it found nothing to apply it to
+    # (the script builds no DDP model and does not call accelerate(): docs/zero-change.md).
+    assert "--precision not applied: the script built no DistributedDataParallel model" in proc.stderr
     print(f"2-replica local run: {elapsed:.1f} s")
 
 
@@ -127,6 +130,9 @@ def test_two_replica_spec_on_an_emulated_cluster(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "emulated cluster 2x1, link 1gbit" in proc.stderr
     assert out.read_text().strip() == "world_size=2 sum=3 group_rank=0 job=allreduce-check precision=bf16"
+    # The spec's training option reached the workers' entry, which says it found nothing to apply it to
+    # (the script builds no DDP model and does not call accelerate(): docs/zero-change.md).
+    assert "--precision not applied: the script built no DistributedDataParallel model" in proc.stderr
 
 
 def test_launcher_flags_after_the_spec_are_refused(tmp_path):
