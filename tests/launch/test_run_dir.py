@@ -28,3 +28,20 @@ def test_a_chosen_run_dir_stands(monkeypatch):
     assert with_run_dir(opts) is opts
     monkeypatch.setenv("SLIPSTREAM_RUN_DIR", "/launcher/env")
     assert "SLIPSTREAM_RUN_DIR" not in with_run_dir(LaunchOptions("t.py")).worker_env  # the workers inherit it
+
+
+def test_launch_leaves_the_callers_environment_as_it_was(monkeypatch, tmp_path):
+    """In-process launch() builds the workers' environment in os.environ: a second launch in the
+    same process (a notebook, a test) must not inherit the first one's training options."""
+    import os
+
+    from slipstream.launch import LaunchOptions, launch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("SLIPSTREAM_SYNC", raising=False)
+    monkeypatch.chdir(tmp_path)
+    before = dict(os.environ)
+    code = launch(LaunchOptions("true", [], nproc_per_node=1, no_python=True,
+                                worker_env={"SLIPSTREAM_SYNC": "bf16", "SLIPSTREAM_RUN_DIR": str(tmp_path / "run")}))
+    assert code == 0
+    assert dict(os.environ) == before

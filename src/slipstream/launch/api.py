@@ -299,7 +299,23 @@ def launch(opts: LaunchOptions) -> int:
     0 when every worker succeeded, 1 when they failed with no restart left,
     2 when a worker exited 2 (a usage or configuration error: reported with
     the worker's message, not restarted), 130 when interrupted.
+
+    The workers' environment is made in this process's ``os.environ`` (torch's agent
+    copies it for each worker); it is restored on return, so a second ``launch()`` in the
+    same process (a notebook, a test) does not inherit the first one's ``--sync`` or
+    ``OMP_NUM_THREADS``.
     """
+    saved = dict(os.environ)
+    try:
+        return _launch(opts)
+    finally:
+        if dict(os.environ) != saved:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def _launch(opts: LaunchOptions) -> int:
+    """:func:`launch`, without the restoring of ``os.environ``."""
     opts.validate()
     opts = with_run_dir(opts)
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
