@@ -52,6 +52,8 @@ def test_written_job_passes_slipstream_validate(tmp_path):
     (["--model", "gpt-7b", "--gpus", "0", "--gpu-type", "H100", "--network", "1gbit"], "--gpus"),
     (["--model", "gpt-7b", "--gpus", "8", "--gpu-type", "H100", "--network", "1gbit", "--tokens", "lots"], "--tokens"),
     (["--model", "resnet50", "--gpus", "8", "--gpu-type", "H100", "--network", "1gbit", "--tokens", "1B"], "--tokens"),
+    (["--model", "resnet50", "--gpus", "8", "--gpu-type", "H100", "--network", "1gbit", "--framework", "horovd"],
+     "--framework"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
     assert main(["plan", *argv]) == 2

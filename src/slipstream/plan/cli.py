@@ -19,7 +19,7 @@ import yaml
 
 from .. import __version__
 from ..errors import ConfigError, UsageError, did_you_mean
-from .costmodel import Layout
+from .costmodel import FRAMEWORKS, Layout
 from .planner import PlanResult, fmt_s, plan
 from .specs import GIB, GPUS, MODELS
 
@@ -87,6 +87,9 @@ def check_plan_args(args: argparse.Namespace) -> None:
         if value is not None and value < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {value}")
     check_network(args.network)
+    if args.framework not in FRAMEWORKS:
+        raise ConfigError(f"--framework: must be one of {', '.join(FRAMEWORKS)}, got {args.framework!r}"
+                          f"{did_you_mean(args.framework, tuple(FRAMEWORKS), quote=True)}")
     if args.input_shape is not None:
         parse_shape(args.input_shape)
     for flag, path in (("--write-config", args.write_config), ("--write-job", args.write_job)):
@@ -120,6 +123,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--link-calibration", metavar="FILE",
                    help="measured inter-node link (probe_link figures as JSON, or a benchmarks/plan_validation.py "
                         "result: the link named by --network) instead of the SPEC's nominal rate")
+    p.add_argument("--framework", default="ddp", metavar="NAME",
+                   help=f"how gradients are fused and launched: {', '.join(FRAMEWORKS)} (default ddp, what slipstream "
+                        "runs; the others are the frameworks of the published record, python -m "
+                        "slipstream.plan.published, to compare a prediction with a published measurement)")
     p.add_argument("--gpus-per-node", type=int, metavar="K", help="GPUs per node (default: the GPU type's usual, 8)")
     p.add_argument("--price", type=float, metavar="PER_GPU_HOUR", help="price per GPU-hour (default: a rough list price)")
     g = p.add_mutually_exclusive_group()
@@ -384,7 +391,7 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError("--input-shape: only for --model PATH.py:FUNCTION")
     result = plan(model, gpus=args.gpus, gpu_type=args.gpu_type, network=network, price=args.price,
                   samples=samples, tokens=tokens, global_batch=args.global_batch, precision=args.precision,
-                  gpus_per_node=args.gpus_per_node)
+                  gpus_per_node=args.gpus_per_node, framework=args.framework)
     if args.probe_memory:
         from .probe import probe_max_micro_batch
 

@@ -2,8 +2,8 @@
 
 Each line names where its number comes from: ``spec sheet`` (specs.py, the vendor's datasheet),
 ``network SPEC`` (the fabric defaults of network.py, or ``measured`` with --link-calibration),
-``model`` (the cost model's equations, docs/plan.md), ``measured`` (this machine, or the user's
-model measured on the meta device), ``published`` (a paper or report, published.py) and
+``model`` (the cost model's equations, docs/plan.md), ``measured`` (this machine, the user's
+model measured on the meta device, or a published one-GPU throughput, rates.py), ``published`` (a paper or report, published.py) and
 ``assumed`` (a stated assumption, e.g. the achievable fraction of peak FLOP/s).
 
 Example::
@@ -41,7 +41,9 @@ def explain(result: PlanResult, index: int = 0) -> str:
         "",
         "Step, per optimizer step:",
     ]
-    mfu_src = "assumed: the model class's achievable fraction of peak (specs.py; calibration replaces it)"
+    mfu_src = (f"measured: {m.mfu_source} (rates.py)" if m.mfu_source else
+               f"assumed: the model class's achievable fraction of peak (specs.py); no published one-GPU "
+               f"throughput of {m.name} on {gpu.name} at {L.precision} in rates.py, which would replace it")
     flops_src = "measured on the meta device (FlopCounterMode)" if d.get("measured_model") else \
         f"published: {m.source}" if m.source else "model"
     k = d["micro_batches"]

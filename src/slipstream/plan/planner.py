@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from .costmodel import Layout, Prediction, predict
+from .costmodel import FRAMEWORKS, Layout, Prediction
 from .network import Network, parse_network
 from .published import Uncertainty, uncertainty
+from .rates import calibrated, predict_layout
 from .specs import GIB, GpuSpec, ModelSpec, get_gpu, get_model
 
 MAX_MICRO_BATCH = 512
@@ -207,8 +208,12 @@ def enumerate_layouts(model: ModelSpec, gpus: int, gpus_per_node: int, global_ba
 def plan(model: str | ModelSpec, gpus: int, gpu_type: str | GpuSpec, network: str | Network,
          price: float | None = None, samples: float | None = None, tokens: float | None = None,
          global_batch: int | None = None, precision: str | None = None, gpus_per_node: int | None = None,
-         ) -> PlanResult:
-    """Rank every layout of ``model`` on ``gpus`` GPUs; raises ConfigError when none fits."""
+         framework: str = "ddp") -> PlanResult:
+    """Rank every layout of ``model`` on ``gpus`` GPUs; raises ConfigError when none fits.
+    ``framework``: how gradients are fused and launched (costmodel.FRAMEWORKS; ``ddp`` is what
+    slipstream runs, the others are those of the published record, for comparison)."""
+    if framework not in FRAMEWORKS:
+        raise ConfigError(f"--framework: must be one of {', '.join(FRAMEWORKS)}, got {framework!r}")
     m = get_model(model) if isinstance(model, str) else model
     gpu = get_gpu(gpu_type) if isinstance(gpu_type, str) else gpu_type
     net = parse_network(network) if isinstance(network, str) else network
@@ -245,7 +250,7 @@ def plan(model: str | ModelSpec, gpus: int, gpu_type: str | GpuSpec, network: st
         if train_config_error(L.train_fields()):
             refused += 1
             continue
-        p = predict(m, gpu, net, L, gpus_per_node=g)
+        p = predict_layout(m, gpu, net, L, g, framework)
         if not p.fits:
             rejected += 1
             smallest = p.memory_bytes if smallest is None else min(smallest, p.memory_bytes)
@@ -263,7 +268,7 @@ def plan(model: str | ModelSpec, gpus: int, gpu_type: str | GpuSpec, network: st
             f"no layout of {m.name} fits in {gpu.name} memory ({gpu.memory_bytes / GIB:.0f} GiB): the smallest needs "
             f"{smallest / GIB:.1f} GiB per GPU; use more GPUs or a GPU with more memory")
     fitting.sort(key=lambda c: (c.time_to_train_s, c.cost, c.prediction.memory_bytes))
-    result = PlanResult(m, gpu, net, gpus, g, B, total, price_h, fitting, rejected, smallest,
+    result = PlanResult(calibrated(m, gpu, prec), gpu, net, gpus, g, B, total, price_h, fitting, rejected, smallest,
                         uncertainty=uncertainty("cpu" if gpu.name == "CPU" else "gpu"))
     if refused:
         result.notes.append(f"{refused} layouts skipped: slipstream.config.TrainConfig refuses them")

@@ -23,10 +23,12 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from dataclasses import replace as dataclasses_replace
 
-from .costmodel import FRAMEWORKS, MIB, STRAGGLER_CV, Framework, Layout, predict
+from .costmodel import FRAMEWORKS, MIB, STRAGGLER_CV, Framework, Layout
 from .network import parse_network
-from .specs import ModelSpec, gpt_model, get_gpu, get_model, with_measured_rate
+from .rates import measured_rate, predict_layout
+from .specs import ModelSpec, get_gpu, gpt_model, get_model
 
 
 @dataclass(frozen=True)
@@ -49,17 +51,8 @@ class Case:
     tp: int = 1
     baseline_gpus: int = 1  # efficiency relative to this many GPUs (Goyal et al.: one server of 8)
     baseline_model: str = ""  # weak scaling: the one-GPU run is of this (smaller) model
-    framework: str = "ddp"  # costmodel.FRAMEWORKS: how gradients are fused and launched
-    one_gpu_samples_per_s: float = 0.0  # a measured one-GPU training throughput, replacing the assumed MFU
-    one_gpu_source: str = ""
+    framework: str = "ddp"  # costmodel.FRAMEWORKS: how gradients are fused and launched (plan --framework)
 
-
-# One-GPU training throughputs measured on a DGX-1's P100 (SXM2, 10.6 TFLOP/s) by the TensorFlow team;
-# Horovod's servers are taken as P100 PCIe (9.3 TFLOP/s), so the rates are scaled by the peak ratio.
-TF_P100 = "TensorFlow's benchmarks page (tensorflow/docs_src/performance/benchmarks.md, 'Details for NVIDIA DGX-1 (NVIDIA Tesla P100)', training synthetic data, batch 64, 1 GPU): "
-P100_PCIE_OVER_SXM2 = 9.3 / 10.6
-_R50, _R152 = 238 * 6 * 4.09e9, 95.6 * 6 * 11.56e9  # FLOP/s achieved (training = 3 x 2 x MACs)
-RATE101 = (_R50 + (_R152 - _R50) * (7.80 - 4.09) / (11.56 - 4.09)) / (6 * 7.80e9) * P100_PCIE_OVER_SXM2
 
 CASES = (
     # -- calibration ------------------------------------------------------------------------------
@@ -69,18 +62,15 @@ CASES = (
          "checked in the Horovod repository (docs/benchmarks.rst): '128 servers with 4 Pascal GPUs each connected "
          "by a RoCE-capable 25 Gbit/s network', 90% / 90% / 68%, tf_cnn_benchmarks with --batch_size 64 "
          "(the reproduction command; synthetic data); the Pascal part (PCIe or SXM2) is not stated: PCIe taken",
-         framework="horovod", one_gpu_samples_per_s=RATE101,
-         one_gpu_source=TF_P100 + "ResNet-50 238 and ResNet-152 95.6 img/s; ResNet-101 interpolated by FLOPs between them (6.23 TFLOP/s -> 133.2 img/s); x 9.3/10.6 for a PCIe P100"),
+         framework="horovod"),
     Case("horovod-inception3", "Horovod docs/benchmarks.rst and README (2018; Sergeev & Del Balso, arXiv:1802.05799)",
          "same figure: ~90% at 512 GPUs", "inception_v3", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.90,
          "calibration", "as horovod-resnet101",
-         framework="horovod", one_gpu_samples_per_s=142 * P100_PCIE_OVER_SXM2,
-         one_gpu_source=TF_P100 + "InceptionV3 142 img/s; x 9.3/10.6 for a PCIe P100"),
+         framework="horovod"),
     Case("horovod-vgg16", "Horovod docs/benchmarks.rst and README (2018; Sergeev & Del Balso, arXiv:1802.05799)",
          "same figure: 68% at 512 GPUs", "vgg16", 512, "P100", 4, "25gbit-roce", "fp32", 64, 0.68,
          "calibration", "as horovod-resnet101",
-         framework="horovod", one_gpu_samples_per_s=132 * P100_PCIE_OVER_SXM2,
-         one_gpu_source=TF_P100 + "VGG16 132 img/s (12.2 TFLOP/s of direct-convolution FLOPs: cuDNN's Winograd 3x3 convolutions do fewer); x 9.3/10.6 for a PCIe P100"),
+         framework="horovod"),
     Case("goyal-resnet50", "Goyal et al. 2017, Accurate, Large Minibatch SGD, arXiv:1706.02677",
          "abstract and section 5.4 (Fig. 7): ~90% scaling efficiency from 8 to 256 GPUs",
          "resnet50", 256, "P100-SXM2", 8, "50gbit", "fp32", 32, 0.90, "calibration",
@@ -131,36 +121,40 @@ MEGATRON = {
 }
 
 
-def case_model(name: str, case: Case | None = None) -> ModelSpec:
-    """A built-in model, or one of Megatron-LM's shapes (:data:`MEGATRON`); with the case's measured
-    one-GPU throughput in place of the assumed MFU where it has one."""
-    if case is not None and case.one_gpu_samples_per_s:
-        return with_measured_rate(case_model(name), get_gpu(case.gpu), case.precision, case.micro_batch,
-                                  case.one_gpu_samples_per_s)
+def case_model(name: str) -> ModelSpec:
+    """A built-in model, or one of Megatron-LM's shapes (:data:`MEGATRON`). The measured one-GPU
+    throughput (rates.py) is applied by the planner's :func:`~slipstream.plan.planner.predict_layout`."""
     if name in MEGATRON:
         layers, d, heads = MEGATRON[name]
         return gpt_model(name, layers, d, heads, global_batch=512, seq=1024, vocab=51200)
     return get_model(name)
 
 
+def case_layout(c: Case, gpus: int | None = None) -> Layout:
+    """The layout the source ran: tp x data parallel (DDP all-reduce), the case's micro-batch."""
+    gpus = c.gpus if gpus is None else gpus
+    return Layout(dp_replicate=max(1, gpus // c.tp), tp=c.tp, micro_batch=c.micro_batch, precision=c.precision)
+
+
 def _predict(model: ModelSpec, c: Case, gpus: int, straggler_cv: float | None = None,
-             framework: Framework | None = None):
-    layout = Layout(dp_replicate=max(1, gpus // c.tp), tp=c.tp, micro_batch=c.micro_batch, precision=c.precision)
-    return predict(model, get_gpu(c.gpu), parse_network(c.network), layout, gpus_per_node=min(gpus, c.gpus_per_node),
-                   framework=framework or FRAMEWORKS[c.framework], straggler_cv=straggler_cv)
+             framework: Framework | None = None, measured_compute: bool = True):
+    # The planner's own per-layout prediction (what `slipstream plan` prints for this row):
+    # calibration (rates.py) and the cost model, one code path.
+    return predict_layout(model, get_gpu(c.gpu), parse_network(c.network), case_layout(c, gpus),
+                          min(gpus, c.gpus_per_node), framework or FRAMEWORKS[c.framework], straggler_cv,
+                          calibrate=measured_compute)
 
 
 def _efficiency(c: Case, p, model: ModelSpec, straggler_cv: float | None = None,
-                framework: Framework | None = None) -> float:
+                framework: Framework | None = None, measured_compute: bool = True) -> float:
     if c.baseline_model:  # weak scaling: FLOP rate per GPU against one GPU running the baseline model
         base = case_model(c.baseline_model)
-        one = predict(base, get_gpu(c.gpu), parse_network(c.network),
-                      Layout(micro_batch=c.micro_batch, precision=c.precision), gpus_per_node=1)
+        one = _predict(base, dataclasses_replace(c, tp=1), 1, None, None, measured_compute)
         per_gpu = model.fwd_flops_per_sample * p.layout.global_batch / p.step_s / c.gpus
         return per_gpu / (base.fwd_flops_per_sample * c.micro_batch / one.step_s)
     eff = p.scaling_efficiency
     if c.baseline_gpus > 1:
-        eff /= _predict(model, c, c.baseline_gpus, straggler_cv, framework).scaling_efficiency
+        eff /= _predict(model, c, c.baseline_gpus, straggler_cv, framework, measured_compute).scaling_efficiency
     return eff
 
 
@@ -171,10 +165,10 @@ def evaluate(case: Case, straggler_cv: float | None = None, framework: Framework
     The keywords switch terms off, for :func:`attribution`: ``straggler_cv=0`` (no straggler term),
     ``framework=FRAMEWORKS["ddp"]`` (DDP's buckets instead of the case's framework),
     ``measured_compute=False`` (the assumed MFU instead of a published one-GPU throughput)."""
-    model = case_model(case.model, case if measured_compute else None)
-    p = _predict(model, case, case.gpus, straggler_cv, framework)
+    model = case_model(case.model)
+    p = _predict(model, case, case.gpus, straggler_cv, framework, measured_compute)
     serial_step = p.step_s - p.exposed_comm_s + p.dp_comm_s
-    eff = _efficiency(case, p, model, straggler_cv, framework)
+    eff = _efficiency(case, p, model, straggler_cv, framework, measured_compute)
     return {"case": case, "predicted": eff, "serial": eff * p.step_s / serial_step, "step_s": p.step_s,
             "comm_s": p.dp_comm_s, "exposed_s": p.exposed_comm_s, "compute_s": p.compute_s, "prediction": p}
 
@@ -195,7 +189,7 @@ def attribution(case: Case) -> list[tuple[str, float]]:
     fw = FRAMEWORKS[case.framework]
     rows = [("before (DDP buckets, assumed MFU, no stragglers)",
              evaluate(case, 0.0, ddp, measured_compute=False)["predicted"])]
-    if case.one_gpu_samples_per_s:
+    if measured_rate(case.model, case.gpu, case.precision):
         rows.append(("+ measured one-GPU throughput", evaluate(case, 0.0, ddp)["predicted"]))
     if fw.name != "ddp":
         if fw.cycle_s:

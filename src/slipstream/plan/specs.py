@@ -144,6 +144,7 @@ class ModelSpec:
     default_global_batch: int | None = None  # transformers: a fixed global batch (samples)
     block_class: str = ""  # the repeated block's class name (activation checkpointing wraps it)
     measured: bool = False  # params, FLOPs and activations measured from the model (usermodel.py)
+    mfu_source: str = ""  # where the MFU comes from when a measured throughput replaced the assumed one (rates.py)
 
     @property
     def params_per_layer(self) -> float:
