@@ -140,6 +140,7 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("plan", "--global-batch"): [bad("--global-batch", "0"), bad("--global-batch", "x")],
     ("plan", "--precision"): [bad("--precision", "fp64")],
     ("plan", "--top"): [bad("--top", "0"), bad("--top", "x")],
+    ("plan", "--framework"): [bad("--framework", "horovd", names=("--framework", "horovd", "horovod"))],
     ("plan", "--write-config"): [bad("--write-config", "nodir/plan.yaml")],
     ("plan", "--write-job"): [bad("--write-job", "nodir/job.yaml")],
     # -- report, export --------------------------------------------------------------------
