@@ -516,12 +516,36 @@ class TrainConfig:
             if isinstance(default, tuple):
                 default = tuple(default)
             if value != default:
-                if isinstance(value, tuple):
-                    value = ",".join(value)
-                elif isinstance(value, dict):
-                    value = json.dumps(value)
-                out[ENV_PREFIX + name.upper()] = str(value)
+                out[ENV_PREFIX + name.upper()] = env_text(value)
         return out
+
+
+def env_text(value: Any) -> str:
+    """A field's value as its ``SLIPSTREAM_*`` variable holds it (what :meth:`TrainConfig.from_env`
+    reads back): lists comma-separated, ``sync_options`` as JSON.
+
+    Example::
+
+        env_text(("Block", "MLP"))   # "Block,MLP"
+        env_text({"rank": 4})        # '{"rank": 4}'
+    """
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return str(value)
+
+
+def options_in_env(environ: Mapping[str, str]) -> list[str]:
+    """The flat names of the training options set in ``environ`` (``SLIPSTREAM_<NAME>``, not empty),
+    in TrainConfig's order, the run directory aside: ``slipstream run`` always sets it, so it
+    says nothing about whether the user asked for a training option.
+
+    Example::
+
+        options_in_env({"SLIPSTREAM_SYNC": "bf16", "SLIPSTREAM_RUN_DIR": "runs/x"})   # ["sync"]
+    """
+    return [name for name in FLAT_NAMES if name != "run_dir" and environ.get(ENV_PREFIX + name.upper(), "") != ""]
 
 
 PARAMETER_DTYPES = ("fp32", "bf16", "fp16")

@@ -21,13 +21,14 @@ SCRIPT = str(HERE / "scripts_zero_change.py")
 ENV = {"OMP_NUM_THREADS": "1"}
 
 
-def run(tmp_path: Path, name: str, *flags: str, script_args: tuple[str, ...] = (), timeout: float = 240):
+def run(tmp_path: Path, name: str, *flags: str, script_args: tuple[str, ...] = (), timeout: float = 240,
+        env: dict | None = None):
     out, run_dir = tmp_path / name, tmp_path / f"run-{name}"
     out.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "slipstream", "run", "-n", "2", "--run-dir", str(run_dir), *flags, SCRIPT,
          "--out", str(out), *script_args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **ENV},
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env={**os.environ, **ENV, **(env or {})},
     )
     return proc, out, run_dir
 
@@ -119,3 +120,13 @@ def test_collective_timeout_reaches_the_scripts_own_process_group(tmp_path):
     assert proc.returncode != 0
     assert "--device cpu not applied: the script places its model itself" in proc.stderr
     assert "rank 1 stalled first" in (run_dir / "hang.txt").read_text()
+
+
+def test_a_bad_timeout_set_by_hand_is_one_line(tmp_path):
+    """SLIPSTREAM_COLLECTIVE_TIMEOUT_S set in the environment (not through the checked flag) reaches the
+    worker's init_process_group wrapper: a bad value is one line and exit 2, as slipstream.init() says it."""
+    proc, _, _ = run(tmp_path, "badtimeout", "--sync", "bf16", script_args=("--steps", "1"), timeout=120,
+                     env={"SLIPSTREAM_COLLECTIVE_TIMEOUT_S": "soon"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "SLIPSTREAM_COLLECTIVE_TIMEOUT_S must be a number of seconds > 0, got 'soon'" in proc.stderr
+    assert "Traceback" not in proc.stderr

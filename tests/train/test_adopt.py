@@ -75,7 +75,8 @@ def test_every_option_is_applied_or_named():
 def test_no_option_installs_nothing(one_rank_group):
     assert adopt.install({"SLIPSTREAM_RUN_DIR": "/tmp/x"}) is None
     assert DDP.__init__ is adopt._ORIGINAL_INIT
-    assert adopt.given_options({"SLIPSTREAM_SYNC": "bf16", "SLIPSTREAM_PRECISION": ""}) == ["sync"]
+    assert config.options_in_env({"SLIPSTREAM_SYNC": "bf16", "SLIPSTREAM_PRECISION": "",
+                                  "SLIPSTREAM_RUN_DIR": "/tmp/x"}) == ["sync"]
 
 
 def test_a_bad_value_is_refused_before_the_script_runs(one_rank_group):

@@ -524,9 +524,9 @@ def agent_config(opts: LaunchOptions) -> "tuple[LaunchConfig, str, list[str]]":
 def _note_no_python_adoption(worker_env: dict[str, str]) -> None:
     """--no-python runs the program itself, not the worker entry that adopts DDP models: training
     options then reach only a slipstream.accelerate() inside it. Said once, at start."""
-    from ..config import ENV_PREFIX, FLAT_NAMES
+    from ..config import options_in_env
 
-    given = [name for name in FLAT_NAMES if name != "run_dir" and worker_env.get(ENV_PREFIX + name.upper())]
+    given = options_in_env(worker_env)
     if given:
         flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
         log.info(f"slipstream run: {flags} with --no-python: training options reach only a slipstream.accelerate() "

@@ -28,7 +28,7 @@ import os
 import re
 
 from .. import config as config_module
-from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig
+from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig, env_text
 from ..errors import ConfigError, UsageError
 from . import run_config
 from .api import LaunchOptions, launch
@@ -473,16 +473,6 @@ def training_options(args: argparse.Namespace) -> dict[str, object]:
     return given
 
 
-def _env_text(value: object) -> str:
-    """A value as TrainConfig.from_env reads it back."""
-    import json
-
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    if isinstance(value, dict):
-        return json.dumps(value)
-    return str(value)
-
 
 def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = None) -> dict[str, str]:
     """The SLIPSTREAM_* variables for the training options given (file and flags), checked now.
@@ -505,7 +495,7 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
     env = cfg.to_env()
     flat = cfg.flat()
     for name in given:
-        env.setdefault(ENV_PREFIX + name.upper(), _env_text(flat[name]))
+        env.setdefault(ENV_PREFIX + name.upper(), env_text(flat[name]))
     run_dir = cfg.run.dir
     if run_dir is not None:
         env["SLIPSTREAM_RUN_DIR"] = run_dir

@@ -25,12 +25,14 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
+import math
 import logging
 import os
 import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError
 from ..log import CONSOLE
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,18 @@ def given(environ: Mapping[str, str]) -> bool:
     return any(environ.get(key) for key in KEYS)
 
 
+def _timeout_s(raw: str) -> float | None:
+    if not raw.strip():
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and math.isfinite(value)):
+        raise ConfigError(f"SLIPSTREAM_COLLECTIVE_TIMEOUT_S must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
 def install(environ: Mapping[str, str]) -> None:
     """Wrap ``torch.distributed.init_process_group`` for the flags in ``environ``."""
     import torch.distributed as dist
@@ -50,9 +64,11 @@ def install(environ: Mapping[str, str]) -> None:
     original = c10d.init_process_group
     if getattr(original, "_slipstream_flags", False):
         return
-    backend = environ.get("SLIPSTREAM_BACKEND") or None
-    device = environ.get("SLIPSTREAM_DEVICE") or None
-    timeout_s = float(environ["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"]) if environ.get("SLIPSTREAM_COLLECTIVE_TIMEOUT_S") else None
+    from ..runtime import requested_placement
+
+    # Checked as slipstream.init() checks them: a bad value set by hand is one line (ConfigError, exit 2).
+    backend, device = requested_placement(environ)
+    timeout_s = _timeout_s(environ.get("SLIPSTREAM_COLLECTIVE_TIMEOUT_S", ""))
 
     signature = inspect.signature(original)
 

@@ -124,12 +124,12 @@ def adopt_ddp_models():  # -> slipstream.train.adopt.Adopter | None
     """Zero-change acceleration (:mod:`slipstream.train.adopt`): when ``slipstream run`` was given a
     training option, every DDP model the script builds gets it. Without one, nothing is imported
     or changed: the script runs as under torchrun."""
-    from slipstream.config import ENV_PREFIX, FLAT_NAMES
+    from slipstream.config import options_in_env
     from slipstream.launch import process_group_flags
 
     if process_group_flags.given(os.environ):
         process_group_flags.install(os.environ)
-    if not any(os.environ.get(ENV_PREFIX + name.upper()) for name in FLAT_NAMES if name != "run_dir"):
+    if not options_in_env(os.environ):
         return None
     from slipstream.train import adopt  # imports torch: only now
 

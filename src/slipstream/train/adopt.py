@@ -56,7 +56,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from .. import sync
-from ..config import ENV_PREFIX, FLAT_NAMES, TrainConfig
+from ..config import TrainConfig, env_text, options_in_env
 from ..errors import ConfigError, SlipstreamError
 from ..fault import progress
 from ..log import CONSOLE
@@ -106,22 +106,6 @@ _ADOPTER: "Adopter | None" = None
 _ORIGINAL_INIT = DistributedDataParallel.__init__
 
 
-def given_options(environ: Mapping[str, str]) -> list[str]:
-    """The flat names of the training options ``slipstream run`` passed (its flags, ``--config``,
-    a job spec, or ``SLIPSTREAM_*`` set by hand), in TrainConfig's order.
-
-    Example::
-
-        given_options({"SLIPSTREAM_SYNC": "bf16", "SLIPSTREAM_RUN_DIR": "runs/x"})   # ["sync", "run_dir"]
-    """
-    return [name for name in FLAT_NAMES if environ.get(ENV_PREFIX + name.upper(), "") != ""]
-
-
-def training_option_given(environ: Mapping[str, str]) -> bool:
-    """Whether any option besides the run directory (which ``slipstream run`` always sets) was given."""
-    return any(name != "run_dir" for name in given_options(environ))
-
-
 def install(environ: Mapping[str, str] | None = None) -> "Adopter | None":
     """Adopt every DDP model the script builds from now on; None when no training option was
     given (the script then runs as under torchrun). Idempotent.
@@ -132,9 +116,10 @@ def install(environ: Mapping[str, str] | None = None) -> "Adopter | None":
     environ = os.environ if environ is None else environ
     if _ADOPTER is not None:
         return _ADOPTER
-    if not training_option_given(environ):
+    given = options_in_env(environ)
+    if not given:
         return None
-    _ADOPTER = Adopter(TrainConfig.from_env(environ), given_options(environ))
+    _ADOPTER = Adopter(TrainConfig.from_env(environ), given)
     DistributedDataParallel.__init__ = _adopting_init  # type: ignore[method-assign]
     return _ADOPTER
 
@@ -248,7 +233,7 @@ class Adopter:
     def _announce(self, ddp: DistributedDataParallel, handle: sync.SyncHandle) -> None:
         flat = self.config.flat()
         n = sum(p.numel() for p in ddp.module.parameters())
-        applied = [f"{name} {_text(flat[name])}" for name in self.given if name in APPLIED and name != "run_dir"]
+        applied = [f"{name} {env_text(flat[name])}" for name in self.given if name in APPLIED]
         precision = self.config.numerics.precision
         if "precision" in self.given and precision != "fp16":
             applied.insert(0, f"precision {precision}")
@@ -263,7 +248,7 @@ class Adopter:
     def not_applied_lines(self) -> list[str]:
         """One line per given option an adopted model cannot get, naming it and why."""
         flat = self.config.flat()
-        lines = [f"[slipstream] --{name.replace('_', '-')} {_text(flat[name])} not applied: {NOT_APPLIED[name]}"
+        lines = [f"[slipstream] --{name.replace('_', '-')} {env_text(flat[name])} not applied: {NOT_APPLIED[name]}"
                  for name in self.given if name in NOT_APPLIED]
         if "precision" in self.given and self.config.numerics.precision == "fp16":
             lines.insert(0, f"[slipstream] --precision fp16 not applied: {FP16_NOT_APPLIED}")
@@ -388,7 +373,7 @@ class Adopter:
             except Exception:  # noqa: BLE001 - the script may have destroyed the process group already
                 pass
         if not self.models and _rank() == 0 and not self.accelerate_called:
-            names = ", ".join(f"--{n.replace('_', '-')}" for n in self.given if n != "run_dir")
+            names = ", ".join(f"--{n.replace('_', '-')}" for n in self.given)
             log.info(f"[slipstream] {names} not applied: the script built no DistributedDataParallel model and did "
                      "not call slipstream.accelerate() (docs/zero-change.md)", extra=CONSOLE)
 
@@ -449,15 +434,6 @@ def _model_loss(output: Any) -> torch.Tensor | None:
     return loss.detach() if isinstance(loss, torch.Tensor) and loss.dim() == 0 else None
 
 
-def _text(value: Any) -> str:
-    if isinstance(value, tuple):
-        return ",".join(map(str, value))
-    if isinstance(value, dict):
-        import json
-
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
-
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else int(os.environ.get("RANK", "0"))
@@ -469,5 +445,5 @@ def mark_accelerate_called() -> None:
         _ADOPTER.accelerate_called = True
 
 
-__all__ = ["install", "uninstall", "current", "mark_accelerate_called", "Adopter", "given_options",
-           "training_option_given", "APPLIED", "NOT_APPLIED", "DDP_OPTIONS"]
+__all__ = ["install", "uninstall", "current", "mark_accelerate_called", "Adopter", "APPLIED", "NOT_APPLIED",
+           "DDP_OPTIONS"]
