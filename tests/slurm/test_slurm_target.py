@@ -26,22 +26,27 @@ from tests.harness import weights_digest
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_GPT = str(REPO / "examples" / "train_gpt.py")
-STEPS = 60
-"""The preemption is sent once the first logged step (10) is in the job's output, and must land before
-the last step. Measured here: it landed 6 steps later (the output's path, worker -> agent's tee ->
-srun -> file, then scancel -> srun -> agents -> workers); 50 steps leave 8x that. At 40 steps the
-margin was 30 steps, about 1 s on a quiet machine."""
+HELD_TRAIN_GPT = str(Path(__file__).with_name("held_train_gpt.py"))
+STEPS = 130
+HOLD_STEP = 20
+"""The preempted job's ranks hold after optimizer step HOLD_STEP until SIGTERM reaches them
+(held_train_gpt.py), so the signal lands while training runs, however loaded the machine. The
+emergency save then comes at the ranks' next stop agreement, at most STOP_CHECK_MAX_STEPS (100) steps
+later: by step 120, before the last."""
 GPT_ARGS = ["--steps", str(STEPS), "--dim", "32", "--layers", "1", "--context", "32", "--batch-size", "4",
             "--corpus-mb", "0.5"]
 JOB_TIMEOUT_S = 150.0
 
 
-def write_job(directory: Path, name: str) -> Path:
-    """A 2-node CPU training spec for train_gpt.py that checkpoints to and writes its weights into ``directory``."""
+def write_job(directory: Path, name: str, held: bool = False) -> Path:
+    """A 2-node CPU training spec for train_gpt.py that checkpoints to and writes its weights into ``directory``.
+
+    ``held``: through held_train_gpt.py, which holds every rank after step HOLD_STEP until SIGTERM.
+    """
     ckpt, out = directory / "ckpt", directory / "out"
     spec = {
         "name": name, "image": "slipstream:0.1.0",
-        "command": ["python", TRAIN_GPT],
+        "command": ["python", HELD_TRAIN_GPT, str(directory), str(HOLD_STEP)] if held else ["python", TRAIN_GPT],
         # train_gpt.py saves its data position only with --checkpoint-dir; the spec's dir is the same one.
         "args": [*GPT_ARGS, "--checkpoint-dir", str(ckpt), "--out", str(out)],
         "replicas": 2, "gpu_count": 0, "checkpoint": {"dir": str(ckpt)},
@@ -136,13 +141,14 @@ def test_two_node_job_completes_with_falling_loss(baseline, slurm_env):
 
 def test_preempted_job_requeues_and_resumes_bitwise(baseline, slurm_env, tmp_path):
     directory = tmp_path
-    spec = write_job(directory, "gpt-preempt")
+    spec = write_job(directory, "gpt-preempt", held=True)
     job_id = submit(spec, slurm_env)
     output = directory / f"slipstream-gpt-preempt-{job_id}.out"
     deadline = time.monotonic() + JOB_TIMEOUT_S
-    # SIGTERM to the job's steps (the agents) once training runs, as the time limit's --signal would send it.
-    while not re.search(r"\] step \d+(?:/\d+)? \|", output.read_text() if output.exists() else ""):
-        assert time.monotonic() < deadline, f"job {job_id} never started training: {job_fields(job_id, slurm_env)}"
+    # SIGTERM to the job's steps (the agents), as the time limit's --signal would send it, once both
+    # ranks hold mid-training.
+    while not all((directory / f"held-rank{rank}").exists() for rank in (0, 1)):
+        assert time.monotonic() < deadline, f"job {job_id} never held at step {HOLD_STEP}: {job_fields(job_id, slurm_env)}"
         time.sleep(0.2)
     subprocess.run(["scancel", "--signal=TERM", job_id], env=slurm_env, check=True, timeout=30)
     fields = wait_done(job_id, slurm_env)
@@ -150,7 +156,7 @@ def test_preempted_job_requeues_and_resumes_bitwise(baseline, slurm_env, tmp_pat
     assert fields["JobState"] == "COMPLETED" and fields["Restarts"] == "1", (fields, log[-3000:])
     assert "preempted (exit 143): requeueing it" in log, log[-3000:]
     resumed = re.search(r"resumed from \S+ at step (\d+)", log)
-    assert resumed and 0 < int(resumed.group(1)) < STEPS, log[-3000:]
+    assert resumed and HOLD_STEP <= int(resumed.group(1)) < STEPS, log[-3000:]
     assert f"done: {STEPS} steps" in log, log[-3000:]
     base_dir = baseline[0]
     assert weights_digest(directory / "out" / "model.pt") == weights_digest(base_dir / "out" / "model.pt")
