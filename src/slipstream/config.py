@@ -218,6 +218,10 @@ class CheckpointConfig:
     preemption_deadline_s: float = 25.0
     """After SIGTERM: an emergency checkpoint at the next step, then exit 143; past this
     deadline the process exits 143 regardless (keep it under the pod's grace period)."""
+    snapshot_every_steps: int | None = None
+    """Also keep each rank's state of every Nth step in host memory (/dev/shm): a worker the agent
+    restarts resumes from there when it is newer than the newest checkpoint on disk, so a failure
+    redoes at most N steps (None: disk checkpoints only)."""
 
     FLAT: ClassVar[dict[str, str]] = {
         "dir": "checkpoint_dir",
@@ -228,6 +232,7 @@ class CheckpointConfig:
         "verify": "checkpoint_verify",
         "max_failures": "checkpoint_max_failures",
         "preemption_deadline_s": "preemption_deadline_s",
+        "snapshot_every_steps": "snapshot_every_steps",
     }
 
     def __post_init__(self) -> None:
@@ -247,6 +252,10 @@ class CheckpointConfig:
             f"checkpoint_max_failures must be >= 1, got {self.max_failures}",
         )
         _require(self.preemption_deadline_s > 0, f"preemption_deadline_s must be > 0, got {self.preemption_deadline_s}")
+        _require(
+            self.snapshot_every_steps is None or (isinstance(self.snapshot_every_steps, int) and self.snapshot_every_steps >= 1),
+            f"snapshot_every_steps must be >= 1 or None, got {self.snapshot_every_steps}",
+        )
 
 
 @dataclass(frozen=True)

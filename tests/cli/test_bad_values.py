@@ -107,6 +107,7 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("run", "--checkpoint-max-failures"): [bad("--checkpoint-max-failures", "-1"),
                                           bad("--checkpoint-max-failures", "x")],
     ("run", "--preemption-deadline-s"): [bad("--preemption-deadline-s", "-1"), bad("--preemption-deadline-s", "x")],
+    ("run", "--snapshot-every-steps"): [bad("--snapshot-every-steps", "0"), bad("--snapshot-every-steps", "x")],
     ("run", "--prometheus-port"): [bad("--prometheus-port", "abc"), bad("--prometheus-port", "70000")],
     ("run", "--prometheus-addr"): [bad("--prometheus-addr", "a host")],
     ("run", "--flops-per-sample"): [bad("--flops-per-sample", "-1"), bad("--flops-per-sample", "x")],

@@ -128,6 +128,24 @@ def test_failure_resumes_with_bitwise_equal_result(mode, async_save, reference, 
     assert "rank 1 failed first" in proc.stderr or mode == "exception"
 
 
+def test_a_killed_worker_resumes_from_its_in_memory_snapshot(reference, tmp_path):
+    """--snapshot-every-steps 1 and no disk checkpoint before the end: the restart loads step 5
+    from host memory (not from scratch), redoes no step, and ends bitwise equal, sample for sample."""
+    snapshots = tmp_path / "shm"
+    proc = launch("-n", "2", "--max-restarts", "1", "--snapshot-every-steps", "1", SCRIPT, "--out", str(tmp_path),
+                  "--ckpt", str(tmp_path / "ckpt"), "--every", "100", "--steps", str(STEPS), "--mode", "sigkill",
+                  "--fail-step", "5", env={"SLIPSTREAM_SNAPSHOT_DIR": str(snapshots)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from an in-memory snapshot (newest checkpoint in" in proc.stdout and "none) at step 5" in proc.stdout, \
+        proc.stdout[-3000:]
+    redone = check_against_reference(tmp_path, reference)
+    assert redone <= 2, redone  # at most the step each rank was in when rank 1 died
+    resumed = torch.load(tmp_path / "resumed_1.pt", weights_only=False)
+    assert resumed["step"] == 5
+    # the launcher deleted its workers' snapshots when it exited
+    assert not any(p.is_file() for p in snapshots.rglob("*")), sorted(snapshots.rglob("*"))
+
+
 def test_compressed_sync_state_is_restored_bitwise(tmp_path):
     """PowerSGD's error-feedback buffers and low-rank factors are per-rank checkpoint state."""
     common = ["--sync", "powersgd", "--sync-options", '{"rank": 2, "min_compression": 1.0}', "-n", "2"]

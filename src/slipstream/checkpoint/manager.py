@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import runtime
 from ..errors import EXIT_PREEMPTED, ConfigError
-from . import layout, lease, remote, safe_load, storage
+from . import layout, lease, remote, safe_load, snapshots, storage
 from . import verify as integrity  # the name `verify` is the constructor's option
 
 log = logging.getLogger("slipstream.checkpoint")
@@ -99,6 +99,7 @@ class CheckpointManager:
         lease_interval_s: float = lease.DEFAULT_INTERVAL_S,
         lease_stale_after_s: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        snapshot_every_steps: int | None = None,
     ) -> None:
         if not directory:
             raise ConfigError("checkpoint_dir must be a path, got an empty string")
@@ -117,6 +118,8 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint_verify must be one of {', '.join(integrity.VERIFY_MODES)}, got {verify!r}")
         if max_failures < 1:
             raise ConfigError(f"checkpoint_max_failures must be >= 1, got {max_failures}")
+        if snapshot_every_steps is not None and snapshot_every_steps < 1:
+            raise ConfigError(f"snapshot_every_steps must be >= 1 or None, got {snapshot_every_steps}")
         directory = remote.local_path(directory)
         # An object store (a URL): the filesystem, made on every rank alike (a missing
         # fsspec is the same ConfigError everywhere); None for a local directory.
@@ -181,6 +184,27 @@ class CheckpointManager:
                                         storage_options=storage_options)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+        self.snapshots = self._open_snapshots(snapshot_every_steps)
+        self.restored_from: str | None = None  # what restore_latest() loaded: a checkpoint's path or a snapshot
+
+    def _open_snapshots(self, every_steps: int | None) -> snapshots.MemorySnapshots | None:
+        """This rank's in-memory snapshots (:mod:`.snapshots`), when asked for and an elastic agent
+        (``slipstream run``, torchrun) would restart a failed worker to use them."""
+        if every_steps is None:
+            return None
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            if self.rank == 0:
+                log.warning("snapshot_every_steps is set but no elastic agent (slipstream run, torchrun) started "
+                            "this process to restart it: no in-memory snapshots")
+            return None
+        return snapshots.MemorySnapshots.for_run(self.directory, self.rank, self.world_size, every_steps)
+
+    def maybe_snapshot(self, step: int) -> bool:
+        """Snapshot ``step`` in host memory when one is due (rank-local, no collective)."""
+        if self.snapshots is None or not self.snapshots.due(step):
+            return False
+        self.snapshots.take(step, self._shared, self._per_rank)
+        return True
 
     # --- registry ----------------------------------------------------------------------
     def register(self, name: str, obj: Any, per_rank: bool = False) -> None:
@@ -503,6 +527,23 @@ class CheckpointManager:
         the next older one is tried; when none is left, every rank raises
         :class:`NoUsableCheckpoint` (exit 2) rather than start from scratch.
         """
+        snapshot = self.snapshots.agreed_newest(self.group) if self.snapshots is not None else None
+        if snapshot is not None:
+            newest: list = [None]
+            if self.rank == 0:
+                try:
+                    latest = layout.find_latest(self.directory, self.fs)
+                    newest[0] = latest.step if latest is not None else 0
+                except Exception:  # noqa: BLE001 - a store that cannot be listed: the snapshot is the newest known
+                    newest[0] = 0
+            if self.group is not None and self.world_size > 1:
+                dist.broadcast_object_list(newest, src=0, group=self.group)
+            if snapshot >= newest[0]:
+                self.snapshots.load(snapshot, self._shared, self._per_rank)
+                self.restored_from = (f"an in-memory snapshot (newest checkpoint in {self.directory}: "
+                                      f"{f'step {newest[0]}' if newest[0] else 'none'})")
+                self._last_save_time = time.monotonic()
+                return snapshot
         choice: list = [None]
         if self.rank == 0:
             try:
@@ -536,6 +577,7 @@ class CheckpointManager:
             )
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
+        self.restored_from = self.directory
         return step
 
     def _read_rank_file(self, path: str) -> tuple[dict | None, Exception | None]:

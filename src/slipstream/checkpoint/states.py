@@ -46,6 +46,18 @@ class ModelOptimizerState:
         )
 
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """This process's own view, for an in-memory snapshot loaded back into the same objects
+        (:mod:`.snapshots`): ``module.state_dict()`` and ``optimizer.state_dict()``, without the
+        distributed API's renaming to fully qualified names (28-37 ms per call for a 4.8M-parameter
+        GPT with AdamW, against about 1 ms)."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
 def _rename(osd: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
     """Rename parameters in an optimizer state dict keyed by names ({"state": {fqn: ...},
     "param_groups": [{"params": [fqn, ...], ...}]}, as get_state_dict returns it)."""

@@ -134,6 +134,10 @@ class Checkpoint:
     max_failures: int | None = integer(
         minimum=1, maximum=1000, config="checkpoint_max_failures",
         doc="Failed saves in a row before the run gives up with exit 1.")
+    snapshot_every_steps: int | None = integer(
+        minimum=1, maximum=1000000, config="snapshot_every_steps",
+        doc="Also keep each rank's state of every Nth step in host memory (/dev/shm; see shm_size): a restarted "
+            "worker resumes from there, redoing at most N steps.")
 
 
 @dataclass(frozen=True, kw_only=True)

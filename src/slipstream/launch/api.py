@@ -331,6 +331,9 @@ def _launch(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
+    from ..checkpoint import snapshots
+
+    snapshots.sweep()  # in-memory snapshots of launchers that were killed before they could delete theirs
     # A stop signal must not land inside the agent's Popen.poll (slipstream.launch.agent_signals).
     agent_signals.install()
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -374,6 +377,7 @@ def _launch(opts: LaunchOptions) -> int:
     finally:
         agent_log.removeHandler(history)
         os.environ.pop(ENV_AGENT_PID, None)
+        snapshots.sweep(owner=os.getpid())  # this launch's workers' in-memory snapshots: no restart comes now
     return EXIT_OK
 
 

@@ -64,6 +64,7 @@ def open_checkpoints(
         preemption_deadline_s=ckpt.preemption_deadline_s,
         verify=ckpt.verify,
         max_failures=ckpt.max_failures,
+        snapshot_every_steps=ckpt.snapshot_every_steps,
     )
     mgr.register("model_optimizer", model_optimizer)
     mgr.register("train", counters)

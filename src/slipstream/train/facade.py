@@ -328,6 +328,8 @@ class Accelerated:
         """(saved, preempted): save when due, or now and blocking after SIGTERM (ranks agree)."""
         due, preempted = mgr.should_save(self.step_count)
         saved = mgr.save(self.step_count, blocking=preempted) if due else False
+        if not preempted:
+            mgr.maybe_snapshot(self.step_count)
         return saved, preempted
 
     def _report_stop(self) -> None:
@@ -433,6 +435,9 @@ def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, 
             check_parameter_dtype(config, name)
     if extra_state and config.checkpoint.dir is None:
         raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
+    if config.checkpoint.snapshot_every_steps is not None and config.checkpoint.dir is None:
+        raise ConfigError("snapshot_every_steps keeps in memory what checkpoints keep on disk, and a restarted "
+                          "worker chooses between the two: set checkpoint_dir too")
 
 
 def accelerate(
@@ -521,5 +526,5 @@ def accelerate(
         if step:
             run.resumed_from_step = step
             if runtime.is_main:
-                print(f"[slipstream] resumed from {config.checkpoint.dir} at step {step}", flush=True)
+                print(f"[slipstream] resumed from {run.checkpoints.restored_from} at step {step}", flush=True)
     return run

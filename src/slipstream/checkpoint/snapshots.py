@@ -1,0 +1,308 @@
+"""In-memory snapshots: each rank's training state every N steps, in host memory that outlives the worker.
+
+A worker that dies (SIGKILL, an exception, a lost GPU) is restarted by the elastic
+agent; with only disk checkpoints every restart rolls back to the last one, up to a
+whole checkpoint interval of redone work. A snapshot is the same state a checkpoint
+holds (everything registered with the :class:`~slipstream.checkpoint.CheckpointManager`:
+model and optimizer, counters, scheduler and scaler, data position, this rank's RNG
+streams and sync state), written by each rank for itself after every Nth optimizer
+step into a tmpfs (``/dev/shm``: host memory, which a process's death does not free).
+A restarted worker of the same launch loads the newest step that every rank holds,
+when it is newer than the newest checkpoint on disk: a killed worker then costs at
+most ``every_steps`` steps of redone work (none at the default 1 when it dies between
+steps). Disk checkpoints go on at their own cadence; they are what survives the machine.
+
+Two slots per rank, used in turn. A slot is a buffer file (every tensor's bytes, one
+after the other, reserved with ``posix_fallocate`` and mapped once with
+``torch.from_file(shared=True)``) and a small index file ``step_<N>.slot<K>`` (the state's
+structure, with each tensor replaced by its place in the buffer). Taking a snapshot
+deletes the older slot's index, copies every tensor into that slot's buffer (a memory
+copy: no serialization, no allocation, measured at 6 ms for 56 MB where ``torch.save``
+took 85 ms) and then writes the index (a temporary name, renamed): a slot is complete
+or it has no index. The other slot keeps the step before, so a rank killed mid-copy
+still holds one; the ranks of a step-synchronous job differ by at most one step.
+
+Layout: ``ROOT/slipstream-snapshots/<checkpoint dir hash>-ws<W>/rank<R>/`` (ROOT:
+``SLIPSTREAM_SNAPSHOT_DIR`` or ``/dev/shm``), directories 0700. ``rank<R>/owner`` names
+the launcher (the worker's parent): the launcher deletes its ranks' snapshots when it
+exits, and those of launchers that no longer run (killed with SIGKILL) at its start
+(:func:`sweep`). A first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) clears its rank's
+directory, so a snapshot of an earlier job on the same checkpoint directory is never
+loaded. The index is read as plain data (``weights_only``), like checkpoint files.
+
+Sharded tensors (DTensor) are stored as their local shard and rebuilt on the current
+tensor's mesh and placements, which is why a snapshot is only loaded into the world
+size (and so the layout) that wrote it.
+
+Costs: host memory of twice the rank's state (model plus optimizer), reserved up front;
+when the tmpfs cannot hold it, snapshots are turned off with one line (never a SIGBUS
+later: the buffers are reserved, not sparse). The time each snapshot holds the loop is
+in :attr:`MemorySnapshots.stall_s`.
+
+Example::
+
+    snaps = MemorySnapshots.for_run("ckpt", rank=0, world_size=2, every_steps=1)
+    snaps.take(step, {"model_optimizer": state}, {"rng": RNGState()})
+    step = snaps.agreed_newest(group)        # a collective: newest step every rank holds, or None
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from .. import pids
+
+log = logging.getLogger("slipstream.checkpoint")
+
+SLOTS = 2
+ENV_ROOT = "SLIPSTREAM_SNAPSHOT_DIR"
+SUBDIR = "slipstream-snapshots"
+TENSOR = "__snapshot_tensor__"  # the index's stand-in for a tensor: {TENSOR: its number}
+ALIGN = 64
+
+
+def root_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where snapshots live: ``$SLIPSTREAM_SNAPSHOT_DIR`` or ``/dev/shm``, plus ``slipstream-snapshots``."""
+    env = os.environ if environ is None else environ
+    return os.path.join(env.get(ENV_ROOT) or "/dev/shm", SUBDIR)
+
+
+def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """``value`` with each tensor (a DTensor: its local shard) moved to ``tensors`` and replaced by its number."""
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        tensors.append(value.detach())
+        return {TENSOR: len(tensors) - 1}
+    if isinstance(value, dict):
+        return {k: _flatten(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_flatten(v, tensors) for v in value)
+    return value
+
+
+def _unflatten(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, dict):
+        if set(value) == {TENSOR}:
+            return tensors[value[TENSOR]]
+        return {k: _unflatten(v, tensors) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_unflatten(v, tensors) for v in value)
+    return value
+
+
+def _like(saved: Any, current: Any) -> Any:
+    """``saved`` placed like ``current`` (this process's own state of the same structure): each
+    tensor on the current tensor's device, a DTensor rebuilt on its mesh and placements."""
+    if isinstance(current, DTensor) and isinstance(saved, torch.Tensor):
+        return DTensor.from_local(saved.to(current.device), current.device_mesh, current.placements,
+                                  run_check=False, shape=current.shape, stride=current.stride())
+    if isinstance(current, torch.Tensor) and isinstance(saved, torch.Tensor):
+        return saved.to(current.device)
+    if isinstance(saved, dict) and isinstance(current, dict):
+        return {k: _like(v, current[k]) if k in current else v for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)) and isinstance(current, (list, tuple)) and len(saved) == len(current):
+        return type(saved)(_like(s, c) for s, c in zip(saved, current))
+    return saved
+
+
+def _state_of(obj: Any) -> Any:
+    """What a snapshot holds of ``obj``: its ``local_state_dict()`` when it has one (the same
+    process's view, cheaper than the distributed one), else its ``state_dict()``."""
+    local = getattr(obj, "local_state_dict", None)
+    return local() if local is not None else obj.state_dict()
+
+
+def _load_into(obj: Any, saved: Any) -> None:
+    local = getattr(obj, "load_local_state_dict", None)
+    placed = _like(saved, _state_of(obj))
+    (local if local is not None else obj.load_state_dict)(placed)
+
+
+def _places(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int, ...]]], int]:
+    """(offset, dtype name, shape) of each tensor in a buffer, and the buffer's size."""
+    places, offset = [], 0
+    for t in tensors:
+        places.append((offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+        offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return places, max(offset, ALIGN)
+
+
+class MemorySnapshots:
+    """One rank's snapshots of one job (see the module docstring)."""
+
+    def __init__(self, directory: str, rank: int, world_size: int, every_steps: int, restart_count: int) -> None:
+        self.directory = directory
+        self.rank, self.world_size = rank, world_size
+        self.every_steps = every_steps
+        self.restart_count = restart_count
+        self.enabled = True
+        self.stall_s: list[float] = []  # time each snapshot held the training loop
+        self._buffers: dict[int, torch.Tensor] = {}  # slot -> its mapped buffer (uint8)
+        if restart_count == 0:  # a new job on this checkpoint directory: nothing of an earlier one is loaded
+            shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        launcher = os.getppid()
+        with open(os.path.join(directory, "owner"), "w") as fh:
+            fh.write(f"{launcher} {pids.start_time(launcher) or ''}")
+
+    @classmethod
+    def for_run(cls, checkpoint_dir: str, rank: int, world_size: int, every_steps: int,
+                environ: Mapping[str, str] | None = None) -> "MemorySnapshots":
+        """This rank's snapshots for a job checkpointing to ``checkpoint_dir`` (a path or URL)."""
+        env = os.environ if environ is None else environ
+        where = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
+        key = hashlib.sha256(where.encode()).hexdigest()[:16]
+        directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"rank{rank}")
+        return cls(directory, rank, world_size, every_steps, int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+
+    def _held(self) -> dict[int, int]:
+        """{step: slot} of the complete snapshots (those with an index)."""
+        held = {}
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return held
+        for name in names:
+            stem, _, slot = name.partition(".slot")
+            if stem.startswith("step_") and slot.isdigit():
+                try:
+                    held[int(stem[len("step_"):])] = int(slot)
+                except ValueError:
+                    continue
+        return held
+
+    def steps(self) -> list[int]:
+        """The steps this rank holds a complete snapshot of, oldest first."""
+        return sorted(self._held())
+
+    def due(self, step: int) -> bool:
+        return self.enabled and step > 0 and step % self.every_steps == 0
+
+    def _index(self, step: int, slot: int) -> str:
+        return os.path.join(self.directory, f"step_{step:08d}.slot{slot}")
+
+    def _buffer(self, slot: int, size: int) -> torch.Tensor:
+        """Slot ``slot``'s buffer of ``size`` bytes, reserved in the tmpfs (ENOSPC now, not SIGBUS later)."""
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.numel() != size:
+            path = os.path.join(self.directory, f"slot{slot}.bin")
+            self._buffers.pop(slot, None)
+            with open(path, "wb") as fh:
+                os.posix_fallocate(fh.fileno(), 0, size)
+            buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            self._buffers[slot] = buffer
+        return buffer
+
+    def take(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        """Copy this rank's state of ``step`` into the older slot; complete (indexed) or not at all."""
+        started = time.perf_counter()
+        tensors: list[torch.Tensor] = []
+        tree = {"shared": {name: _flatten(_state_of(obj), tensors) for name, obj in shared.items()},
+                "per_rank": {name: _flatten(_state_of(obj), tensors) for name, obj in per_rank.items()}}
+        places, size = _places(tensors)
+        held = self._held()
+        newest = max(held) if held else None
+        slot = (held[newest] + 1) % SLOTS if newest is not None else 0
+        for old, old_slot in held.items():
+            if old_slot == slot:
+                os.remove(self._index(old, slot))  # the slot is about to change: no longer a snapshot
+        try:
+            buffer = self._buffer(slot, size)
+            for t, (offset, _, _) in zip(tensors, places):
+                nbytes = t.numel() * t.element_size()
+                buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+            index = self._index(step, slot)
+            torch.save({"step": step, "world_size": self.world_size, "size": size, "places": places, "tree": tree},
+                       index + ".tmp")
+            os.replace(index + ".tmp", index)
+        except (OSError, RuntimeError) as exc:  # ENOSPC from the reservation; torch.save's iostream error
+            self._turn_off(f"{self.directory}: {exc} (two snapshots of this rank need {2 * size / 2**20:.0f} MiB; "
+                           f"set {ENV_ROOT} to a larger tmpfs, or the pod's shm_size)")
+            return
+        self.stall_s.append(time.perf_counter() - started)
+
+    def _turn_off(self, why: str) -> None:
+        self.enabled = False
+        self._buffers.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)  # give the memory back
+        log.warning("in-memory snapshots are off for rank %d: %s; recovery uses disk checkpoints", self.rank, why)
+
+    def agreed_newest(self, group: Any = None) -> int | None:
+        """The newest step whose snapshot every rank holds (a collective on ``group``), or None.
+
+        Only a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) looks; the answer is the
+        same on every rank."""
+        mine = self.steps() if self.restart_count > 0 else []
+        held = [mine]
+        if group is not None and self.world_size > 1:
+            held = [None] * self.world_size
+            dist.all_gather_object(held, mine, group=group)
+        common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
+        return max(common) if common else None
+
+    def load(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        """Load this rank's snapshot of ``step`` into the registered objects."""
+        slot = self._held()[step]
+        index = torch.load(self._index(step, slot), map_location="cpu", weights_only=True)
+        with open(os.path.join(self.directory, f"slot{slot}.bin"), "rb") as fh:
+            data = torch.frombuffer(bytearray(fh.read(index["size"])), dtype=torch.uint8)
+        tensors = []
+        for offset, dtype_name, shape in index["places"]:
+            dtype = getattr(torch, dtype_name)
+            count = 1
+            for n in shape:
+                count *= n
+            nbytes = count * torch.empty((), dtype=dtype).element_size()
+            tensors.append(data[offset:offset + nbytes].view(dtype).view(shape).clone())
+        tree = _unflatten(index["tree"], tensors)
+        for objects, saved in ((shared, tree["shared"]), (per_rank, tree["per_rank"])):
+            for name, obj in objects.items():
+                if name in saved:
+                    _load_into(obj, saved[name])
+
+
+def sweep(environ: Mapping[str, str] | None = None, owner: int | None = None) -> list[str]:
+    """Delete the snapshot directories of launcher ``owner`` (this one, at its exit) and of every
+    launcher that no longer runs (killed before it could). Returns what was deleted.
+
+    Example::
+
+        sweep(owner=os.getpid())   # in the launcher's finally
+    """
+    removed = []
+    root = root_dir(environ)
+    try:
+        jobs = os.listdir(root)
+    except FileNotFoundError:
+        return removed
+    for job in jobs:
+        job_dir = os.path.join(root, job)
+        for rank in (os.listdir(job_dir) if os.path.isdir(job_dir) else []):
+            rank_dir = os.path.join(job_dir, rank)
+            try:
+                with open(os.path.join(rank_dir, "owner")) as fh:
+                    pid_text, _, start = fh.read().strip().partition(" ")
+                pid = int(pid_text)
+            except (OSError, ValueError):
+                pid, start = 0, ""
+            if pid == owner or not pids.alive(pid, start or None):
+                shutil.rmtree(rank_dir, ignore_errors=True)
+                removed.append(rank_dir)
+        try:
+            os.rmdir(job_dir)
+        except OSError:
+            pass
+    return removed
+
+
