@@ -3,12 +3,15 @@
 Part 1 (recovery): `slipstream run -n 2 --max-restarts 1` trains the GPT example
 with a checkpoint every K steps; once rank 1 has logged step S, the benchmark
 SIGKILLs rank 1's process and measures the wall time from the kill to the
-first step logged after the resume, and how many steps were redone.
+first step logged after the resume, and how many steps were redone. Each trial
+runs twice, side by side in time (one after the other): disk checkpoints only,
+and with in-memory snapshots every step (``--snapshot-every-steps 1``).
 
 Part 2 (blocking): one process trains a larger GPT for N steps with a
 checkpoint every K steps, synchronous against asynchronous (staged to CPU
 memory, written in a background thread), and reports the median time each
-save held the training loop, next to the median step time.
+save held the training loop, next to the median step time; and the same with
+an in-memory snapshot every step (the time each snapshot held the loop).
 
     python benchmarks/recovery.py            # both parts, about 2 minutes on 2 cores
 """
@@ -51,11 +54,11 @@ def read_steps(path: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def recovery(every: int, kill_at: int, steps: int) -> dict:
+def recovery(every: int, kill_at: int, steps: int, snapshots: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir, ckpt = Path(tmp) / "run", Path(tmp) / "ckpt"
         cmd = [sys.executable, "-m", "slipstream", "run", "-n", "2", "--max-restarts", "1", "--run-dir", str(run_dir),
-               "--log-every-steps", "1", GPT, "--steps", str(steps), "--layers", "2",
+               "--log-every-steps", "1", *(["--snapshot-every-steps", "1"] if snapshots else []), GPT, "--steps", str(steps), "--layers", "2",
                "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", str(every)]
         agent = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         log = run_dir / "metrics" / "rank1.jsonl"
@@ -76,12 +79,12 @@ def recovery(every: int, kill_at: int, steps: int) -> dict:
                 resumed_step = steps_now[seen] - 1
             time.sleep(0.01)
         agent.wait(timeout=300)
-        return {"every": every, "killed_after_step": done_before, "resumed_from_step": resumed_step,
+        return {"every": every, "snapshots": snapshots, "killed_after_step": done_before, "resumed_from_step": resumed_step,
                 "steps_lost": done_before - resumed_step, "kill_to_first_step_s": first_after - killed_at,
                 "exit_code": agent.returncode}
 
 
-def blocking(async_save: bool, steps: int, every: int) -> dict:
+def blocking(async_save: bool, steps: int, every: int, snapshots: bool = False) -> dict:
     code = f"""
 import sys, time, statistics, torch
 sys.path.insert(0, {str(REPO / 'examples')!r})
@@ -92,7 +95,8 @@ corpus = train_gpt.load_corpus(1 << 20)
 model = train_gpt.GPT(dim=256, layers=6, context=64)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 run = slipstream.accelerate(model, opt, checkpoint_dir={tempfile.mkdtemp()!r}, checkpoint_every_steps={every},
-                            checkpoint_async={async_save}, progress=False, run_dir={tempfile.mkdtemp()!r})
+                            checkpoint_async={async_save}, progress=False, run_dir={tempfile.mkdtemp()!r},
+                            snapshot_every_steps={1 if snapshots else None})
 times = []
 while run.step_count < {steps}:
     t = time.perf_counter()
@@ -101,14 +105,18 @@ while run.step_count < {steps}:
     run.backward(torch.nn.functional.cross_entropy(logits.view(-1, 256), y.view(-1)))
     run.step()
     times.append(time.perf_counter() - t)
-blocks = run.checkpoints.blocking_s
+blocks = run.checkpoints.snapshots.stall_s if {snapshots} else run.checkpoints.blocking_s
 run.finish()
 params = sum(p.numel() for p in model.parameters())
 print(statistics.median(blocks), statistics.median(times), params, len(blocks))
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    # An in-memory snapshot is taken only where an elastic agent would restart the process.
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        env = {**os.environ, "TORCHELASTIC_RUN_ID": "recovery-benchmark", "SLIPSTREAM_SNAPSHOT_DIR": shm}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True,
+                             env=env if snapshots else None)
     block_s, step_s, params, saves = out.stdout.split()[-4:]
-    return {"async": async_save, "median_blocking_s": float(block_s), "median_step_s": float(step_s),
+    return {"async": async_save, "snapshots": snapshots, "median_blocking_s": float(block_s), "median_step_s": float(step_s),
             "params": int(params), "saves": int(saves)}
 
 
@@ -116,20 +124,27 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=3)
     args = p.parse_args()
-    rows = [recovery(every=10, kill_at=25, steps=60) for _ in range(args.trials)]
-    print("| trial | checkpoint every | killed after step | resumed from | steps redone | kill -> first step after resume |")
+    rows = [recovery(every=10, kill_at=25, steps=60, snapshots=snap) for _ in range(args.trials) for snap in (False, True)]
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}\n")
+    print("| trial | recovers from | killed after step | resumed from | steps redone | kill -> first step after resume |")
     print("|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        print(f"| {i} | {r['every']} | {r['killed_after_step']} | {r['resumed_from_step']} | {r['steps_lost']} | "
+        source = "an in-memory snapshot (every step)" if r["snapshots"] else f"disk (checkpoint every {r['every']})"
+        print(f"| {i // 2} | {source} | {r['killed_after_step']} | {r['resumed_from_step']} | {r['steps_lost']} | "
               f"{r['kill_to_first_step_s']:.1f} s |")
-    print(f"\nmedian kill -> first step: {statistics.median(r['kill_to_first_step_s'] for r in rows):.1f} s\n")
-    print("| save | model parameters | median time the loop was held per save | median step time |")
+    for snap in (False, True):
+        mine = [r for r in rows if r["snapshots"] == snap]
+        print(f"\n{'snapshots' if snap else 'disk only'}: median kill -> first step "
+              f"{statistics.median(r['kill_to_first_step_s'] for r in mine):.1f} s, median steps redone "
+              f"{statistics.median(r['steps_lost'] for r in mine):g}")
+    print("\n| what holds the loop | model parameters | median time the loop was held | median step time |")
     print("|---|---|---|---|")
-    for mode in (False, True):
-        r = blocking(mode, steps=40, every=5)
-        print(f"| {'asynchronous' if mode else 'synchronous'} | {r['params'] / 1e6:.1f}M | "
-              f"{r['median_blocking_s'] * 1000:.0f} ms | {r['median_step_s'] * 1000:.0f} ms |")
-
+    for mode, snap in ((False, False), (True, False), (False, True)):
+        r = blocking(mode, steps=40, every=5 if not snap else 1000, snapshots=snap)
+        what = ("an in-memory snapshot, every step" if snap else
+                "an asynchronous save, every 5 steps" if mode else "a synchronous save, every 5 steps")
+        print(f"| {what} | {r['params'] / 1e6:.1f}M | {r['median_blocking_s'] * 1000:.1f} ms | "
+              f"{r['median_step_s'] * 1000:.0f} ms |")
 
 if __name__ == "__main__":
     main()
