@@ -148,8 +148,10 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("report", "run_dir"): [Bad((), ("RUN_DIR", "norundir"))],
     ("report", "--out"): [bad("--out", "afile/r.html")],
     ("report", "--png-dir"): [bad("--png-dir", "afile")],
-    ("export", "checkpoint"): [Bad((), ("checkpoint", "nockpt"))],
-    ("export", "--out"): [bad("--out", "afile/w.safetensors")],
+    # The value is names[1] (see _argv): a missing directory, an fsspec URL of no known protocol.
+    ("export", "checkpoint"): [Bad((), ("checkpoint", "nockpt")),
+                               Bad((), ("CHECKPOINT", "foo://x/run", "not a usable fsspec URL"))],
+    ("export", "--out"): [bad("--out", "afile/w.safetensors"), bad("--out", "s3://bucket/w.safetensors")],
     ("export", "--format"): [bad("--format", "onnx")],
     ("export", "--verify"): [bad("--verify", "some")],
     # -- job specs -------------------------------------------------------------------------
@@ -286,7 +288,7 @@ def _argv(cmd: str, case: Bad) -> list[str]:
     elif cmd == "report" and case in BAD[("report", "run_dir")]:
         tail = ["norundir"]
     elif cmd == "export" and case in BAD[("export", "checkpoint")]:
-        tail = ["nockpt", "--out", "w.safetensors"]
+        tail = [case.names[1], "--out", "w.safetensors"]
     elif cmd in ("validate", "render", "submit") and case in BAD[(cmd, "spec")]:
         tail = ["nojob.yaml", *tail[1:]]
     elif cmd == "submit" and ("--kubectl" in case.argv or "--sbatch" in case.argv):

@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from ..errors import ConfigError
@@ -49,9 +50,10 @@ def local_path(path: str) -> str:
     return path[len("file://"):] if path.startswith("file://") else path
 
 
-def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> Any:
+def filesystem(url: str, storage_options: Mapping[str, Any] | None = None, what: str = "checkpoint_dir") -> Any:
     """The fsspec filesystem of ``url``; a :class:`ConfigError` in one line when fsspec
-    (or the protocol's package, s3fs for ``s3://``) is not installed.
+    (or the protocol's package, s3fs for ``s3://``) is not installed. ``what``: how the
+    message names the value (the option or argument it came from).
 
     Example::
 
@@ -60,14 +62,94 @@ def filesystem(url: str, storage_options: Mapping[str, Any] | None = None) -> An
     try:
         import fsspec  # the optional 'data' extra
     except ImportError:
-        raise ConfigError(f"checkpoint_dir {url} is a URL, which needs fsspec: {pip_install_hint('data')}") from None
+        raise ConfigError(f"{what} {url} is a URL, which needs fsspec: {pip_install_hint('data')}") from None
     try:
         fs, _ = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
     except ImportError as exc:  # fsspec's "Install s3fs to access S3"
-        raise ConfigError(f"checkpoint_dir {url}: {_first_line(exc)}: {pip_install_hint('data')}") from None
+        raise ConfigError(f"{what} {url}: {_first_line(exc)}: {_install_line(exc)}") from None
     except ValueError as exc:  # an unknown protocol
-        raise ConfigError(f"checkpoint_dir {url} is not a usable fsspec URL: {_first_line(exc)}") from None
+        raise ConfigError(f"{what} {url} is not a usable fsspec URL: {_first_line(exc)}") from None
     return fs
+
+
+def _install_line(exc: ImportError) -> str:
+    """The pip line for the package fsspec could not import: the ``data`` extra for the
+    packages it ships (s3fs), else the package itself (gcsfs, adlfs: in no extra)."""
+    missing = getattr(exc.__cause__, "name", None) or getattr(exc, "name", None)
+    if not missing or missing.partition(".")[0] in _DATA_EXTRA_MODULES:
+        return pip_install_hint("data")
+    return f"pip install {missing.partition('.')[0]}"
+
+
+_DATA_EXTRA_MODULES = ("fsspec", "s3fs", "aiobotocore", "botocore")
+# A one-shot command's reads (``slipstream export``): an endpoint that refuses, or that accepts
+# and never answers, is an error within seconds, not after s3fs's 5 tries of botocore's 5
+# attempts with a 15 s read timeout (measured: 420 s against a socket that never answers).
+_ONE_SHOT_S3 = {"connect_timeout": 5, "read_timeout": 10, "retries": {"total_max_attempts": 2, "mode": "standard"}}
+_ONE_SHOT_S3FS_TRIES = 2
+_S3_PROTOCOLS = ("s3", "s3a")
+
+
+def one_shot_options(url: str, storage_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """fsspec options for a command that reads once and exits (``slipstream export``): on
+    ``s3://`` every request has at most 2 attempts of a 5 s connect and a 10 s read. Timeouts
+    and retries given in ``storage_options["config_kwargs"]`` (or ``FSSPEC_S3_CONFIG_KWARGS``)
+    take precedence, and so do ``AWS_MAX_ATTEMPTS``/``AWS_RETRY_MODE``. ``skip_instance_cache``:
+    a filesystem of its own, not one fsspec cached earlier in this process, so the
+    environment (credentials, ``AWS_ENDPOINT_URL``) is read now.
+
+    Example::
+
+        one_shot_options("s3://bucket/run1")["config_kwargs"]["read_timeout"]   # 10
+    """
+    options = {"skip_instance_cache": True, **dict(storage_options or {})}
+    if url.partition("://")[0] in _S3_PROTOCOLS:
+        try:
+            from fsspec.config import conf
+        except ImportError:  # filesystem() says what to install
+            conf = {}
+        given = options.get("config_kwargs", conf.get("s3", {}).get("config_kwargs", {}))
+        bounds = {k: v for k, v in _ONE_SHOT_S3.items()
+                  if k != "retries" or not {"AWS_MAX_ATTEMPTS", "AWS_RETRY_MODE"} & set(os.environ)}
+        options["config_kwargs"] = {**bounds, **dict(given or {})}
+    return options
+
+
+def one_shot_filesystem(url: str, storage_options: Mapping[str, Any] | None = None,
+                        what: str = "checkpoint_dir") -> Any:
+    """:func:`filesystem` with :func:`one_shot_options`, whose calls s3fs tries twice (its
+    default: 5 times, each of them the requests' attempts): an endpoint that refuses fails
+    in about a second, one that accepts and never answers in under a minute.
+
+    Example::
+
+        fs = one_shot_filesystem("s3://bucket/run1", what="CHECKPOINT")
+    """
+    fs = filesystem(url, one_shot_options(url, storage_options), what)
+    if url.partition("://")[0] in _S3_PROTOCOLS and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = min(fs.retries, _ONE_SHOT_S3FS_TRIES)
+    return fs
+
+
+_BUCKET_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss")
+
+
+def missing_bucket(fs: Any, url: str) -> str | None:
+    """The bucket of ``url`` when the store says it does not exist, else None (also for
+    protocols without buckets).
+
+    Example::
+
+        missing_bucket(fs, "s3://no-such-bucket/run1")   # "no-such-bucket"
+    """
+    if url.partition("://")[0] not in _BUCKET_PROTOCOLS:
+        return None
+    bucket = url.partition("://")[2].partition("/")[0]
+    try:
+        fs.ls(bucket, detail=False)
+    except FileNotFoundError:
+        return bucket
+    return None
 
 
 def join(url: str, *names: str) -> str:
