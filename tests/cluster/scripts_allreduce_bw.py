@@ -3,7 +3,8 @@
     python scripts_allreduce_bw.py MASTER_ADDR PORT RANK WORLD MIB REPEATS OUT.json
 
 Rank 0 writes OUT.json: the median seconds of one all-reduce of MIB MiB, its bus
-bandwidth (bytes/s; busbw = S / t * 2(n-1)/n) and whether the sum came out right.
+bandwidth (bytes/s; busbw = S / t * 2(n-1)/n), whether the sum came out right,
+and the link that ``auto``'s probe (slipstream.sync.probe.probe_link) measures.
 """
 
 import datetime
@@ -14,6 +15,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from slipstream.sync.probe import probe_link
 
 addr, port, rank, world, mib, repeats, out = sys.argv[1:8]
 rank, world, repeats = int(rank), int(world), int(repeats)
@@ -32,8 +35,10 @@ for _ in range(repeats):
     times.append(time.perf_counter() - start)
 ok = bool((t == world * (world + 1) / 2).all())
 median = statistics.median(times)
+link = probe_link()
 if rank == 0:
     with open(out, "w") as fh:
         json.dump({"median_s": median, "times_s": times, "busbw_bytes_per_s": size / median * 2 * (world - 1) / world,
-                   "sum_ok": ok}, fh)
+                   "sum_ok": ok, "probe_alpha_s": link.alpha_s, "probe_hop_latency_s": link.hop_latency_s,
+                   "probe_bytes_per_s": link.bytes_per_s}, fh)
 dist.destroy_process_group()
