@@ -38,7 +38,9 @@ def cluster():
     prefix = f"sst{secrets.token_hex(2)}-"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(emulate, "NS_PREFIX", prefix)
-        with EmulatedCluster(2, link=LINK) as c:
+        # Seed 1: the 14th, 92nd and 180th loss draws lose their packet, so a transfer of a few hundred
+        # packets loses at least two on every run (no flaky zero).
+        with EmulatedCluster(2, link=LINK, loss_seed=1) as c:
             yield c
         assert list_namespaces(prefix) == []
 
@@ -111,7 +113,7 @@ def test_tcp_transfer_completes_through_one_percent_loss(cluster):
         lost = after.get("lost", 0) - before.get("lost", 0)
         forwarded = after["forwarded"] - before.get("forwarded", 0)
         print(f"1% loss: {lost} of {lost + forwarded} packets lost, transfer intact")
-        assert lost > 0
+        assert lost >= 2
         assert lost / (lost + forwarded) < 0.05
     finally:
         cluster.set_link(LINK)

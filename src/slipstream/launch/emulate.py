@@ -172,6 +172,8 @@ class EmulatedCluster:
     link: str | None = "unshaped"
     run_id: str = field(default_factory=lambda: secrets.token_hex(3))
     verbose: bool = False
+    loss_seed: int | None = None
+    """Seed of the forwarder's loss draws (tests: the same packets are lost on every run); None: random."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -278,7 +280,7 @@ class EmulatedCluster:
             ["ip", "netns", "exec", self.switch_ns, sys.executable, forwarder.__file__],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
         )
-        answer = self._tell_forwarder({"nodes": nodes, **self._forwarder_state(self.link_spec)})
+        answer = self._tell_forwarder({"nodes": nodes, "seed": self.loss_seed, **self._forwarder_state(self.link_spec)})
         if answer != "ready":
             raise UsageError(f"emulated cluster: the link forwarder did not start ({answer})")
 
