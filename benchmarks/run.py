@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="only regenerate tables/plots (and BENCHMARKS.md) from results files")
     p.add_argument("--workloads", help="comma list (mlp,gpt,resnet)")
     p.add_argument("--topologies", help="comma list of NODESxPROCS (1xP runs locally, without root)")
-    p.add_argument("--links", help="comma list of rates (unshaped,5gbit,1gbit,200mbit)")
+    p.add_argument("--links", help="comma list of links (unshaped,5gbit,1gbit,200mbit; "
+                   "with a round trip and loss: 100mbit,40ms,0.1%%)")
     p.add_argument("--systems", help="comma list; default: baselines + the preset's Slipstream strategies")
     p.add_argument("--slipstream", help="comma list of Slipstream strategies to add (or 'all')")
     p.add_argument("--repeats", type=int)
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from benchmarks import report
+    from slipstream.errors import UsageError
+    from slipstream.launch.emulate import parse_link, split_link_list
 
     if args.report_only:
         # Several results files (comma-separated) share the generated section, in the order given.
@@ -256,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     preset = dict(PRESETS["full" if args.full else "quick"])
     preset_name = "full" if args.full else "quick"
     if args.collectives:
-        preset["collectives"] = [_collective_spec(c) for c in args.collectives.split(",") if c]
+        preset["collectives"] = [_collective_spec(c) for c in split_link_list(args.collectives)]
     if args.bucket_sweep:
         preset["bucket_sweep"] = args.bucket_sweep
     if args.slipstream_bucket:
@@ -266,7 +269,12 @@ def main(argv: list[str] | None = None) -> int:
             preset[key] = getattr(args, key)
     workloads = args.workloads.split(",") if args.workloads else preset["workloads"]
     topologies = args.topologies.split(",") if args.topologies else preset["topologies"]
-    links = args.links.split(",") if args.links else preset["links"]
+    links = split_link_list(args.links) if args.links else preset["links"]
+    for link in links:
+        try:
+            parse_link(link)
+        except UsageError as exc:
+            p.error(f"--links: {exc}")
     if args.systems:
         systems = args.systems.split(",")
         known = BASELINES + DIAGNOSTICS + slipstream_systems()

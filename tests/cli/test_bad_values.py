@@ -77,7 +77,10 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("run", "--backend"): [bad("--backend", "mpi")],
     ("run", "--device"): [bad("--device", "tpu")],
     ("run", "--emulate"): [bad("--emulate", "2by2")],
-    ("run", "--link"): [bad("--link", "1gbit"), Bad(("--emulate", "2x1", "--link", "1zbit"), ("--link", "1zbit"))],
+    ("run", "--link"): [bad("--link", "1gbit"), Bad(("--emulate", "2x1", "--link", "1zbit"), ("--link", "1zbit"))]
+    + [Bad(("--emulate", "2x1", "--link", v), ("--link", v, why)) for v, why in (
+        ("100mbit,-5ms", "round trip"), ("100mbit,3s", "round trip"), ("100mbit,40", "unit"),
+        ("100mbit,40ms,100%", "below 100%"), ("100mbit,-1%", "loss"), ("100mbit,40furlongs", "round trip"))],
     ("run", "--config"): [bad("--config", "nofile.yaml"), bad("--config", "badkey.yaml")],
     # A positional has no flag to name: its error names the value (TAIL replaced, see _argv).
     ("run", "script"): [Bad((), ("script", "nofile.py"))],
@@ -121,7 +124,8 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("bench", "--sync"): [bad("--sync", "powersdg", names=("--sync", "powersdg", "did you mean 'powersgd'"))],
     ("bench", "--nproc-per-node"): [bad("-n", "0"), bad("-n", "x")],
     ("bench", "--emulate"): [bad("--emulate", "2by2")],
-    ("bench", "--link"): [bad("--link", "1gbit")],
+    ("bench", "--link"): [bad("--link", "1gbit"), Bad(("--emulate", "2x1", "--link", "1gbit,9s"), ("--link", "9s")),
+                          Bad(("--emulate", "2x1", "--link", "1gbit,250%"), ("--link", "250%"))],
     ("bench", "--repeats"): [bad("--repeats", "0"), bad("--repeats", "x")],
     ("bench", "--timeout-s"): [bad("--timeout-s", "0"), bad("--timeout-s", "x")],
     ("bench", "--json-out"): [bad("--json-out", "nodir/out.json")],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,32 @@ def test_parse_and_format_rate():
             emulate.parse_rate(bad)
     for text in ("1gbit", "200mbit", "5gbit", "unshaped", "1500kbit"):
         assert emulate.format_rate(emulate.parse_rate(text)) == text
+
+
+def test_parse_link_with_round_trip_and_loss():
+    spec = emulate.parse_link("100mbit,40ms,0.1%")
+    assert (spec.bits_per_s, spec.rtt_s, spec.loss) == (10**8, 0.04, 0.001) and spec.needs_forwarder
+    assert emulate.parse_link("1gbit") == emulate.LinkSpec(10**9) and not emulate.parse_link("1gbit").needs_forwarder
+    assert emulate.parse_link("100mbit,1%") == emulate.LinkSpec(10**8, 0.0, 0.01)  # told apart by unit
+    assert emulate.parse_link("unshaped, 800us").rtt_s == pytest.approx(0.0008)
+    assert emulate.parse_link("1gbit,0ms,0%").needs_forwarder is False  # the bridge, as before
+    for text in ("100mbit,40ms,0.1%", "unshaped,2000ms", "1gbit,1.5ms", "200mbit,0.5%"):
+        assert str(emulate.parse_link(text)) == text
+    errors = {
+        "1gbit,-5ms": "round trip", "1gbit,2.5s": "0 to 2s", "1gbit,40": "unit", "1gbit,40 parsecs": "round trip",
+        "1gbit,100%": "below 100%", "1gbit,-1%": "at least 0%", "1gbit,0.1": "unit", "1gbit,x%": "percentage",
+        "1gbit,1ms,2ms": "once", "1gbit,1%,1%": "once", "1gbit,1ms,1%,1%": "at most three", "40ms": "a rate",
+    }
+    for text, words in errors.items():
+        with pytest.raises(UsageError, match=words) as exc:
+            emulate.parse_link(text)
+        assert "\n" not in str(exc.value) and repr(text) in str(exc.value)
+
+
+def test_link_lists_keep_a_link_with_commas_whole():
+    assert emulate.split_link_list("unshaped,1gbit,100mbit,40ms,0.1%,5gbit") == [
+        "unshaped", "1gbit", "100mbit,40ms,0.1%", "5gbit"]
+    assert emulate.split_link_list("2x2@1gbit,4ms:64M,2x1@200mbit") == ["2x2@1gbit,4ms:64M", "2x1@200mbit"]
 
 
 def test_tbf_burst_holds_a_gso_segment_and_scales_with_rate():
@@ -85,6 +112,11 @@ def test_cli_rejects_bad_shape_and_rate(tmp_path, capsys):
     assert "--emulate must be NODESxPROCS" in capsys.readouterr().err
     assert main(["run", "--emulate", "2x1", "--link", "quick", str(script)]) == 2
     assert "--link must be a rate" in capsys.readouterr().err
+    # with a job spec too (the spec's emulated run takes --link from the same flag)
+    spec = str(Path(__file__).resolve().parents[2] / "examples" / "jobs" / "local-2x1.yaml")
+    assert main(["run", "--emulate", "2x1", "--link", "1gbit,-5ms", spec]) == 2
+    err = capsys.readouterr().err
+    assert "--link delay is the round trip" in err and "'-5ms'" in err and "Traceback" not in err
 
 
 # --- benchmark report ---------------------------------------------------------

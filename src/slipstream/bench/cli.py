@@ -98,7 +98,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--sync", default="allreduce,auto", help="comma-separated strategies (first is the baseline)")
     p.add_argument("-n", "--nproc-per-node", type=int, default=2, metavar="N", help="workers (per node), default 2")
     p.add_argument("--emulate", default=None, metavar="NODESxPROCS", help="run each trial on an emulated cluster (root)")
-    p.add_argument("--link", default=None, metavar="RATE", help="with --emulate: link rate per node (default unshaped)")
+    p.add_argument("--link", default=None, metavar="RATE[,RTT][,LOSS]",
+                   help="with --emulate: link rate per node (default unshaped), optionally the round trip "
+                   "between nodes and the loss per packet, e.g. 100mbit,40ms,0.1%%")
     p.add_argument("--repeats", type=int, default=1, help="runs per strategy (median reported)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="give up on one run after this long")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -315,10 +317,10 @@ def main(args: argparse.Namespace) -> int:
     if len(set(strategies)) != len(strategies):
         raise UsageError(f"--sync lists a strategy twice: {args.sync}")
     if args.emulate:
-        from ..launch.emulate import missing_privileges, parse_rate, parse_shape
+        from ..launch.emulate import missing_privileges, parse_link, parse_shape
 
         parse_shape(args.emulate)
-        parse_rate(args.link)
+        parse_link(args.link)
         why = missing_privileges()
         if why:
             raise UsageError(f"--emulate cannot build a cluster here: {why}")

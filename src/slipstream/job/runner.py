@@ -81,7 +81,7 @@ class JobRun:
     emulate: str | None = None
     """None: run locally; ``"spec"`` or ``"NxP"`` (which must match the spec): an emulated cluster."""
     link: str = "unshaped"
-    """With ``emulate``: each emulated node's link rate."""
+    """With ``emulate``: each emulated node's link, ``RATE[,RTT][,LOSS]`` (see docs/cluster.md)."""
 
 
 def run_job(request: JobRun) -> int:

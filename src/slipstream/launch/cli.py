@@ -334,9 +334,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "--backend gloo --device cuda lets ranks share a GPU on purpose")
     g.add_argument("--emulate", default=None, metavar="NODESxPROCS",
                    help="run on an emulated cluster on this machine: one network namespace per node (needs root)")
-    g.add_argument("--link", default=None, metavar="RATE",
+    g.add_argument("--link", default=None, metavar="RATE[,RTT][,LOSS]",
                    help="with --emulate: each node's link rate, both directions (1gbit, 200mbit, unshaped; "
-                   "default unshaped)")
+                   "default unshaped), then optionally the round trip added between two nodes and the "
+                   "packet loss each way, e.g. 100mbit,40ms,0.1%%")
     _add_training_flags(p)
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m), or JOB.yaml")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
@@ -582,10 +583,10 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
     if link is not None and not emulate:
         raise UsageError(f"--link {link} shapes the links of an emulated cluster: it needs --emulate NODESxPROCS")
     if emulate:
-        from .emulate import parse_rate, parse_shape
+        from .emulate import parse_link, parse_shape
 
         parse_shape(emulate)
-        parse_rate(link)
+        parse_link(link)
 
 
 def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:

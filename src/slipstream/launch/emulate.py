@@ -12,6 +12,11 @@
   the node sends, on the switch end what it receives. Shaping the egress of
   the bridge-side veth does the job of an ``ifb`` ingress device with one qdisc
   less, and ``netem`` does not exist in every kernel (it does not on our CI);
+* with a round trip or a loss (``--link 100mbit,40ms,0.1%``: :mod:`.linkspec`),
+  no veths: each node's interface ``ssn<i>`` is a TUN device held by a
+  userspace forwarder in the switch namespace (:mod:`.forwarder`), which delays
+  and drops packets between nodes and paces what each node receives; tbf on the
+  TUN device shapes what it sends. A rate alone keeps the bridge above;
 * one elastic agent per node, started with ``ip netns exec`` and
   ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the node's interface,
   joined by c10d rendezvous at node 0's address.
@@ -34,7 +39,7 @@ Example::
 
     code = run_emulated(2, 2, "1gbit", LaunchOptions("train.py", ["--steps", "50"]))
 
-    with EmulatedCluster(2, link="200mbit") as cluster:   # for tests and benchmarks
+    with EmulatedCluster(2, link="100mbit,40ms,0.1%") as cluster:   # for tests and benchmarks
         cluster.run(LaunchOptions("train.py"), procs_per_node=1)
         cluster.cut_link(1)        # node 1 is partitioned away (its packets vanish)
         cluster.restore_link(1)
@@ -44,10 +49,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -60,6 +67,9 @@ from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE
 from ..log import CONSOLE
 from .. import safe_signals
 from .api import LaunchOptions
+from .linkspec import (  # noqa: F401  (re-exported: emulate.parse_rate, ... are its public names too)
+    LINK_SYNTAX, MAX_RTT_S, LinkSpec, format_link, format_rate, parse_link, parse_rate, split_link_list, tbf_args,
+)
 from .proc import stop_processes
 
 log = logging.getLogger(__name__)
@@ -71,14 +81,11 @@ RDZV_PORT = 29400
 """Rendezvous port on node 0; free by construction, the namespace is new."""
 ADDR_PREFIX = "198.18"
 """RFC 2544 benchmarking range; each cluster uses one /24 inside its own namespaces."""
+FORWARDER_MTU = 65535
+"""MTU of the nodes' TUN devices when the forwarder carries the links (delay or loss)."""
 
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
-
-_UNSHAPED = ("unshaped", "none", "off", "inf", "unlimited", "0")
-_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(bit|bps|b)?(?:/s)?\s*$", re.IGNORECASE)
-_RATE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
 
 # ---------------------------------------------------------------------------
 # Pure helpers (no side effects; unit-tested without root)
@@ -101,58 +108,6 @@ def parse_shape(text: str) -> tuple[int, int]:
     if nodes > 64:
         raise UsageError(f"--emulate supports at most 64 nodes on one machine, got {nodes}")
     return nodes, procs
-
-
-def parse_rate(text: str | None) -> int | None:
-    """A link rate in bits per second, or None for an unshaped link.
-
-    Accepts tc-style (``1gbit``, ``200mbit``, ``5gbit``), short (``1g``,
-    ``200m``) and ``unshaped``. Bytes per second are not accepted: ``mbps`` is
-    read as megabits, the way network people write it.
-
-    Example::
-
-        parse_rate("200mbit")    # 200_000_000
-        parse_rate("unshaped")   # None
-    """
-    if text is None or text.strip().lower() in _UNSHAPED:
-        return None
-    match = _RATE_RE.match(text)
-    if not match:
-        raise UsageError(f"--link must be a rate such as 1gbit, 200mbit or unshaped, got {text!r}")
-    bits = float(match.group(1)) * _RATE_UNITS[match.group(2).lower()]
-    if bits < 10_000:
-        raise UsageError(f"--link rate must be at least 10kbit, got {text!r}")
-    if bits > 400e9:
-        raise UsageError(f"--link rate above 400gbit is not shaped meaningfully by tbf, got {text!r}")
-    return int(bits)
-
-
-def format_rate(bits_per_s: int | None) -> str:
-    """``1_000_000_000`` -> ``"1gbit"``; None -> ``"unshaped"``."""
-    if bits_per_s is None:
-        return "unshaped"
-    for unit, scale in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits_per_s >= scale and bits_per_s % scale == 0:
-            return f"{bits_per_s // scale}{unit}"
-    return f"{bits_per_s}bit"
-
-
-def tbf_args(bits_per_s: int) -> list[str]:
-    """``tc qdisc ... tbf`` parameters for a rate.
-
-    burst: 4 ms of traffic at the rate, at least 128 KiB, so that one 64 KiB GSO
-    segment always fits (a tbf burst smaller than a packet drops it).
-    latency: 100 ms of queue before tbf drops, generous on purpose: a dropped
-    packet costs TCP a retransmit timeout and would measure the loss-recovery of
-    TCP rather than the bandwidth.
-
-    Example::
-
-        tbf_args(1_000_000_000)   # ['rate', '1000000000bit', 'burst', '500000', 'latency', '100ms']
-    """
-    burst_bytes = max(128 * 1024, int(bits_per_s / 8 * 0.004))
-    return ["rate", f"{bits_per_s}bit", "burst", str(burst_bytes), "latency", "100ms"]
 
 
 def missing_privileges() -> str | None:
@@ -217,13 +172,16 @@ class EmulatedCluster:
     link: str | None = "unshaped"
     run_id: str = field(default_factory=lambda: secrets.token_hex(3))
     verbose: bool = False
+    loss_seed: int | None = None
+    """Seed of the forwarder's loss draws (tests: the same packets are lost on every run); None: random."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise UsageError(f"an emulated cluster needs at least 1 node, got {self.nodes}")
         if not re.fullmatch(r"[0-9a-z]{1,8}", self.run_id):
             raise UsageError(f"run id must be 1-8 lower-case letters or digits, got {self.run_id!r}")
-        self.link_bits_per_s = parse_rate(self.link)
+        self.link_spec = parse_link(self.link)
+        self.link_bits_per_s = self.link_spec.bits_per_s
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", NS_PREFIX):
             raise UsageError(f"namespace prefix must be 1-40 letters, digits, '_', '.' or '-', got {NS_PREFIX!r}")
         subnet = int(self.run_id, 36) % 250 + 1
@@ -242,6 +200,8 @@ class EmulatedCluster:
         self._created: list[str] = []
         self._cut: set[int] = set()
         self._jobs = 0
+        self._forwarder: subprocess.Popen | None = None
+        self._links_built: bool | None = None  # None: no node links; else whether the forwarder carries them
 
     # -- building and deleting ---------------------------------------------------
 
@@ -274,19 +234,107 @@ class EmulatedCluster:
             for node in self.node_list:
                 self._add_netns(node.netns)
                 self._ip("ip", "-n", node.netns, "link", "set", "lo", "up")
-                self._ip(
-                    "ip", "link", "add", "name", node.ifname, "netns", node.netns,
-                    "type", "veth", "peer", "name", node.port, "netns", sw,
-                )
-                self._ip("ip", "-n", sw, "link", "set", node.port, "master", self.bridge)
-                self._ip("ip", "-n", sw, "link", "set", node.port, "up")
-                self._ip("ip", "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.ifname)
-                self._ip("ip", "-n", node.netns, "link", "set", node.ifname, "up")
             self.set_link(self.link)
         except BaseException:
             self.down()
             raise
         return self
+
+    def _build_links(self, forwarder: bool) -> None:
+        """The nodes' links: veths to the bridge, or TUN devices held by the forwarder."""
+        if forwarder:
+            self._start_forwarder()
+        else:
+            for node in self.node_list:
+                self._ip(
+                    "ip", "link", "add", "name", node.ifname, "netns", node.netns,
+                    "type", "veth", "peer", "name", node.port, "netns", self.switch_ns,
+                )
+                self._ip("ip", "-n", self.switch_ns, "link", "set", node.port, "master", self.bridge)
+                self._ip("ip", "-n", self.switch_ns, "link", "set", node.port, "up")
+        for node in self.node_list:
+            if forwarder:
+                # 64 KiB packets keep the forwarder's packet rate (and CPU) low; see forwarder.py.
+                self._ip("ip", "-n", node.netns, "link", "set", node.ifname, "mtu", str(FORWARDER_MTU))
+            self._ip("ip", "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.ifname)
+            self._ip("ip", "-n", node.netns, "link", "set", node.ifname, "up")
+        self._links_built = forwarder
+        self._cut.clear()
+
+    def _remove_links(self) -> None:
+        if self._links_built is None:
+            return
+        self._stop_forwarder()  # its TUN devices vanish with it
+        if not self._links_built:
+            for node in self.node_list:
+                self._ip("ip", "-n", node.netns, "link", "del", node.ifname, check=False)  # and its peer
+        self._links_built = None
+
+    def _start_forwarder(self) -> None:
+        from . import forwarder
+
+        nodes = [{"netns": f"/run/netns/{n.netns}", "ifname": n.ifname, "addr": n.addr} for n in self.node_list]
+        # In the switch namespace, so that down() stops it with everything else there; its own
+        # session, so that a Ctrl-C at the terminal reaches the launcher, which stops it last.
+        self._forwarder = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch_ns, sys.executable, forwarder.__file__],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        answer = self._tell_forwarder({"nodes": nodes, "seed": self.loss_seed, **self._forwarder_state(self.link_spec)})
+        if answer != "ready":
+            raise UsageError(f"emulated cluster: the link forwarder did not start ({answer})")
+
+    def _forwarder_state(self, spec: LinkSpec) -> dict:
+        burst = int(tbf_args(spec.bits_per_s)[3]) if spec.bits_per_s else 0
+        return {"rtt_s": spec.rtt_s, "loss": spec.loss, "bits_per_s": spec.bits_per_s, "burst_bytes": burst,
+                "cut": sorted(self._cut)}
+
+    def _tell_forwarder(self, state: dict, timeout_s: float = 10.0) -> str:
+        """Send the forwarder its state; its one-line answer ("ready", "ok", "error: ...")."""
+        proc = self._forwarder
+        if proc is None or proc.poll() is not None:
+            return "the forwarder is not running"
+        try:
+            proc.stdin.write(json.dumps(state).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError as exc:
+            return f"cannot reach the forwarder: {exc}"
+        fd, answer, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout_s
+        while not answer.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return f"no answer in {timeout_s:g} s"
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return f"it exited with code {proc.wait()}"
+            answer += chunk
+        return answer.decode(errors="replace").strip()
+
+    def _stop_forwarder(self) -> None:
+        proc, self._forwarder = self._forwarder, None
+        if proc is None:
+            return
+        proc.stdin.close()  # end of its stdin: it exits
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+    @property
+    def forwarder_pid(self) -> int | None:
+        """Process id of the link forwarder (None when the bridge carries the links)."""
+        return self._forwarder.pid if self._forwarder is not None else None
+
+    def forwarder_cpu_s(self) -> float:
+        """CPU seconds (user + system) the link forwarder has used so far; 0.0 without one."""
+        pid = self.forwarder_pid
+        if pid is None:
+            return 0.0
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def _add_netns(self, name: str) -> None:
         self._ip("ip", "netns", "add", name)
@@ -295,7 +343,11 @@ class EmulatedCluster:
     def down(self) -> None:
         """Stop every process left in the namespaces and delete them; safe to call twice."""
         for name in reversed(self._created):
+            if name == self.switch_ns:
+                self._stop_forwarder()  # the nodes' processes are stopped by now (created after the switch)
             self._kill_netns_pids(name)
+        self._stop_forwarder()
+        self._links_built = None
         for name in reversed(self._created):
             self._ip("ip", "netns", "del", name, check=False)
         self._created.clear()
@@ -329,14 +381,38 @@ class EmulatedCluster:
     # -- links -------------------------------------------------------------------
 
     def set_link(self, link: str | None) -> None:
-        """Shape every node's link to ``link`` in both directions (``unshaped`` removes shaping)."""
-        bits = parse_rate(link)
-        for node in self.node_list:
-            for ns, dev in ((node.netns, node.ifname), (self.switch_ns, node.port)):
-                self._ip("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
-                if bits is not None:
-                    self._ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_args(bits))
-        self.link, self.link_bits_per_s = format_rate(bits), bits
+        """Set every node's link to ``link`` (``RATE[,RTT][,LOSS]``; ``unshaped`` removes shaping).
+
+        A rate alone is shaped by tbf on both ends of each node's veth (the
+        bridge). With a round trip or a loss, the forwarder carries the packets
+        instead and tbf shapes each node's egress on its TUN device. Going from
+        one kind to the other rebuilds the nodes' links (a cut link is restored).
+        """
+        spec = parse_link(link)
+        if self._links_built != spec.needs_forwarder:
+            self._remove_links()
+            self.link_spec = spec
+            self._build_links(spec.needs_forwarder)
+        devices = [(n.netns, n.ifname) for n in self.node_list]
+        if not spec.needs_forwarder:
+            devices += [(self.switch_ns, n.port) for n in self.node_list]
+        for ns, dev in devices:
+            self._ip("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
+            if spec.bits_per_s is not None:
+                self._ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_args(spec.bits_per_s))
+        if spec.needs_forwarder:
+            self._update_forwarder(spec)
+        self.link_spec, self.link, self.link_bits_per_s = spec, format_link(spec), spec.bits_per_s
+
+    def _update_forwarder(self, spec: LinkSpec) -> dict[str, int]:
+        answer = self._tell_forwarder(self._forwarder_state(spec))
+        if answer.split(" ", 1)[0] != "ok":
+            raise UsageError(f"emulated cluster: the link forwarder refused its settings ({answer})")
+        return json.loads(answer.split(" ", 1)[1]) if " " in answer else {}
+
+    def forwarder_counts(self) -> dict[str, int]:
+        """Packets the link forwarder has handled so far, by fate (``forwarded``, ``lost``, ...); {} without one."""
+        return self._update_forwarder(self.link_spec) if self._links_built else {}
 
     def cut_link(self, node: int) -> None:
         """Partition node ``node`` away: its port leaves the bridge, its packets vanish.
@@ -348,15 +424,21 @@ class EmulatedCluster:
         every kernel, ours included; unplugging the port from the bridge works
         everywhere.)
         """
+        self._cut.add(node)
+        if self._links_built:
+            self._update_forwarder(self.link_spec)  # the forwarder drops the node's packets
+            return
         port = self.node_list[node].port
         self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "nomaster")
-        self._cut.add(node)
 
     def restore_link(self, node: int) -> None:
         """Undo :meth:`cut_link`: the port joins the bridge again and forwards at once (STP is off)."""
+        self._cut.discard(node)
+        if self._links_built:
+            self._update_forwarder(self.link_spec)
+            return
         port = self.node_list[node].port
         self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "master", self.bridge)
-        self._cut.discard(node)
 
     def tx_bytes(self, node: int, ifname: str | None = None) -> int:
         """Bytes sent so far by ``node`` on its shaped interface (or ``ifname``, e.g. ``lo``)."""
@@ -460,6 +542,10 @@ class EmulatedCluster:
                     first_failure = EXIT_USAGE
             if all(c is not None for c in codes):
                 return first_failure if first_failure is not None else EXIT_OK
+            if self._forwarder is not None and self._forwarder.poll() is not None:
+                log.info(f"slipstream run: the emulated links' forwarder exited (code {self._forwarder.returncode}); "
+                         "stopping the nodes", extra=CONSOLE)
+                return EXIT_TRAINING_FAILED
             now = time.monotonic()
             if failed_at is not None and now - failed_at > grace_s:
                 log.info(f"slipstream run: a node failed (exit {first_failure}); stopping the others", extra=CONSOLE)
@@ -489,7 +575,7 @@ def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions
     """
     if nodes < 1 or procs_per_node < 1:
         raise UsageError(f"--emulate needs at least 1 node and 1 process per node, got {nodes}x{procs_per_node}")
-    parse_rate(link)
+    parse_link(link)
     # Same checks as a real launch (script exists, restarts >= 0, ...), for this shape.
     dataclasses.replace(
         base, nproc_per_node=procs_per_node, min_nodes=nodes, max_nodes=nodes, node_rank=0,
@@ -506,7 +592,7 @@ def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions
     try:
         cluster.up()
         log.info(
-            f"slipstream run: emulated cluster {nodes}x{procs_per_node}, link {cluster.link} each way per node, "
+            f"slipstream run: emulated cluster {nodes}x{procs_per_node}, link {cluster.link_spec.describe()}, "
             f"namespaces {cluster.node_list[0].netns}..{cluster.node_list[-1].netns}, "
             f"rendezvous {cluster.rdzv_endpoint}",
             extra=CONSOLE,
