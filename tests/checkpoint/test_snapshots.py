@@ -163,3 +163,46 @@ def test_a_sharded_tensor_comes_back_on_its_mesh(tmp_path):
         assert torch.equal(back.t.full_tensor(), torch.arange(12.0).reshape(4, 3))
     finally:
         dist.destroy_process_group()
+
+
+def test_the_manager_prefers_a_newer_snapshot_and_falls_back_to_disk(tmp_path, monkeypatch, caplog):
+    """restore_latest(): the snapshot when it is at least as new as the disk's newest checkpoint;
+    the disk checkpoint when the snapshot is older or cannot be read (nothing half-restored)."""
+    from slipstream.checkpoint import CheckpointManager
+
+    monkeypatch.setenv("SLIPSTREAM_SNAPSHOT_DIR", str(tmp_path / "shm"))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    ckpt = str(tmp_path / "ckpt")
+
+    def manager(model):
+        mgr = CheckpointManager(ckpt, snapshot_every_steps=1, handle_sigterm=False, verify="size")
+        mgr.register("model", model)
+        return mgr
+
+    model = nn.Linear(3, 2)
+    mgr = manager(model)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        if step == 2:
+            assert mgr.save(2, blocking=True)
+            at_two = model.weight.clone()
+        assert mgr.maybe_snapshot(step)
+    at_three = model.weight.clone()
+    mgr.close()
+
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    fresh = nn.Linear(3, 2)
+    again = manager(fresh)
+    assert again.restore_latest() == 3 and again.restored_from.startswith("an in-memory snapshot")
+    assert "step 2" in again.restored_from and torch.equal(fresh.weight, at_three)
+    again.close()
+
+    slot = next(p for p in (tmp_path / "shm").rglob("slot*.bin") if (p.parent / f"step_00000003.{p.stem}").exists())
+    slot.write_bytes(b"cut")  # the slot of step 3 no longer holds its bytes
+    fresh = nn.Linear(3, 2)
+    third = manager(fresh)
+    assert third.restore_latest() == 2 and third.restored_from == ckpt and torch.equal(fresh.weight, at_two)
+    assert "the in-memory snapshot of step 3 cannot be read" in caplog.text
+    third.close()

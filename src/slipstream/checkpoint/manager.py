@@ -538,8 +538,7 @@ class CheckpointManager:
                     newest[0] = 0
             if self.group is not None and self.world_size > 1:
                 dist.broadcast_object_list(newest, src=0, group=self.group)
-            if snapshot >= newest[0]:
-                self.snapshots.load(snapshot, self._shared, self._per_rank)
+            if snapshot >= newest[0] and self._restore_snapshot(snapshot):
                 self.restored_from = (f"an in-memory snapshot (newest checkpoint in {self.directory}: "
                                       f"{f'step {newest[0]}' if newest[0] else 'none'})")
                 self._last_save_time = time.monotonic()
@@ -579,6 +578,26 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.restored_from = self.directory
         return step
+
+    def _restore_snapshot(self, step: int) -> bool:
+        """Load every rank's snapshot of ``step``, or none (False, every rank alike: then the
+        disk checkpoint is loaded). Each rank reads its own first and the ranks agree before
+        any registered object changes, so a rank that cannot read leaves no rank half-restored."""
+        tree, problem = None, ""
+        try:
+            tree = self.snapshots.read(step)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - agreed below; the disk checkpoint is the fallback
+            problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+        failed = torch.tensor([0.0 if tree is not None else 1.0])
+        if self.group is not None and self.world_size > 1:
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
+        if failed.item():
+            if problem:
+                log.warning("the in-memory snapshot of step %d cannot be read (%s): loading the newest "
+                            "checkpoint on disk instead", step, problem)
+            return False
+        self.snapshots.apply(tree, self._shared, self._per_rank)  # type: ignore[union-attr, arg-type]
+        return True
 
     def _read_rank_file(self, path: str) -> tuple[dict | None, Exception | None]:
         """(this rank's per-rank state in checkpoint ``path`` or None when it has no file

@@ -251,12 +251,15 @@ class MemorySnapshots:
         common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
         return max(common) if common else None
 
-    def load(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
-        """Load this rank's snapshot of ``step`` into the registered objects."""
+    def read(self, step: int) -> dict:
+        """This rank's snapshot of ``step`` as plain data ({"shared": ..., "per_rank": ...}), touching
+        no registered object: a rank that cannot read its snapshot says so before any rank loads."""
         slot = self._held()[step]
         index = torch.load(self._index(step, slot), map_location="cpu", weights_only=True)
         with open(os.path.join(self.directory, f"slot{slot}.bin"), "rb") as fh:
             data = torch.frombuffer(bytearray(fh.read(index["size"])), dtype=torch.uint8)
+        if data.numel() != index["size"]:
+            raise OSError(f"snapshot slot {slot} of step {step} holds {data.numel()} of {index['size']} bytes")
         tensors = []
         for offset, dtype_name, shape in index["places"]:
             dtype = getattr(torch, dtype_name)
@@ -265,11 +268,19 @@ class MemorySnapshots:
                 count *= n
             nbytes = count * torch.empty((), dtype=dtype).element_size()
             tensors.append(data[offset:offset + nbytes].view(dtype).view(shape).clone())
-        tree = _unflatten(index["tree"], tensors)
+        return _unflatten(index["tree"], tensors)
+
+    @staticmethod
+    def apply(tree: dict, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        """Load what :meth:`read` returned into the registered objects."""
         for objects, saved in ((shared, tree["shared"]), (per_rank, tree["per_rank"])):
             for name, obj in objects.items():
                 if name in saved:
                     _load_into(obj, saved[name])
+
+    def load(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        """Load this rank's snapshot of ``step`` into the registered objects."""
+        self.apply(self.read(step), shared, per_rank)
 
 
 def sweep(environ: Mapping[str, str] | None = None, owner: int | None = None) -> list[str]:
