@@ -20,6 +20,7 @@ Faults:
 
     python -m benchmarks.chaos --preset short            # CI: 2 ranks, 3 trials, < 75 s
     python -m benchmarks.chaos --preset full --trials 50 --worlds 2,4 --seed 1
+    python -m benchmarks.chaos --preset full --trials 20 --worlds 2,4 --snapshot-every 1   # in-memory snapshots
 
 Writes a JSON report (--out, default benchmarks/results/chaos.json) and prints a
 table; exits 1 when any trial's final state is not bitwise equal to its reference
@@ -77,6 +78,8 @@ class Workload:
     batch_size: int = 8
     corpus_mb: float = 0.25
     max_restarts: int = 3
+    snapshot_every: int | None = None
+    """In-memory snapshots every this many steps (``--snapshot-every-steps``), trials and references alike."""
 
     def script_args(self, out: Path, ckpt: Path) -> list[str]:
         return [GPT, "--steps", str(self.steps), "--dim", str(self.dim), "--layers", str(self.layers),
@@ -109,6 +112,8 @@ def launcher_argv(setup: Setup, wl: Workload, run_dir: Path, out: Path, ckpt: Pa
     argv += ["--emulate", "2x1"] if setup.emulated else ["-n", str(setup.world)]
     argv += ["--max-restarts", str(wl.max_restarts), "--run-dir", str(run_dir), "--log-every-steps", "1",
              "--checkpoint-async" if setup.async_save else "--no-checkpoint-async"]
+    if wl.snapshot_every is not None:
+        argv += ["--snapshot-every-steps", str(wl.snapshot_every)]
     return argv + wl.script_args(out, ckpt)
 
 
@@ -360,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                         "next step times are not inflated by trials competing for the cores)")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "chaos.json"), help="JSON report")
     p.add_argument("--keep", action="store_true", help="keep the trials' directories (logs, checkpoints)")
+    p.add_argument("--snapshot-every", type=int, default=None,
+                   help="in-memory snapshots every N steps (slipstream run --snapshot-every-steps; default off)")
     args = p.parse_args(argv)
 
     short = args.preset == "short"
@@ -369,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--trials and every --worlds entry must be >= 1")
     if args.link_cut and os.geteuid() != 0:
         p.error("--link-cut needs root (network namespaces)")
-    wl = Workload(steps=args.steps or (30 if short else 48), every=args.checkpoint_every or 7)
+    wl = Workload(steps=args.steps or (30 if short else 48), every=args.checkpoint_every or 7,
+                  snapshot_every=args.snapshot_every)
     timeout_s = args.trial_timeout_s or (180.0 if short else 300.0)
     rng = random.Random(args.seed)
     plans = plan_trials(args.preset, trials, worlds, rng, wl, args.link_cut)

@@ -22,7 +22,7 @@ took 85 ms) and then writes the index (a temporary name, renamed): a slot is com
 or it has no index. The other slot keeps the step before, so a rank killed mid-copy
 still holds one; the ranks of a step-synchronous job differ by at most one step.
 
-Layout: ``ROOT/slipstream-snapshots/<checkpoint dir hash>-ws<W>/rank<R>/`` (ROOT:
+Layout: ``ROOT/slipstream-snapshots/<checkpoint dir hash>-ws<W>/launcher<PID>/rank<R>/`` (ROOT:
 ``SLIPSTREAM_SNAPSHOT_DIR`` or ``/dev/shm``), directories 0700. ``rank<R>/owner`` names
 the launcher (the worker's parent): the launcher deletes its ranks' snapshots when it
 exits, and those of launchers that no longer run (killed with SIGKILL) at its start
@@ -163,7 +163,9 @@ class MemorySnapshots:
         env = os.environ if environ is None else environ
         where = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
         key = hashlib.sha256(where.encode()).hexdigest()[:16]
-        directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"rank{rank}")
+        # The launcher's pid in the path: a worker orphaned by a launcher killed with SIGKILL, still
+        # alive for a moment, can never write into the slots of the job relaunched on this directory.
+        directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"launcher{os.getppid()}", f"rank{rank}")
         return cls(directory, rank, world_size, every_steps, int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
 
     def _held(self) -> dict[int, int]:
@@ -293,27 +295,20 @@ def sweep(environ: Mapping[str, str] | None = None, owner: int | None = None) ->
     """
     removed = []
     root = root_dir(environ)
-    try:
-        jobs = os.listdir(root)
-    except FileNotFoundError:
-        return removed
-    for job in jobs:
-        job_dir = os.path.join(root, job)
-        for rank in (os.listdir(job_dir) if os.path.isdir(job_dir) else []):
-            rank_dir = os.path.join(job_dir, rank)
+    for parent, dirs, files in os.walk(root, topdown=False):
+        if "owner" in files:
             try:
-                with open(os.path.join(rank_dir, "owner")) as fh:
+                with open(os.path.join(parent, "owner")) as fh:
                     pid_text, _, start = fh.read().strip().partition(" ")
                 pid = int(pid_text)
             except (OSError, ValueError):
                 pid, start = 0, ""
             if pid == owner or not pids.alive(pid, start or None):
-                shutil.rmtree(rank_dir, ignore_errors=True)
-                removed.append(rank_dir)
-        try:
-            os.rmdir(job_dir)
-        except OSError:
-            pass
+                shutil.rmtree(parent, ignore_errors=True)
+                removed.append(parent)
+        elif parent != root:
+            try:
+                os.rmdir(parent)  # a job's or launcher's directory, when left empty
+            except OSError:
+                pass
     return removed
-
-
