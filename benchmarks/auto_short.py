@@ -8,7 +8,8 @@ Each model is a plain torchrun-style DDP MLP (the script below, run by
 ``slipstream run --emulate 2x1 --link RATE --sync NAME``: the script's DDP model
 is adopted, docs/zero-change.md), learning a fixed random teacher:
 
-* ``small``: width 256, depth 2 (0.09M parameters, 0.34 MB of gradients);
+* ``small``: width 256, depth 2 (0.09M parameters, 0.34 MB of gradients), 32 samples a step;
+* ``small_compute``: the same model, 4096 samples a step (compute-bound: little to gain);
 * ``large``: width 1024, depth 4 (3.2M parameters, 12.9 MB of gradients).
 
 ``allreduce`` and ``auto`` run interleaved (A B, then B A) over ``--repeats``.
@@ -39,9 +40,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# name -> (width, depth, steps): steps sized for ~15 s of training loop on this machine's
-# 200 Mbit/s emulated link for the small model (the issue's short job).
-MODELS = {"small": (256, 2, 800), "large": (1024, 4, 40)}
+# name -> (width, depth, steps, batch per rank): steps sized for ~15 s of training loop on
+# this machine's 200 Mbit/s emulated link for the small models (the issue's short job).
+# small: communication is most of the step (its 14 ms all-reduce against ~3 ms of compute);
+# small_compute: the same model on 4096 samples a step, where compute is ~90 % of the step and
+# compression has little to gain.
+MODELS = {"small": (256, 2, 800, 32), "small_compute": (256, 2, 100, 4096), "large": (1024, 4, 40, 32)}
 STRATEGIES = ("allreduce", "auto")
 
 
@@ -103,11 +107,11 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_once(model: str, strategy: str, link: str, work: Path, timeout_s: float) -> dict:
-    width, depth, steps = MODELS[model]
+    width, depth, steps, batch = MODELS[model]
     out, run_dir = work / "out", work / "run"
     cmd = [sys.executable, "-m", "slipstream", "run", "--emulate", "2x1", "--link", link, "--run-dir", str(run_dir),
            "--sync", strategy, str(Path(__file__).resolve()), "--worker", "--width", str(width), "--depth", str(depth),
-           "--steps", str(steps), "--out", str(out)]
+           "--steps", str(steps), "--batch", str(batch), "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{REPO}:{os.environ.get('PYTHONPATH', '')}"}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -127,8 +131,36 @@ def run_once(model: str, strategy: str, link: str, work: Path, timeout_s: float)
     return row
 
 
+START_STEPS = 16  # auto's probe, observed step, decision and verification (up to 12 steps) fall in these
+
+
+def start_extra_s(row: dict) -> float:
+    """What a run's start cost beyond its steady state: DDP's construction (where ``auto``
+    probes) plus its first START_STEPS steps, less as many steps at the median of the rest."""
+    steps = row["step_s"]
+    return row["build_s"] + sum(steps[:START_STEPS]) - START_STEPS * statistics.median(steps[START_STEPS:])
+
+
 def _ratio(rows: dict[str, list[dict]], key: str) -> list[float]:
     return [a[key] / b[key] for a, b in zip(rows["auto"], rows["allreduce"])]
+
+
+def table(rows: dict[str, dict[str, list[dict]]]) -> str:
+    """The markdown table: per model, auto over allreduce (median, then each repeat pair)."""
+    lines = ["| model | auto x allreduce: wall (each repeat) | train (each) | test loss (each) | final loss | "
+             "auto's start extra over allreduce's, s (share of allreduce's train) | auto's plans |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        cells = []
+        for key in ("wall_s", "train_s", "test_loss", "final_loss"):
+            ratios = _ratio(r, key)
+            cells.append(f"{statistics.median(ratios):.3f} ({', '.join(f'{v:.3f}' for v in ratios)})")
+        extra = [(start_extra_s(a) - start_extra_s(b), b["train_s"]) for a, b in zip(r["auto"], r["allreduce"])]
+        cells.append(", ".join(f"{e:+.2f} ({e / t:+.1%})" for e, t in extra))
+        plans = "; ".join(str(x.get("decision")) for x in r["auto"])
+        params = r["auto"][0]["params"] / 1e6
+        lines.append(f"| {name} ({params:.2f}M) | " + " | ".join(cells) + f" | {plans} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=2, help=argparse.SUPPRESS)
     p.add_argument("--steps", type=int, default=100, help=argparse.SUPPRESS)
     p.add_argument("--batch", type=int, default=32, help=argparse.SUPPRESS)
+    p.add_argument("--report", metavar="JSON", help="print the table of a saved run again, and exit")
     args = p.parse_args(argv)
+    if args.report:
+        print(table(json.loads(Path(args.report).read_text())["rows"]))
+        return 0
     if args.worker:
         worker(args)
         return 0
@@ -169,24 +205,13 @@ def main(argv: list[str] | None = None) -> int:
                           + (f"; {row.get('decision')}; {row.get('verification')}" if strategy == "auto" else ""),
                           flush=True)
     load.append(os.getloadavg()[0])
-    lines = ["| model | auto x allreduce: wall (each repeat) | train (each) | test loss (each) | final loss | "
-             "auto's plans |", "|---|---|---|---|---|---|"]
-    for name in names:
-        r = rows[name]
-        cells = []
-        for key in ("wall_s", "train_s", "test_loss", "final_loss"):
-            ratios = _ratio(r, key)
-            cells.append(f"{statistics.median(ratios):.3f} ({', '.join(f'{v:.3f}' for v in ratios)})")
-        plans = "; ".join(str(x.get("decision")) for x in r["auto"])
-        params = r["auto"][0]["params"] / 1e6
-        lines.append(f"| {name} ({params:.2f}M) | " + " | ".join(cells) + f" | {plans} |")
-    table = "\n".join(lines) + f"\n\nload average (1 min) at start and end: {load[0]:.2f}, {load[1]:.2f}"
-    print(table)
+    text = table(rows) + f"\n\nload average (1 min) at start and end: {load[0]:.2f}, {load[1]:.2f}"
+    print(text)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out, f"auto-short-{stamp}.json")
     path.write_text(json.dumps({"link": args.link, "repeats": args.repeats, "load": load, "rows": rows,
-                                "table": table}, indent=1))
+                                "table": text}, indent=1))
     print(f"written: {path}")
     return 0
 
