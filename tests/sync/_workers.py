@@ -209,7 +209,13 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
         model = mlp(widths)
         ddp = DDP(model, bucket_cap_mb=0.005)
         real_probe = probe.probe_link
-        probe.probe_link = lambda *a, **k: link
+        probed_sizes = []
+
+        def stand_in(*a, **k):
+            probed_sizes.append(list(k.get("sizes_bytes", ())))
+            return link
+
+        probe.probe_link = stand_in
         try:
             st = sync.apply("auto", ddp)
         finally:
@@ -224,7 +230,9 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
             modes.append(st.mode.value)
         stats = st.stats()
         st.close()
-        return {"modes": modes, "stats": stats, "choices": {str(k): v for k, v in st.decisions.items()}}
+        return {"modes": modes, "stats": stats, "choices": {str(k): v for k, v in st.decisions.items()},
+                "probed_sizes": probed_sizes,
+                "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
     def verify_reverts_a_slow_plan():
         # A plan the model got wrong: every bucket on a codec made 40 ms slower per bucket

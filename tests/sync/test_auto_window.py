@@ -47,3 +47,12 @@ def test_no_codec_is_timed_where_none_could_help(suite_results):
     assert set(w["choices"].values()) == {"allreduce"}, w["choices"]
     assert "codecs not timed" in st["sync_decision_reason"], st["sync_decision_reason"]
     assert st["sync_retained"] == {} and all(b["compute_s"] == 0.0 for b in st["sync_decisions"]), st
+
+
+def test_the_start_up_probe_is_sized_to_the_models_gradient(suite_results):
+    # auto's one start-up probe, at 8 KiB and at the model's gradient (clamped), not 4 MiB.
+    from slipstream.sync.auto import probe_sizes
+
+    w = suite_results["auto"]["default_window"]
+    assert w["probed_sizes"] == [list(probe_sizes(w["gradient_bytes"]))], w["probed_sizes"]
+    assert w["probed_sizes"][0][1] < 4 << 20, w

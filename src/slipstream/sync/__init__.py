@@ -295,7 +295,8 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     from .hooks import HookSync
     from .options import SyncOptions
     from .levels import FLAT, HIERARCHICAL, has_two_levels
-    from .probe import probe_both, probe_levels, probe_link
+    from .auto import flat_prober
+    from .probe import probe_both, probe_levels
     from .topology import groups
 
     name = "hierarchical+auto" if hierarchical else "auto"
@@ -314,8 +315,9 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
         levels = {FLAT: reducer, HIERARCHICAL: Hierarchical(g)}
         prober = lambda: probe_both(g, device)  # noqa: E731
     else:
-        reducer, prober = FlatReducer(g.flat), (lambda: probe_link(g.flat, device=device,
-                                                                   control=ControlWire(g.control)))
+        # The probe scaled to the model: its gradient, at most the full 4 MiB (auto.probe_sizes).
+        gradient_bytes = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
+        reducer, prober = FlatReducer(g.flat), flat_prober(g.flat, ControlWire(g.control), device, gradient_bytes)
     link = prober()
     codecs = {c: make_codec(c, **opts.codec_kwargs(c)) for c in opts.auto_candidates}
     guard = ConvergenceGuard(**opts.guard_kwargs()) if opts.guard else None

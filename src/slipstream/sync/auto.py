@@ -62,6 +62,7 @@ from .control import ControlWire
 from .levels import FLAT, HIERARCHICAL, LevelLinks, choose_level, explain_level
 from .options import SyncOptions
 from .policy import BucketInfo, Decision, FlatCost, HierarchicalCost, as_cost, decide, verify_plan
+from . import probe
 from ..link import Link
 from ..timing import clock_for, duration_s
 
@@ -76,6 +77,46 @@ log = logging.getLogger("slipstream.sync")
 COST_RUNS = 4
 
 LinkModel = Link | FlatCost | HierarchicalCost | LevelLinks
+
+# The start-up probe's two all-reduce sizes: a small one for the latency, and the model's
+# whole gradient for the bandwidth, at most PROBE_MAX_BYTES (the probe's size before it was
+# scaled) and at least PROBE_MIN_BYTES (a fit needs two sizes well apart). A fixed 4 MiB probe
+# cost a 0.09M-parameter model (0.34 MB of gradients) 0.72-0.82 s at 200 Mbit/s, 5-6 % of a
+# 15 s job, to measure a bandwidth at twelve times the size it would ever send (BENCHMARKS.md,
+# "auto on a short job").
+PROBE_SMALL_BYTES = 8 << 10
+PROBE_MIN_BYTES = 64 << 10
+PROBE_MAX_BYTES = 4 << 20
+
+
+def probe_sizes(gradient_bytes: int) -> tuple[int, int]:
+    """The start-up probe's (small, large) all-reduce sizes for a model of ``gradient_bytes``:
+    the large one is the gradient itself, clamped to [PROBE_MIN_BYTES, PROBE_MAX_BYTES], so a
+    small model's probe costs about what a few of its own steps' all-reduces cost and a large
+    model's is the full one.
+
+    Example::
+
+        probe_sizes(340_000)     # (8192, 340000): a 0.09M-parameter model
+        probe_sizes(12_900_000)  # (8192, 4194304): a 3.2M-parameter model probes fully
+    """
+    return PROBE_SMALL_BYTES, int(min(PROBE_MAX_BYTES, max(PROBE_MIN_BYTES, gradient_bytes)))
+
+
+def flat_prober(group: Any, control: ControlWire, device: torch.device | str,
+                gradient_bytes: int) -> Callable[[], Link]:
+    """``auto``'s prober of one flat group: :func:`~.probe.probe_link` at :func:`probe_sizes`
+    for a model of ``gradient_bytes``, agreed on ``control`` (the start-up probe and
+    ``request_probe()``'s both).
+
+    Example::
+
+        prober = flat_prober(g.flat, ControlWire(g.control), "cpu", 340_000)
+        prober().summary()   # "2 ranks, latency 1.62 ms, 0.215 Gbit/s", after ~0.1 s at 200 Mbit/s
+    """
+    sizes = probe_sizes(gradient_bytes)
+    # Looked up when called, as _auto's own import did: a test's stand-in for the probe applies.
+    return lambda: probe.probe_link(group, sizes_bytes=sizes, device=device, control=control)
 
 
 def _logs() -> bool:
@@ -545,4 +586,5 @@ def shares_kept(names: list[str], energy: list[float], lost: list[float]) -> dic
     return {nm: max(0.0, 1.0 - v / e) for nm, e, v in zip(names, energy, lost, strict=True) if e > 0.0 and v >= 0.0}
 
 
-__all__ = ["COST_RUNS", "AutoPolicy", "shares_kept"]
+__all__ = ["COST_RUNS", "PROBE_MAX_BYTES", "PROBE_MIN_BYTES", "PROBE_SMALL_BYTES", "AutoPolicy", "flat_prober", "probe_sizes",
+           "shares_kept"]
