@@ -206,3 +206,11 @@ def test_the_manager_prefers_a_newer_snapshot_and_falls_back_to_disk(tmp_path, m
     assert third.restore_latest() == 2 and third.restored_from == ckpt and torch.equal(fresh.weight, at_two)
     assert "the in-memory snapshot of step 3 cannot be read" in caplog.text
     third.close()
+
+
+def test_an_unusable_snapshot_directory_turns_snapshots_off_not_the_run(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    snaps = MemorySnapshots.for_run("ckpt", 0, 1, 1, environ={"SLIPSTREAM_SNAPSHOT_DIR": str(blocker)})
+    assert not snaps.enabled and not snaps.due(1) and snaps.agreed_newest() is None
+    assert "in-memory snapshots are off for rank 0" in caplog.text

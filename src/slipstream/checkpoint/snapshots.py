@@ -151,10 +151,13 @@ class MemorySnapshots:
         self._buffers: dict[int, torch.Tensor] = {}  # slot -> its mapped buffer (uint8)
         if restart_count == 0:  # a new job on this checkpoint directory: nothing of an earlier one is loaded
             shutil.rmtree(directory, ignore_errors=True)
-        os.makedirs(directory, mode=0o700, exist_ok=True)
         launcher = os.getppid()
-        with open(os.path.join(directory, "owner"), "w") as fh:
-            fh.write(f"{launcher} {pids.start_time(launcher) or ''}")
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            with open(os.path.join(directory, "owner"), "w") as fh:
+                fh.write(f"{launcher} {pids.start_time(launcher) or ''}")
+        except OSError as exc:  # off on this rank alone: it still answers agreed_newest() (with nothing)
+            self._turn_off(f"{directory} cannot be made: {exc}")
 
     @classmethod
     def for_run(cls, checkpoint_dir: str, rank: int, world_size: int, every_steps: int,
