@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import torch
@@ -64,18 +65,20 @@ def train(strategy: str, steps: int, *, opt_name: str = "sgd", lr: float = 0.1, 
         opt.step()
         opt.zero_grad(set_to_none=True)
         handle.after_optimizer_step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if per_step is not None:
             per_step(step + 1, model, handle)
     return model, handle, losses, opt
 
 
 def _check(out: dict, name: str, fn) -> None:
+    started = time.perf_counter()
     try:
         out[name] = fn()
     except Exception:  # noqa: BLE001 - reported to the test
         out[name] = {"error": traceback.format_exc()}
     dist.barrier()
+    out.setdefault("seconds", {})[name] = round(time.perf_counter() - started, 2)
 
 
 def suite(rank: int, world: int, ckpt: str) -> dict:
@@ -99,8 +102,12 @@ def suite(rank: int, world: int, ckpt: str) -> dict:
         nn.functional.cross_entropy(ref(x), y).backward()
         diff = max(float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), ref.parameters()))
         s = handle.stats()
+        bn = DDP(mlp(batchnorm=True))
+        syncs_before = bn.will_sync_module_buffers()
+        sync.apply("diloco", bn)
         return {"diff": diff, "bytes": s["sync_bytes_sent"], "total": s["sync_bytes_sent_total"],
-                "steps": s["sync_steps"], "grads_differ": not same_on_ranks(next(model.parameters()).grad)}
+                "steps": s["sync_steps"], "grads_differ": not same_on_ranks(next(model.parameters()).grad),
+                "buffers_broadcast": [syncs_before, bn.will_sync_module_buffers()]}
 
     def averaging_is_sync_sgd():
         # H=1, outer lr 1, no momentum: parameter averaging at every step = synchronous SGD.

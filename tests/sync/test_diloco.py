@@ -32,6 +32,7 @@ def test_inner_steps_send_nothing_and_keep_the_local_gradient(suite):
         assert r["diff"] == 0.0, r  # DDP's reducer neither averaged nor divided the gradient
         assert r["bytes"] == 0 and r["total"] == 0 and r["steps"] == 1, r
         assert r["grads_differ"], r  # each rank's own data: the gradients differ
+        assert r["buffers_broadcast"] == [True, False], r  # DDP's per-forward buffer broadcast: off
 
 
 def test_h1_lr1_no_momentum_is_synchronous_sgd(suite):
