@@ -18,8 +18,9 @@ A strategy is applied to a DistributedDataParallel model once, after wrapping:
                        parameter change (options: inner_steps, outer_lr, outer_momentum, fragments, ...)
 =====================  ==================================================================
 
-Every strategy but ``allreduce`` runs through :mod:`.hooks`, which keeps one
-global collective order (see there). The returned state is a
+Every strategy but ``allreduce`` and ``diloco`` runs through :mod:`.hooks`, which keeps one
+global collective order (see there); ``diloco`` (:mod:`.diloco`) sends nothing in backward
+and all-reduces from :meth:`SyncHandle.after_optimizer_step`, on the training loop's thread. The returned state is a
 :class:`SyncHandle`: ``stats()``, ``state_dict()``/``load_state_dict()``,
 ``observe_loss()``, ``request_probe()``, ``decision_summary()``, ``close()``.
 Options and their defaults: :class:`~.options.SyncOptions`.

@@ -276,7 +276,10 @@ class Accelerated:
         if self.layout.sync is not None:
             # Every rank, every optimizer step (even one the fp16 scaler skipped): diloco's outer
             # step follows the count of steps. Before the checkpoint, which then holds its result.
-            self.layout.sync.after_optimizer_step()
+            try:
+                self.layout.sync.after_optimizer_step()
+            except Exception as exc:  # noqa: BLE001 - an outer all-reduce a peer never joined: the hang report
+                self._raise_diagnosed(exc)
         self.recorder.end("optimizer", timing)
         self.step_count += 1
         saved = stop = False
