@@ -57,7 +57,7 @@ def _require(cond: bool, message: str) -> None:
 class SyncConfig:
     """Gradient synchronisation of the data-parallel (DDP) layout."""
 
-    strategy: str = field(default="allreduce", metadata={"metavar": "NAME", "help": "gradient sync strategy (allreduce, bf16, fp16, powersgd, topk, sign, hierarchical[+X], auto)"})
+    strategy: str = field(default="allreduce", metadata={"metavar": "NAME", "help": "gradient sync strategy (allreduce, bf16, fp16, powersgd, topk, sign, hierarchical[+X], auto, diloco)"})
     """Strategy name (see ``slipstream.sync.available()``). Flat name: ``sync``."""
     options: dict = field(default_factory=dict, metadata={"metavar": "JSON", "help": 'strategy options as JSON, e.g. \'{"rank": 4}\''})
     """Options for the strategy (e.g. {"rank": 4} for powersgd, {"density": 0.01} for topk;
@@ -424,6 +424,11 @@ class TrainConfig:
     def _check_across_sections(self) -> None:
         # Checked here, not only in accelerate(), so `slipstream run` refuses it before any worker starts.
         if self.parallel.is_mesh:
+            _require(
+                self.sync.strategy != "diloco",
+                "sync 'diloco' runs on the plain data-parallel layout only (DDP replicas); with dp_shard, tp or pp "
+                "it is not supported yet",
+            )
             _require(
                 self.sync.strategy == "allreduce" and not self.sync.options,
                 f"sync {self.sync.strategy!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "

@@ -89,6 +89,12 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("run", "--sync-options"): [
         bad("--sync-options", "{rank: 4}"),
         bad("--sync-options", '{"rnk": 4}', "--sync", "powersgd", names=("rnk", "did you mean 'rank'")),
+        bad("--sync-options", '{"inner_steps": 0}', "--sync", "diloco", names=("inner_steps", "0")),
+        bad("--sync-options", '{"outer_codec": "int8"}', "--sync", "diloco", names=("outer_codec", "int8")),
+        bad("--sync-options", '{"fragments": 9, "inner_steps": 4}', "--sync", "diloco", names=("fragments", "9")),
+        bad("--sync-options", '{"outer_momentum": 1.5}', "--sync", "diloco", names=("outer_momentum", "1.5")),
+        bad("--sync-options", '{"rank": 4}', "--sync", "diloco", names=("rank", "inner_steps")),
+        bad("--sync", "diloco", "--dp-shard", "2", "-n", "2", names=("diloco", "dp_shard")),
     ],
     ("run", "--bucket-cap-mb"): [bad("--bucket-cap-mb", "0"), bad("--bucket-cap-mb", "x")],
     ("run", "--precision"): [bad("--precision", "fp64")],

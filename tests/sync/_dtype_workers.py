@@ -38,6 +38,8 @@ def train(strategy: str, dtype: torch.dtype, steps: int, **options) -> dict:
             state = sync.apply(strategy, ddp, observe_steps=1, verify_steps=0, min_retained=0.0, **options)
         finally:
             probe.probe_link = real
+    elif strategy == "diloco":
+        state = sync.apply(strategy, ddp, inner_steps=4, **options)  # outer steps within the run
     else:
         state = sync.apply(strategy, ddp, **options)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -50,6 +52,7 @@ def train(strategy: str, dtype: torch.dtype, steps: int, **options) -> dict:
             state.observe_loss(loss.detach())
             opt.step()
             opt.zero_grad(set_to_none=True)
+            state.after_optimizer_step()
             losses.append(float(loss.detach()))
         stats = state.stats()
         codec_state = state.state_dict().get("codecs", {})

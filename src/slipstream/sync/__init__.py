@@ -14,10 +14,13 @@ A strategy is applied to a DistributedDataParallel model once, after wrapping:
 ``auto``               probes the link, observes backward, picks per bucket from an alpha-beta model
                        (and, on several nodes of several ranks, flat or two-level reduction)
 ``hierarchical+auto``  two levels, always; probes both links, and picks per bucket the codec of the inter-node step
+``diloco``             no per-step sync: local steps, then every H steps an outer step on the averaged
+                       parameter change (options: inner_steps, outer_lr, outer_momentum, fragments, ...)
 =====================  ==================================================================
 
-Every strategy but ``allreduce`` runs through :mod:`.hooks`, which keeps one
-global collective order (see there). The returned state is a
+Every strategy but ``allreduce`` and ``diloco`` runs through :mod:`.hooks`, which keeps one
+global collective order (see there); ``diloco`` (:mod:`.diloco`) sends nothing in backward
+and all-reduces from :meth:`SyncHandle.after_optimizer_step`, on the training loop's thread. The returned state is a
 :class:`SyncHandle`: ``stats()``, ``state_dict()``/``load_state_dict()``,
 ``observe_loss()``, ``request_probe()``, ``decision_summary()``, ``close()``.
 Options and their defaults: :class:`~.options.SyncOptions`.
@@ -117,6 +120,16 @@ class SyncHandle(Protocol):
         carries state between steps."""
         ...
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer that steps the model (before any checkpoint is restored). ``diloco``
+        keeps its per-rank state in :meth:`state_dict`; a no-op elsewhere."""
+        ...
+
+    def after_optimizer_step(self) -> None:
+        """Called by the training loop after every optimizer step, on every rank (``diloco``:
+        the outer step when due, a collective then); a no-op elsewhere."""
+        ...
+
     def close(self) -> None:
         """Stop background work (the hook engine's ordering thread); idempotent."""
         ...
@@ -194,6 +207,12 @@ class AllreduceState:
 
     def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
         """DDP's reducer carries nothing between steps: the scale does not matter."""
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's state is the same on every rank: the shared checkpoint holds it."""
+
+    def after_optimizer_step(self) -> None:
+        """Every step already synchronised in backward: nothing to do."""
 
     def close(self) -> None:
         """Nothing runs in the background."""
@@ -326,6 +345,18 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     if dist.get_rank() == 0:
         logging.getLogger("slipstream.sync").info("sync %s: probed link: %s", name, link.summary())
     return state.install(ddp_model)
+
+
+@register("diloco")
+def _diloco(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
+    """Local steps, and every ``inner_steps`` an outer step (:mod:`.diloco`)."""
+    from .diloco import DiLoCo
+    from .options import SyncOptions
+
+    opts = SyncOptions.parse("diloco", options)
+    if _single_rank(ddp_model):
+        return AllreduceState(ddp_model, "diloco")
+    return DiLoCo(ddp_model, opts).install()
 
 
 @register("hierarchical+auto")

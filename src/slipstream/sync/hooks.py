@@ -211,6 +211,12 @@ class HookSync:
         """
         self._loss_scale = scale
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's state is the same on every rank: the shared checkpoint holds it."""
+
+    def after_optimizer_step(self) -> None:
+        """Gradients were synchronised in backward: nothing to do after the step."""
+
     def request_probe(self) -> None:
         """Re-measure the link (and, for auto, re-observe and re-decide) at the next step.
 

@@ -16,6 +16,8 @@ Fields, grouped as torch's PowerSGDState groups its own:
 * schedule: ``warmup_steps`` uncompressed first steps (codec strategies);
 * ``auto``: ``candidates``, ``observe_steps``, ``hidden_tolerance``, ``verify_steps``,
   ``min_retained``;
+* ``diloco``: ``inner_steps``, ``outer_lr``, ``outer_momentum``, ``outer_nesterov``,
+  ``fragments``, ``outer_codec`` (it takes no other option: nothing is compressed per step);
 * ``codec_options``: per codec name, the options given for it.
 
 Example::
@@ -43,7 +45,10 @@ GUARD_OPTION_NAMES = ("guard", "check_every_steps", "max_error_ratio", "loss_win
 AUTO_OPTION_NAMES = ("candidates", "observe_steps", "hidden_tolerance", "verify_steps", "verify_min_gain",
                      "verify_runner_up", "min_retained")
 CODEC_STRATEGY_OPTION_NAMES = ("warmup_steps",)
-BUILTIN_STRATEGIES = ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign", "hierarchical", "auto")
+DILOCO_OPTION_NAMES = ("inner_steps", "outer_lr", "outer_momentum", "outer_nesterov", "fragments", "outer_codec")
+DILOCO_CODECS = ("none", "bf16", "fp16")
+"""What ``outer_codec`` takes: the pseudo-gradient as it is, or cast to 16 bits for its all-reduce."""
+BUILTIN_STRATEGIES = ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign", "hierarchical", "auto", "diloco")
 """The strategies whose options this module knows (and their ``hierarchical+X`` forms);
 one registered by a user (``sync.register``) checks its own."""
 
@@ -108,6 +113,29 @@ class SyncOptions:
     GPT and 0.35-0.41 on the ResNet's early steps, where it slowed convergence in every run.
     0 turns the gate off."""
 
+    # -- diloco: tune these ------------------------------------------------------------------
+    inner_steps: int = 50
+    """H: local optimizer steps between two outer steps (each replica trains alone in between).
+    Bytes per step fall by H against all-reduce. 50, not the paper's 500: a run of a few
+    thousand steps still gets tens of outer steps, and the DiLoCo paper (Douillard et al.
+    2023, fig. 4) shows perplexity rising only slowly from H=50 to H=500, while runs here are
+    short (a few hundred steps with H=500 would average the replicas once or twice)."""
+    outer_lr: float = 0.7
+    """The outer optimizer's learning rate on the averaged pseudo-gradient (paper: 0.7)."""
+    outer_momentum: float = 0.9
+    """The outer optimizer's momentum (paper: 0.9, Nesterov). 0 with ``outer_lr`` 1 and H=1:
+    plain parameter averaging every step (with inner SGD: synchronous data-parallel SGD)."""
+    outer_nesterov: bool = True
+    """Nesterov momentum in the outer step (the paper's outer optimizer)."""
+    fragments: int = 1
+    """Streaming DiLoCo: the parameters are split in this many fragments of about equal size
+    (in parameter order) and fragment f is synchronised at its own step within the period
+    (step t with t mod H = (f+1) H / F mod H): each outer all-reduce carries 1/F of the model,
+    spread over the period instead of one burst. 1: the whole model every H steps."""
+    outer_codec: str = "none"
+    """How the pseudo-gradient travels: ``none`` (its own dtype), ``bf16`` or ``fp16`` (a 16-bit
+    cast for the all-reduce: half the outer bytes; the outer parameters stay in full width)."""
+
     # -- codecs ------------------------------------------------------------------------------
     codec_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per codec name, the constructor options given for it (defaults: the codec's own)."""
@@ -127,6 +155,21 @@ class SyncOptions:
         if not 0.0 <= self.min_retained <= 1.0:
             raise ConfigError(f"min_retained must be in [0, 1] (0: no convergence gate), got {self.min_retained}")
         object.__setattr__(self, "candidates", tuple(self.candidates))
+        self._check_diloco()
+
+    def _check_diloco(self) -> None:
+        if self.inner_steps < 1:
+            raise ConfigError(f"inner_steps must be >= 1 (local steps between outer steps), got {self.inner_steps}")
+        if not self.outer_lr > 0.0:
+            raise ConfigError(f"outer_lr must be > 0, got {self.outer_lr}")
+        if not 0.0 <= self.outer_momentum < 1.0:
+            raise ConfigError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if not 1 <= self.fragments <= self.inner_steps:
+            raise ConfigError(f"fragments must be in [1, inner_steps({self.inner_steps})] (each fragment is "
+                              f"synchronised at its own step of the period), got {self.fragments}")
+        if self.outer_codec not in DILOCO_CODECS:
+            raise ConfigError(f"outer_codec must be one of {', '.join(DILOCO_CODECS)}, got {self.outer_codec!r}"
+                              + did_you_mean(str(self.outer_codec), DILOCO_CODECS, quote=True))
 
     def codec_kwargs(self, codec: str) -> dict[str, Any]:
         """The options given for ``codec`` (empty: its constructor's defaults)."""
@@ -158,6 +201,8 @@ class SyncOptions:
         if base == "auto":
             codecs = tuple(options.get("candidates", cls.candidates))
             allowed = set(GUARD_OPTION_NAMES) | set(AUTO_OPTION_NAMES)
+        elif base == "diloco":
+            codecs, allowed = (), set(DILOCO_OPTION_NAMES)
         else:
             codecs = () if base == "hierarchical" else (base,)
             allowed = set(GUARD_OPTION_NAMES) | set(CODEC_STRATEGY_OPTION_NAMES)
@@ -213,5 +258,5 @@ def check_sync_options(strategy: str, options: Mapping[str, Any]) -> None:
 DEFAULTS = SyncOptions()
 """Every default in one object: ``DEFAULTS.loss_window`` and so on."""
 
-__all__ = ["AUTO_OPTION_NAMES", "CODEC_OPTION_NAMES", "DEFAULTS", "GUARD_OPTION_NAMES", "SyncOptions",
+__all__ = ["AUTO_OPTION_NAMES", "CODEC_OPTION_NAMES", "DEFAULTS", "DILOCO_CODECS", "DILOCO_OPTION_NAMES", "GUARD_OPTION_NAMES", "SyncOptions",
            "SyncOptionsError", "check_sync_options"]

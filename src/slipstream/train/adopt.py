@@ -311,6 +311,9 @@ class Adopter:
         if known is None:
             known = any(id(p) in self._params for group in optimizer.param_groups for p in group["params"])
             self._optimizers[optimizer] = known
+            if known:
+                for handle in self.handles:
+                    handle.attach_optimizer(optimizer)
         return known
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -341,6 +344,8 @@ class Adopter:
         if self._optimizer_timing is not None:
             self.recorder.end("optimizer", self._optimizer_timing)
             self._optimizer_timing = None
+        for handle in self.handles:
+            handle.after_optimizer_step()  # diloco: the outer step when due (every rank, same step)
         self.recorder.end_step(lr=optimizer.param_groups[0]["lr"])  # log steps: the straggler gather
         if self.progress is not None:
             self.progress.mark(progress.USER, self.recorder.step)

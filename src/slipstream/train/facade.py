@@ -273,6 +273,13 @@ class Accelerated:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
+        if self.layout.sync is not None:
+            # Every rank, every optimizer step (even one the fp16 scaler skipped): diloco's outer
+            # step follows the count of steps. Before the checkpoint, which then holds its result.
+            try:
+                self.layout.sync.after_optimizer_step()
+            except Exception as exc:  # noqa: BLE001 - an outer all-reduce a peer never joined: the hang report
+                self._raise_diagnosed(exc)
         self.recorder.end("optimizer", timing)
         self.step_count += 1
         saved = stop = False
@@ -506,6 +513,8 @@ def accelerate(
             else MeshLayout(model, config, runtime, context, tp_plan=tp_plan, pp_split_points=pp_split_points)
         )
         built = layout.optimizer_for(optimizer)
+        if layout.sync is not None:
+            layout.sync.attach_optimizer(built)  # before a checkpoint is restored into it
         built_scheduler = build_scheduler(scheduler, built)
         recorder.attach(layout.module, config, runtime.device, runtime.local_rank, extra_sinks=sinks)  # phase hooks, sinks
     except Exception:  # noqa: BLE001 - re-raised; a failed build or attach (a tracker's package missing, a

@@ -1,0 +1,270 @@
+"""DiLoCo: local training with an outer step every H steps, for links far slower than a datacenter's.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models"
+(2023), and its streaming form (Douillard et al. 2025). Each data-parallel replica
+trains alone with its own (inner) optimizer for ``inner_steps`` (H) steps: the DDP
+comm hook hands every bucket back untouched, so backward sends nothing and each
+rank steps on its own gradient. Then, on every rank at the same step, the outer step:
+
+* pseudo-gradient ``delta = theta_outer - theta_local`` (how far this replica moved);
+* one all-reduce averages it over the DDP model's process group;
+* an outer optimizer, SGD with Nesterov momentum (lr 0.7, momentum 0.9 by default, as in
+  the paper), applies it to ``theta_outer``; every replica continues from the new
+  ``theta_outer``. Floating-point buffers (BatchNorm statistics) are averaged too, at
+  the end of each period (DDP's per-forward buffer broadcast is switched off).
+
+With H=1, outer_lr=1 and no momentum this is parameter averaging after every step; with
+an inner SGD that is synchronous data-parallel SGD (tested). Otherwise the optimisation
+is a different one: the result is not the synchronous run's.
+
+``fragments`` F > 1 (streaming DiLoCo): the parameters are split in F parts of about
+equal size, in parameter order, and part f has its outer step at the steps t with
+``t mod H == (f+1) H / F mod H``: each outer all-reduce carries 1/F of the model.
+
+The schedule is a function of the count of optimizer steps only (the same on every rank):
+the training loop calls :meth:`DiLoCo.after_optimizer_step` after every optimizer step
+(``slipstream.accelerate`` and the zero-change adopter do). Checkpoint state (per rank):
+the step count, the outer parameters and momentum, and, because replicas differ between
+outer steps, this rank's own parameters, buffers and inner-optimizer state (which the
+shared checkpoint holds only as rank 0's): a resumed run is bitwise the uninterrupted one.
+
+Example::
+
+    handle = sync.apply("diloco", ddp_model, inner_steps=20)
+    handle.attach_optimizer(opt)
+    for x, y in loader:
+        loss_fn(ddp_model(x), y).backward(); opt.step(); opt.zero_grad()
+        handle.after_optimizer_step()          # every 20th step: the outer step
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..link import allreduce_bytes
+from .compress import make_codec
+from .compress.base import Wire
+from .options import SyncOptions
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+
+def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
+    """Parameter indices in ``fragments`` contiguous groups of about equal total size.
+
+    A parameter goes to the fragment its midpoint falls in. Pure.
+
+    Example::
+
+        split_fragments([4, 4, 4, 4], 2)     # [[0, 1], [2, 3]]
+    """
+    total = sum(numels) or 1
+    out: list[list[int]] = [[] for _ in range(fragments)]
+    before = 0
+    for i, n in enumerate(numels):
+        out[min(fragments - 1, int((before + n / 2) * fragments / total))].append(i)
+        before += n
+    return out
+
+
+def fragment_phases(inner_steps: int, fragments: int) -> list[int]:
+    """The step of the period (t mod H) at which each fragment has its outer step.
+
+    Example::
+
+        fragment_phases(10, 2)     # [5, 0]: fragment 0 at steps 5, 15, ...; fragment 1 at 10, 20, ...
+    """
+    return [((f + 1) * inner_steps // fragments) % inner_steps for f in range(fragments)]
+
+
+def _local_gradient_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations, not strings
+    """``(DiLoCo, GradBucket) -> Future[Tensor]``: the bucket as it is, no collective. DDP's
+    reducer divides by the world size only when no hook is registered, so each rank keeps
+    its own unscaled gradient (tested)."""
+    state.count_bucket(bucket)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class DiLoCo:
+    """The ``diloco`` strategy's state, a :class:`~slipstream.sync.SyncHandle` (see the module docstring).
+
+    Built by :func:`slipstream.sync.apply`; ``options``: a parsed :class:`SyncOptions`.
+    """
+
+    def __init__(self, ddp_model: DistributedDataParallel, options: SyncOptions, name: str = "diloco") -> None:
+        self.name = name
+        self.opts = options
+        self._ddp = ddp_model
+        self.group = ddp_model.process_group
+        self.wire = Wire(self.group)
+        codec = "allreduce" if options.outer_codec == "none" else options.outer_codec
+        self.codec = make_codec(codec)
+        named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+        if len(named) < options.fragments:
+            raise ConfigError(f"fragments({options.fragments}) is more than the model's {len(named)} trainable "
+                              "parameter tensors: use fewer fragments")
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.fragments = split_fragments([p.numel() for p in self.params], options.fragments)
+        self.phases = fragment_phases(options.inner_steps, options.fragments)
+        with torch.no_grad():
+            self.outer = [p.detach().clone() for p in self.params]  # DDP broadcast rank 0's: equal everywhere
+        self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
+        self.buffers = [(n, b) for n, b in ddp_model.module.named_buffers()]
+        self.optimizer: torch.optim.Optimizer | None = None
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self.allreduce_bytes_per_step = allreduce_bytes(grad_bytes, self.wire.size)
+        # counters (checkpointed)
+        self.step = 0  # optimizer steps seen
+        self.outer_steps = 0  # fragment outer steps done
+        self.bytes_sent_total = 0.0
+        # stats of the last step
+        self.last_bytes = 0.0
+        self.last_mode = "inner"
+        self.backwards = 0  # synchronising backwards the hook saw (none of them communicated)
+
+    def install(self) -> DiLoCo:
+        """Register the comm hook, switch off DDP's per-forward buffer broadcast; returns ``self``."""
+        # A forward-time broadcast would send rank 0's buffers at every step; they are
+        # averaged with the parameters at the end of each period instead.
+        self._ddp.broadcast_buffers = False
+        self._ddp.register_comm_hook(self, _local_gradient_hook)
+        return self
+
+    def count_bucket(self, bucket: dist.GradBucket) -> None:
+        if bucket.is_last():
+            self.backwards += 1
+
+    # --- the schedule -----------------------------------------------------------------------
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The inner optimizer: its per-rank state goes into :meth:`state_dict` (replicas differ)."""
+        self.optimizer = optimizer
+
+    def after_optimizer_step(self) -> None:
+        """Count one optimizer step; run the outer step of every fragment due at it. Every rank
+        calls it after every optimizer step (a collective on outer steps)."""
+        self.step += 1
+        phase = self.step % self.opts.inner_steps
+        sent_before = self.wire.bytes_sent
+        due = [f for f, at in enumerate(self.phases) if at == phase and self.fragments[f]]
+        for f in due:
+            self._outer_step(self.fragments[f])
+        if phase == 0:
+            self._average_buffers()
+        self.last_bytes = self.wire.bytes_sent - sent_before
+        self.bytes_sent_total += self.last_bytes
+        self.last_mode = "outer" if due else "inner"
+
+    @torch.no_grad()
+    def _outer_step(self, indices: list[int]) -> None:
+        params = [self.params[i] for i in indices]
+        flat = torch.cat([(self.outer[i] - p).reshape(-1) for i, p in zip(indices, params)])
+        flat = self.codec.reduce(flat, self.wire, key=("diloco", indices[0]))
+        lr, mu = self.opts.outer_lr, self.opts.outer_momentum
+        offset = 0
+        for i, p in zip(indices, params):
+            g = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            update = g
+            if mu > 0.0:
+                buf = self.momentum[i]
+                if buf is None:
+                    buf = self.momentum[i] = g.clone()  # torch's SGD: the first buffer is the gradient
+                else:
+                    buf.mul_(mu).add_(g)
+                update = g.add(buf, alpha=mu) if self.opts.outer_nesterov else buf
+            self.outer[i].add_(update, alpha=-lr)
+            p.copy_(self.outer[i])
+        self.outer_steps += 1
+
+    @torch.no_grad()
+    def _average_buffers(self) -> None:
+        floats = [b for _, b in self.buffers if b.is_floating_point()]
+        if not floats:
+            return
+        flat = torch.cat([b.reshape(-1) for b in floats])
+        flat = self.codec.reduce(flat, self.wire, key=("diloco", "buffers"))
+        offset = 0
+        for b in floats:
+            b.copy_(flat[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+    # --- SyncHandle ---------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        would_send = self.allreduce_bytes_per_step * self.step
+        return {
+            "sync_strategy": self.name,
+            "sync_mode": self.last_mode,
+            "sync_steps": self.backwards,
+            "sync_bytes_sent": self.last_bytes,
+            "sync_uncompressed_bytes": self.allreduce_bytes_per_step,
+            "sync_bytes_sent_total": self.bytes_sent_total,
+            # over the run so far: what all-reduce at every step would have sent / what was sent
+            "sync_compression_ratio": would_send / self.bytes_sent_total if self.bytes_sent_total else 1.0,
+            "sync_outer_steps": self.outer_steps,
+            "sync_decision": self.decision_summary(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "step": self.step,
+            "outer_steps": self.outer_steps,
+            "bytes_sent_total": self.bytes_sent_total,
+            "outer": dict(zip(self.names, self.outer)),
+            "momentum": {n: m for n, m in zip(self.names, self.momentum) if m is not None},
+            "local": dict(zip(self.names, (p.detach() for p in self.params))),
+            "buffers": {n: b for n, b in self.buffers},
+            "inner_optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's state, its own parameters, buffers and inner-optimizer state
+        included (loaded after the shared checkpoint, which holds rank 0's)."""
+        missing = sorted(set(self.names) - set(state["outer"]))
+        if missing:
+            raise ConfigError(f"the diloco checkpoint state has no outer copy of {', '.join(missing[:3])}"
+                              f"{' ...' if len(missing) > 3 else ''}: it was written for another model")
+        self.step = int(state["step"])
+        self.outer_steps = int(state.get("outer_steps", 0))
+        self.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
+        for i, n in enumerate(self.names):
+            self.outer[i].copy_(state["outer"][n])
+            self.params[i].copy_(state["local"][n])
+            m = state["momentum"].get(n)
+            self.momentum[i] = None if m is None else m.to(self.outer[i].device, copy=True)
+        for n, b in self.buffers:
+            if n in state.get("buffers", {}):
+                b.copy_(state["buffers"][n])
+        if self.optimizer is not None and state.get("inner_optimizer") is not None:
+            self.optimizer.load_state_dict(state["inner_optimizer"])
+
+    def observe_loss(self, loss: float | torch.Tensor) -> None:
+        """No convergence guard: nothing is compressed with error feedback."""
+
+    def request_probe(self) -> None:
+        """Nothing here depends on the link."""
+
+    def decision_summary(self) -> str:
+        o = self.opts
+        frag = f", {o.fragments} fragments" if o.fragments > 1 else ""
+        codec = f", outer {o.outer_codec}" if o.outer_codec != "none" else ""
+        return f"diloco (H={o.inner_steps}, outer lr {o.outer_lr} momentum {o.outer_momentum}{frag}{codec})"
+
+    def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
+        """Gradients are not sent: the scale does not matter."""
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
+
+__all__ = ["DiLoCo", "fragment_phases", "split_fragments"]
