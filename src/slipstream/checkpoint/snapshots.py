@@ -61,20 +61,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import pids
+from ..snapshot_dirs import ENV_ROOT, SUBDIR, root_dir, sweep
+
+__all__ = ["ENV_ROOT", "SUBDIR", "MemorySnapshots", "root_dir", "sweep"]
 
 log = logging.getLogger("slipstream.checkpoint")
 
 SLOTS = 2
-ENV_ROOT = "SLIPSTREAM_SNAPSHOT_DIR"
-SUBDIR = "slipstream-snapshots"
 TENSOR = "__snapshot_tensor__"  # the index's stand-in for a tensor: {TENSOR: its number}
 ALIGN = 64
-
-
-def root_dir(environ: Mapping[str, str] | None = None) -> str:
-    """Where snapshots live: ``$SLIPSTREAM_SNAPSHOT_DIR`` or ``/dev/shm``, plus ``slipstream-snapshots``."""
-    env = os.environ if environ is None else environ
-    return os.path.join(env.get(ENV_ROOT) or "/dev/shm", SUBDIR)
 
 
 def _flatten(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -286,32 +281,3 @@ class MemorySnapshots:
     def load(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
         """Load this rank's snapshot of ``step`` into the registered objects."""
         self.apply(self.read(step), shared, per_rank)
-
-
-def sweep(environ: Mapping[str, str] | None = None, owner: int | None = None) -> list[str]:
-    """Delete the snapshot directories of launcher ``owner`` (this one, at its exit) and of every
-    launcher that no longer runs (killed before it could). Returns what was deleted.
-
-    Example::
-
-        sweep(owner=os.getpid())   # in the launcher's finally
-    """
-    removed = []
-    root = root_dir(environ)
-    for parent, dirs, files in os.walk(root, topdown=False):
-        if "owner" in files:
-            try:
-                with open(os.path.join(parent, "owner")) as fh:
-                    pid_text, _, start = fh.read().strip().partition(" ")
-                pid = int(pid_text)
-            except (OSError, ValueError):
-                pid, start = 0, ""
-            if pid == owner or not pids.alive(pid, start or None):
-                shutil.rmtree(parent, ignore_errors=True)
-                removed.append(parent)
-        elif parent != root:
-            try:
-                os.rmdir(parent)  # a job's or launcher's directory, when left empty
-            except OSError:
-                pass
-    return removed

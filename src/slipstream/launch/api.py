@@ -331,7 +331,7 @@ def _launch(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    from ..checkpoint import snapshots
+    from .. import snapshot_dirs as snapshots  # torch-free: not the checkpoint package
 
     snapshots.sweep()  # in-memory snapshots of launchers that were killed before they could delete theirs
     # A stop signal must not land inside the agent's Popen.poll (slipstream.launch.agent_signals).
