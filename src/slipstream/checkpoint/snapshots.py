@@ -214,10 +214,10 @@ class MemorySnapshots:
         held = self._held()
         newest = max(held) if held else None
         slot = (held[newest] + 1) % SLOTS if newest is not None else 0
-        for old, old_slot in held.items():
-            if old_slot == slot:
-                os.remove(self._index(old, slot))  # the slot is about to change: no longer a snapshot
         try:
+            for old, old_slot in held.items():
+                if old_slot == slot:
+                    os.remove(self._index(old, slot))  # the slot is about to change: no longer a snapshot
             buffer = self._buffer(slot, size)
             for t, (offset, _, _) in zip(tensors, places):
                 nbytes = t.numel() * t.element_size()
