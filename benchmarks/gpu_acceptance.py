@@ -160,6 +160,16 @@ LAYOUTS_4 = {
     "tp2xpp2": {"tp": 2, "pp": 2},
 }
 
+def sync_options(strategy: str, steps: int) -> dict:
+    """A step's options for ``strategy``: diloco's replicas differ between outer steps by design, so
+    its period divides the run's steps and the run ends on an outer step (where the ranks' parameter
+    digests must be equal, as every other strategy's)."""
+    options: dict = {"sync": strategy}
+    if strategy == "diloco":
+        options["sync_options"] = {"inner_steps": steps // 2 if steps >= 2 and steps % 2 == 0 else max(1, steps)}
+    return options
+
+
 def conformance_steps(strategies: list[str], steps: int, estimate_s: float) -> list[Step]:
     """Issue #32's cases, 2 ranks (benchmarks/acceptance/ranks.py's ``case``):
 
@@ -170,7 +180,7 @@ def conformance_steps(strategies: list[str], steps: int, estimate_s: float) -> l
       (scale x 2**-8 after step 1), against the same run without the change.
     """
     at = max(1, steps // 2)
-    out = [Step(f"conformance/bf16-params/{s}", estimate_s, options={"sync": s}, case={"param_dtype": "bf16"})
+    out = [Step(f"conformance/bf16-params/{s}", estimate_s, options=sync_options(s, steps), case={"param_dtype": "bf16"})
            for s in strategies]
     out += [Step(f"conformance/resume/async-final-save+{c}", 2 * estimate_s, options={"sync": c},
                  case={"resume_at": at}) for c in ("powersgd", "topk")]
@@ -304,7 +314,8 @@ class Acceptance:
         perf = Step("perf", est["perf"])
         binding = Step("binding/per-rank-gpu", est["binding"])
         if self.environment.get("sync_available"):
-            syncs = [Step(f"sync/{s}", est["config2"], options={"sync": s}) for s in self.environment["sync_available"]]
+            syncs = [Step(f"sync/{s}", est["config2"], options=sync_options(s, sizes.ranks_steps))
+                     for s in self.environment["sync_available"]]
         else:  # nothing to plan from: one line says so
             syncs = [Step("sync/*", 0)]
         layouts2 = [Step(f"layout/{n}", est["config2"], options=o) for n, o in LAYOUTS_2.items()]
