@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--full", action="store_true", help="the whole cross product")
     mode.add_argument("--sample", type=int, metavar="N", help="N accepted rows of the full product")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sync", metavar="NAMES", default=None,
+                   help="only rows of these sync strategies, comma-separated (e.g. diloco): a strategy added "
+                        "after the last full run, recorded without rerunning the rest")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--launch-timeout-s", type=float, default=3 * 3600,
                    help="wall limit of one launch of 2 ranks (the full product is one launch unless a row breaks it)")
@@ -90,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
         name, rows = "pairwise", matrix.pairwise_rows()
     else:
         name, rows = ("full", list(matrix.all_rows())) if args.full else (f"sample{args.sample}", list(matrix.all_rows()))
+    if args.sync:
+        wanted = {n.strip() for n in args.sync.split(",") if n.strip()}
+        known = {r.sync for r in rows}
+        if not wanted <= known:
+            p.error(f"--sync: unknown strategy {sorted(wanted - known)}; the matrix has {sorted(known)}")
+        rows = [r for r in rows if r.sync in wanted]
+        name = f"{name}-{'+'.join(sorted(wanted))}"
     accepted, refused = classify(rows)
     if args.sample:
         accepted = random.Random(args.seed).sample(accepted, min(args.sample, len(accepted)))
