@@ -62,3 +62,18 @@ def test_a_large_model_still_probes_fully(sent):
     flat_prober(None, _Agreeing(), torch.device("cpu"), LARGE_MODEL_BYTES)()
     assert sorted(set(sent)) == [PROBE_SMALL_BYTES, PROBE_MAX_BYTES], sent
     assert sent.count(PROBE_MAX_BYTES) == sent.count(PROBE_SMALL_BYTES) == 4, sent  # warm-up + 3 timed
+
+
+def test_both_levels_probe_at_the_models_size_too(sent):
+    """Two levels (several nodes of several ranks): the flat group and both levels are probed
+    at the model's size, not 4 MiB each (the flat probe alone was scaled before)."""
+    from types import SimpleNamespace
+
+    from slipstream.sync.probe import probe_both
+
+    g = SimpleNamespace(flat=None, intra=None, inter=None, control=None,
+                        topology=SimpleNamespace(local_world_size=2, num_nodes=2))
+    links = probe_both(g, "cpu", probe_sizes(SMALL_MODEL_BYTES))
+    assert set(sent) == {PROBE_SMALL_BYTES, SMALL_MODEL_BYTES}, sent
+    assert len(sent) == 3 * 2 * 4, sent  # flat, intra, inter: two sizes, a warm-up and three timed runs each
+    assert links.flat.ranks == 2

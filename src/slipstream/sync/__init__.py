@@ -314,7 +314,7 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     from .hooks import HookSync
     from .options import SyncOptions
     from .levels import FLAT, HIERARCHICAL, has_two_levels
-    from .auto import flat_prober
+    from .auto import flat_prober, probe_sizes
     from .probe import probe_both, probe_levels
     from .topology import groups
 
@@ -325,17 +325,19 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     g = groups()
     device = _model_device(ddp_model)
     levels = None
+    # Every probe scaled to the model: its gradient, at most the full 4 MiB (auto.probe_sizes),
+    # on each level as on the flat group.
+    gradient_bytes = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
+    sizes = probe_sizes(gradient_bytes)
     if hierarchical:
-        reducer, prober = Hierarchical(g), (lambda: probe_levels(g, device))
+        reducer, prober = Hierarchical(g), (lambda: probe_levels(g, device, sizes))
     elif has_two_levels(g.topology):
         # Both levels exist: build both reducers and probe both; the decision takes the
         # level predicted faster (flat until then: the observed steps run flat).
         reducer = FlatReducer(g.flat)
         levels = {FLAT: reducer, HIERARCHICAL: Hierarchical(g)}
-        prober = lambda: probe_both(g, device)  # noqa: E731
+        prober = lambda: probe_both(g, device, sizes)  # noqa: E731
     else:
-        # The probe scaled to the model: its gradient, at most the full 4 MiB (auto.probe_sizes).
-        gradient_bytes = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
         reducer, prober = FlatReducer(g.flat), flat_prober(g.flat, ControlWire(g.control), device, gradient_bytes)
     link = prober()
     codecs = {c: make_codec(c, **opts.codec_kwargs(c)) for c in opts.auto_candidates}

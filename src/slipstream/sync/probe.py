@@ -29,7 +29,7 @@ from ..link import Link, allreduce_bytes
 
 def probe_link(
     group: Any = None,
-    sizes_bytes: tuple[int, int] = (8 << 10, 4 << 20),
+    sizes_bytes: tuple[int, int] = (8 << 10, 4 << 20),  # DEFAULT_SIZES
     repeats: int = 3,
     device: torch.device | str = "cpu",
     control: Any = None,
@@ -77,7 +77,11 @@ class _SelfAgreeing:
         return list(values)
 
 
-def probe_level(group: Any, ranks: int, device: torch.device | str = "cpu") -> Link:
+DEFAULT_SIZES = (8 << 10, 4 << 20)
+
+
+def probe_level(group: Any, ranks: int, device: torch.device | str = "cpu",
+                sizes_bytes: tuple[int, int] = DEFAULT_SIZES) -> Link:
     """One level's link, timed on its data group, not agreed (:func:`probe_levels` agrees both).
 
     Example::
@@ -86,10 +90,10 @@ def probe_level(group: Any, ranks: int, device: torch.device | str = "cpu") -> L
     """
     if ranks <= 1:
         return Link.measured(1, 0.0, float("inf"))
-    return probe_link(group, device=device, control=_SelfAgreeing())
+    return probe_link(group, sizes_bytes=sizes_bytes, device=device, control=_SelfAgreeing())
 
 
-def probe_levels(g: Any, device: torch.device | str = "cpu") -> Any:
+def probe_levels(g: Any, device: torch.device | str = "cpu", sizes_bytes: tuple[int, int] = DEFAULT_SIZES) -> Any:
     """Both links of a two-level topology (``g``: :class:`~.topology.Groups`), agreed on every rank.
 
     Collective on every rank: each node probes its own intra group, each local
@@ -107,8 +111,8 @@ def probe_levels(g: Any, device: torch.device | str = "cpu") -> Any:
 
     topo = g.topology
     control = ControlWire(g.control)
-    intra = probe_level(g.intra, topo.local_world_size, device)
-    inter = probe_level(g.inter, topo.num_nodes, device)
+    intra = probe_level(g.intra, topo.local_world_size, device, sizes_bytes)
+    inter = probe_level(g.inter, topo.num_nodes, device, sizes_bytes)
     a1, inv1, a2, inv2 = control.agree(
         [intra.alpha_s, 1 / intra.bytes_per_s, inter.alpha_s, 1 / inter.bytes_per_s], op=dist.ReduceOp.MAX)
     intra = Link.measured(intra.ranks, a1, 1 / inv1 if inv1 > 0 else float("inf"), intra.samples)
@@ -116,7 +120,7 @@ def probe_levels(g: Any, device: torch.device | str = "cpu") -> Any:
     return HierarchicalCost(intra, inter, topo.local_world_size, topo.num_nodes)
 
 
-def probe_both(g: Any, device: torch.device | str = "cpu") -> Any:
+def probe_both(g: Any, device: torch.device | str = "cpu", sizes_bytes: tuple[int, int] = DEFAULT_SIZES) -> Any:
     """The flat group's link and both levels' (``g``: :class:`~.topology.Groups`), agreed on every rank.
 
     Collective on every rank: :func:`probe_link` on ``g.flat`` (agreed on the control
@@ -131,5 +135,5 @@ def probe_both(g: Any, device: torch.device | str = "cpu") -> Any:
     from .control import ControlWire
     from .levels import LevelLinks
 
-    flat = probe_link(g.flat, device=device, control=ControlWire(g.control))
-    return LevelLinks(flat, probe_levels(g, device))
+    flat = probe_link(g.flat, sizes_bytes=sizes_bytes, device=device, control=ControlWire(g.control))
+    return LevelLinks(flat, probe_levels(g, device, sizes_bytes))
