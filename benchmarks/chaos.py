@@ -84,7 +84,7 @@ class Workload:
     def script_args(self, out: Path, ckpt: Path) -> list[str]:
         return [GPT, "--steps", str(self.steps), "--dim", str(self.dim), "--layers", str(self.layers),
                 "--context", str(self.context), "--batch-size", str(self.batch_size), "--corpus-mb", str(self.corpus_mb),
-                "--seed", "0", "--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every", str(self.every)]
+                "--seed", "0", "--out", str(out), "--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", str(self.every)]
 
 
 @dataclass(frozen=True)

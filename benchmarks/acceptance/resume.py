@@ -230,7 +230,7 @@ def main() -> None:
         argv = [script, "--steps", str(steps), "--seed", "1", "--out", str(out / name), *extra]
         env = {**base_env, "SLIPSTREAM_RUN_DIR": str(out / name / "run")}
         if ckpt is not None:
-            argv += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(k)]
+            argv += ["--checkpoint-dir", str(ckpt), "--checkpoint-every-steps", str(k)]
             env["SLIPSTREAM_CHECKPOINT_ASYNC"] = "1" if asynchronous else "0"
 
         def attempt() -> Run:
