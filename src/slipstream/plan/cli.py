@@ -49,7 +49,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 KNOWN_NETWORKS = ("1gbit", "10gbit", "25gbit-roce", "100gbit-roce", "100gbit-ib", "200gbit-ib", "400gbit-ib",
-                  "8x400gbit-ib", "200mbit@2ms")
+                  "8x400gbit-ib", "200mbit@2ms", "100mbit,40ms")
 """Example --network SPECs, listed when one is refused."""
 
 
@@ -75,7 +75,7 @@ def check_network(text: str) -> None:
     try:
         parse_network(text)
     except ConfigError as exc:
-        fabric = text.rsplit("-", 1)[-1].split("@")[0].lower() if "-" in text else ""
+        fabric = re.split("[@,]", text.rsplit("-", 1)[-1])[0].lower() if "-" in text else ""
         hint = did_you_mean(fabric, tuple(FABRICS), quote=True) if fabric and fabric not in FABRICS else ""
         raise ConfigError(f"{exc}{hint}; {known}") from None
 
@@ -119,7 +119,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", required=True, type=int, metavar="N", help="GPUs in all")
     p.add_argument("--gpu-type", required=True, metavar="T", help=f"GPU: {', '.join(GPUS)}")
     p.add_argument("--network", required=True, metavar="SPEC",
-                   help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY], e.g. 25gbit-roce, 100gbit-ib, 1gbit")
+                   help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY|,RTT], e.g. 25gbit-roce, 100gbit-ib, 1gbit, "
+                        "100mbit,40ms (RTT: the round trip between nodes, as --link writes it)")
     p.add_argument("--link-calibration", metavar="FILE",
                    help="measured inter-node link (probe_link figures as JSON, or a benchmarks/plan_validation.py "
                         "result: the link named by --network) instead of the SPEC's nominal rate")
