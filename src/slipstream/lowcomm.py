@@ -140,6 +140,15 @@ class DilocoEstimate:
         return out
 
 
+def percent(x: float) -> str:
+    """A utilisation as the line shows it: whole percents, one decimal below 10 %.
+
+    >>> percent(0.376), percent(0.0042)
+    ('38%', '0.4%')
+    """
+    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}"
+
+
 def outer_bytes(numel: int, itemsize: int, setting: DilocoSetting) -> float:
     """Bytes one outer all-reduce takes in: 1/F of the parameters at the codec's width.
 
@@ -172,15 +181,17 @@ class LowCommAdvice:
     ``recommendation`` is None unless the rule of :func:`advise` holds; ``reason`` says why
     either way."""
 
-    compute_s: float  # the per-step strategy's step with no communication
-    per_step_s: float  # its predicted step
+    compute_s: float  # the step with no communication under DiLoCo
+    per_step_s: float  # the best per-step strategy's predicted step
     estimates: tuple[DilocoEstimate, ...]
     recommendation: DilocoEstimate | None
     reason: str
+    per_step_compute_s: float | None = None  # its own step with no communication (None: compute_s)
 
     @property
     def per_step_utilisation(self) -> float:
-        return self.compute_s / self.per_step_s if self.per_step_s > 0 else 1.0
+        own = self.compute_s if self.per_step_compute_s is None else self.per_step_compute_s
+        return own / self.per_step_s if self.per_step_s > 0 else 1.0
 
     def speedup(self, est: DilocoEstimate) -> float:
         """Throughput of ``est`` over the per-step strategy's, at the same batch."""
@@ -193,15 +204,15 @@ class LowCommAdvice:
 
             advice.line("ddp2 powersgd")
             # 'recommend --sync diloco (inner_steps=50): predicted utilisation 94% against 32% for ddp2
-            #  powersgd, 2.9x the throughput (step 83.2 ms against 242.0 ms). It changes the optimisation: ...'
+            #  powersgd, 2.9x the throughput (step 83.1 ms against 242 ms). It changes the optimisation: ...'
         """
         r = self.recommendation
         if r is None:
             return None
         opts = ", ".join(f"{k}={v}" for k, v in r.setting.sync_options().items())
-        return (f"recommend --sync diloco ({opts}): predicted utilisation {r.utilisation:.0%} against "
-                f"{self.per_step_utilisation:.0%} for {per_step_name}, {self.speedup(r):.1f}x the throughput "
-                f"(step {r.step_s * 1e3:.1f} ms against {self.per_step_s * 1e3:.1f} ms). It changes the "
+        return (f"recommend --sync diloco ({opts}): predicted utilisation {percent(r.utilisation)} against "
+                f"{percent(self.per_step_utilisation)} for {per_step_name}, {self.speedup(r):.1f}x the throughput "
+                f"(step {r.step_s * 1e3:.3g} ms against {self.per_step_s * 1e3:.3g} ms). It changes the "
                 f"optimisation: check the loss (docs/sync.md, \"DiLoCo\": +3-3.5% held-out loss at equal "
                 f"steps, measured at 100mbit,40ms)")
 
@@ -210,6 +221,7 @@ class LowCommAdvice:
         rec = self.recommendation
         return {
             "per_step_s": self.per_step_s, "compute_s": self.compute_s,
+            "per_step_compute_s": self.compute_s if self.per_step_compute_s is None else self.per_step_compute_s,
             "per_step_utilisation": self.per_step_utilisation,
             "rule": {"below_utilisation": LOW_UTILISATION, "min_speedup": MIN_SPEEDUP,
                      "target_utilisation": TARGET_UTILISATION},
@@ -235,9 +247,11 @@ def choose(estimates: Sequence[DilocoEstimate]) -> DilocoEstimate:
 
 
 def advise(compute_s: float, per_step_s: float, numel: int, itemsize: int, link: Link, ranks: int,
-           settings: Sequence[DilocoSetting] = SETTINGS) -> LowCommAdvice:
+           settings: Sequence[DilocoSetting] = SETTINGS, per_step_compute_s: float | None = None) -> LowCommAdvice:
     """Price ``settings`` and apply the rule (module docstring) against a per-step strategy
-    predicted at ``per_step_s`` whose step without communication is ``compute_s``. Pure.
+    predicted at ``per_step_s``. ``compute_s``: the step without communication under DiLoCo
+    (the plain data-parallel layout's); ``per_step_compute_s``: the per-step strategy's own,
+    where its layout differs (default ``compute_s``), for its utilisation. Pure.
 
     >>> link = Link(12.5e6, 0.04, 0.8)                     # 100 Mbit/s, 40 ms
     >>> a = advise(0.1, 0.6, 1_000_000, 4, link, 2)
@@ -246,25 +260,26 @@ def advise(compute_s: float, per_step_s: float, numel: int, itemsize: int, link:
     >>> advise(0.1, 0.15, 1_000_000, 4, link, 2).recommendation is None   # 67 % already
     True
     """
+    own = compute_s if per_step_compute_s is None else per_step_compute_s
     if compute_s <= 0 or per_step_s <= 0 or ranks < 2 or not settings:
         return LowCommAdvice(compute_s, per_step_s, (), None,
-                             "not priced: needs 2 or more replicas and a step with compute")
+                             "not priced: needs 2 or more replicas and a step with compute", own)
     ests = tuple(estimate(compute_s, numel, itemsize, link, ranks, s) for s in settings)
-    util = compute_s / per_step_s
+    util = own / per_step_s
     best = choose(ests)
     speedup = per_step_s / best.step_s
     if util >= LOW_UTILISATION:
         reason = (f"per-step sync is at {util:.0%} utilisation, not below {LOW_UTILISATION:.0%}: "
                   f"DiLoCo is not recommended")
-        return LowCommAdvice(compute_s, per_step_s, ests, None, reason)
+        return LowCommAdvice(compute_s, per_step_s, ests, None, reason, own)
     if speedup < MIN_SPEEDUP:
         reason = (f"per-step sync is at {util:.0%} utilisation, but the best DiLoCo setting ({best.setting.label()}) "
                   f"predicts {speedup:.2f}x its throughput, under {MIN_SPEEDUP:g}x: not recommended")
-        return LowCommAdvice(compute_s, per_step_s, ests, None, reason)
+        return LowCommAdvice(compute_s, per_step_s, ests, None, reason, own)
     reason = (f"per-step sync is at {util:.0%} utilisation (below {LOW_UTILISATION:.0%}) and "
               f"{best.setting.label()} predicts {speedup:.1f}x its throughput (at least {MIN_SPEEDUP:g}x)")
-    return LowCommAdvice(compute_s, per_step_s, ests, best, reason)
+    return LowCommAdvice(compute_s, per_step_s, ests, best, reason, own)
 
 
 __all__ = ["CODEC_WIDTHS", "LOW_UTILISATION", "MIN_SPEEDUP", "SETTINGS", "TARGET_UTILISATION", "DilocoEstimate",
-           "DilocoSetting", "LowCommAdvice", "advise", "choose", "estimate", "outer_bytes"]
+           "DilocoSetting", "LowCommAdvice", "advise", "choose", "estimate", "outer_bytes", "percent"]

@@ -108,3 +108,13 @@ def test_run_flags_are_what_slipstream_run_takes():
         flags = s.run_flags()
         assert flags[:3] == ["--sync", "diloco", "--sync-options"]
         check_sync_options("diloco", json.loads(flags[3]))
+
+
+def test_the_per_step_side_may_have_its_own_compute():
+    # The per-step #1 is another layout (FSDP, say) whose step without communication is 0.2 s of
+    # its 0.5 s: 40 %; DiLoCo runs on the plain data-parallel layout, 0.1 s of compute.
+    a = advise(0.1, 0.5, GPT, 4, SLOW, 2, per_step_compute_s=0.2)
+    assert a.per_step_utilisation == pytest.approx(0.4)
+    assert a.recommendation is not None and a.speedup(a.recommendation) == pytest.approx(0.5 / a.recommendation.step_s)
+    assert a.as_record()["per_step_compute_s"] == 0.2
+    assert advise(0.1, 0.5, GPT, 4, SLOW, 2, per_step_compute_s=0.3).recommendation is None  # 60 %
