@@ -141,12 +141,12 @@ class DilocoEstimate:
 
 
 def percent(x: float) -> str:
-    """A utilisation as the line shows it: whole percents, one decimal below 10 %.
+    """A utilisation as the line shows it: whole percents, one decimal below 10 %, two below 1 %.
 
-    >>> percent(0.376), percent(0.0042)
-    ('38%', '0.4%')
+    >>> percent(0.376), percent(0.042), percent(0.0002)
+    ('38%', '4.2%', '0.02%')
     """
-    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}"
+    return f"{x:.0%}" if x >= 0.1 else f"{x:.1%}" if x >= 0.01 else f"{x:.2%}"
 
 
 def outer_bytes(numel: int, itemsize: int, setting: DilocoSetting) -> float:
@@ -212,9 +212,12 @@ class LowCommAdvice:
         opts = ", ".join(f"{k}={v}" for k, v in r.setting.sync_options().items())
         return (f"recommend --sync diloco ({opts}): predicted utilisation {percent(r.utilisation)} against "
                 f"{percent(self.per_step_utilisation)} for {per_step_name}, {self.speedup(r):.1f}x the throughput "
-                f"(step {r.step_s * 1e3:.3g} ms against {self.per_step_s * 1e3:.3g} ms). It changes the "
-                f"optimisation: check the loss (docs/sync.md, \"DiLoCo\": +3-3.5% held-out loss at equal "
-                f"steps, measured at 100mbit,40ms)")
+                f"(step {r.step_s * 1e3:.3g} ms against {self.per_step_s * 1e3:.3g} ms)"
+                + ("" if r.utilisation >= TARGET_UTILISATION else
+                   f"; still communication-bound (under {TARGET_UTILISATION:.0%}): a larger inner_steps or batch "
+                   "would gain more")
+                + ". It changes the optimisation: check the loss (docs/sync.md, \"DiLoCo\": +3-3.5% held-out "
+                  "loss at equal steps, measured at 100mbit,40ms)")
 
     def as_record(self) -> dict:
         """For ``--json`` and ``stats()``: every estimate, the rule's figures and the recommendation."""

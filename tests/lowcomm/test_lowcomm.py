@@ -82,6 +82,7 @@ def test_rule_recommends_only_a_wide_loss():
     line = a.line("ddp2 powersgd")
     assert "utilisation 94% against 32% for ddp2 powersgd" in line and "2.9x" in line
     assert "changes the optimisation" in line and "docs/sync.md" in line
+    assert "still communication-bound" not in line  # 94 %
     rec = a.as_record()
     assert rec["recommendation"]["setting"] == "diloco H=50"
     assert rec["recommendation"]["run_flags"] == """--sync diloco --sync-options '{"inner_steps": 50}'"""

@@ -78,6 +78,7 @@ def test_the_recommendation_is_printed_with_its_command(columns, capsys, monkeyp
     flat = " ".join(out.split())
     assert "recommend --sync diloco (inner_steps=100): predicted utilisation" in flat
     assert "changes the optimisation: check the loss (docs/sync.md" in flat
+    assert "still communication-bound (under 80%)" in flat  # H=100 at 31 %: said so
     (cmd,) = [line for line in out.splitlines() if line.startswith("  slipstream run ")]
     chosen = [line for line in out.splitlines() if line.startswith("slipstream run ")]
     assert len(chosen) == 1 and "diloco" not in chosen[0]  # the chosen per-step layout's, as before
