@@ -121,8 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", required=True, type=int, metavar="N", help="GPUs in all")
     p.add_argument("--gpu-type", required=True, metavar="T", help=f"GPU: {', '.join(GPUS)}")
     p.add_argument("--network", required=True, metavar="SPEC",
-                   help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY|,RTT], e.g. 25gbit-roce, 100gbit-ib, 1gbit, "
-                        "100mbit,40ms (RTT: the round trip between nodes, as --link writes it)")
+                   help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY|,RTT], e.g. 25gbit-roce, "
+                        "100gbit-ib, 1gbit, 100mbit,40ms (RTT: the round trip between nodes, as --link writes it)")
     p.add_argument("--link-calibration", metavar="FILE",
                    help="measured inter-node link (probe_link figures as JSON, or a benchmarks/plan_validation.py "
                         "result: the link named by --network) instead of the SPEC's nominal rate")

@@ -292,13 +292,21 @@ class AutoPolicy:
         return True
 
     def price_lowcomm(self, last: StepRecord, before: StepRecord | None, clock: Any) -> LowCommAdvice | None:
-        """DiLoCo against the decision just taken, on the measured flat link: ``lowcomm``, also
-        returned (None where there is no flat link: ``hierarchical+auto``). The step's compute: the period from ``before``'s forward end
-        to ``last``'s less ``before``'s exposed communication (forward, backward, optimizer, the
-        loop's own work), else, with no step before, 1.5 x the backward (forward as half the
-        backward, the planner's rule; optimizer left out). With one observed step ``before`` is
-        DDP's first, slower than later ones: the compute is then overstated, which lowers DiLoCo's
-        predicted gain (the rule errs on the side of not recommending)."""
+        """DiLoCo against the decision just taken, on the measured flat link: sets ``lowcomm`` and
+        returns it (None where there is no flat link: ``hierarchical+auto``).
+
+        The step's compute: the period from ``before``'s forward end to ``last``'s, less
+        ``before``'s exposed communication (forward, backward, optimizer, the loop's own work);
+        else, with no step before, 1.5 x the backward (forward as half the backward, the
+        planner's rule; optimizer left out). With one observed step ``before`` is DDP's first,
+        slower than later ones: the compute is then overstated, which lowers DiLoCo's predicted
+        gain (the rule errs on the side of not recommending). Rank-local figures: nothing
+        collective depends on them.
+
+        Example::
+
+            auto.price_lowcomm(last, before, clock).recommendation   # DilocoEstimate or None
+        """
         d, link = self.decision, flat_link(self.link)
         self.lowcomm = None
         if d is None or link is None or not last.numel:
@@ -657,5 +665,5 @@ def shares_kept(names: list[str], energy: list[float], lost: list[float]) -> dic
     return {nm: max(0.0, 1.0 - v / e) for nm, e, v in zip(names, energy, lost, strict=True) if e > 0.0 and v >= 0.0}
 
 
-__all__ = ["COST_RUNS", "PROBE_MAX_BYTES", "PROBE_MIN_BYTES", "PROBE_SMALL_BYTES", "AutoPolicy", "flat_link", "flat_prober",
-           "probe_sizes", "shares_kept"]
+__all__ = ["COST_RUNS", "PROBE_MAX_BYTES", "PROBE_MIN_BYTES", "PROBE_SMALL_BYTES", "AutoPolicy", "flat_link",
+           "flat_prober", "probe_sizes", "shares_kept"]
