@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from ..lowcomm import SETTINGS, DilocoEstimate, LowCommAdvice, advise
+from ..lowcomm import SETTINGS, DilocoEstimate, LowCommAdvice, advise, percent
 from .costmodel import group_link
 from .planner import Candidate, PlanResult, fit_columns, fmt_s
 from .specs import GIB
@@ -103,7 +103,7 @@ class LowCommPlan:
             t.add_column(columns[j][0], justify=columns[j][1], no_wrap=True)
         for row in rows:
             t.add_row(*(row[j] for j in keep))
-        caption = [f"{per_step_name(self.per_step)}: utilisation {self.advice.per_step_utilisation:.0%}; util = "
+        caption = [f"{per_step_name(self.per_step)}: utilisation {percent(self.advice.per_step_utilisation)}; util = "
                    f"compute / step; the outer all-reduce is not overlapped (docs/plan.md, \"Low-communication "
                    f"mode\")"]
         if self.advice.recommendation is not None:
