@@ -75,7 +75,11 @@ def test_network_spec_parsing():
     assert n.link.bytes_per_s == pytest.approx(8 * 400e9 / 8) and n.nics == 8
     n = parse_network("200mbit@2ms")
     assert n.link.bytes_per_s == pytest.approx(25e6) and n.link.hop_latency_s == pytest.approx(2e-3)
-    for bad in ("fast", "25gbit-carrierpigeon", "0gbit", ""):
+    # RATE,RTT as --link writes it: a ring step pays one round trip (measured with gloo on TCP).
+    n = parse_network("100mbit,40ms")
+    assert n.link.bytes_per_s == pytest.approx(12.5e6) and n.link.hop_latency_s == pytest.approx(0.040)
+    assert parse_network("1gbit-tcp,5ms").link.hop_latency_s == pytest.approx(0.005)
+    for bad in ("fast", "25gbit-carrierpigeon", "0gbit", "", "100mbit,40ms,0.1%", "100mbit,40", "1gbit@1ms,5ms"):
         with pytest.raises(ConfigError):
             parse_network(bad)
 

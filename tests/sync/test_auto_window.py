@@ -36,6 +36,10 @@ def test_every_decision_reaches_stats(suite_results):
     assert set(kept) == {"bf16", "powersgd"} and all(0.0 <= v <= 1.0 for v in kept.values()), kept
     assert kept["bf16"] > 0.99, kept
     assert set(st["sync_excluded"]) == {n for n, v in kept.items() if v < DEFAULTS.min_retained}, st
+    # DiLoCo priced on the same link, the compute from the step before the observed one (DDP's first).
+    low = st["sync_lowcomm"]
+    assert low["compute_from"] == "measured" and 0 < low["compute_s"] < low["per_step_s"], low
+    assert (st["sync_recommendation"] is None) == (low["recommended"] is None), st
 
 
 def test_no_codec_is_timed_where_none_could_help(suite_results):
@@ -47,6 +51,8 @@ def test_no_codec_is_timed_where_none_could_help(suite_results):
     assert set(w["choices"].values()) == {"allreduce"}, w["choices"]
     assert "codecs not timed" in st["sync_decision_reason"], st["sync_decision_reason"]
     assert st["sync_retained"] == {} and all(b["compute_s"] == 0.0 for b in st["sync_decisions"]), st
+    # Communication hidden on this link: per-step sync wins, DiLoCo is priced but not recommended.
+    assert st["sync_recommendation"] is None and st["sync_lowcomm"]["per_step_utilisation"] > 0.5, st
 
 
 def test_the_start_up_probe_is_sized_to_the_models_gradient(suite_results):

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import shlex
@@ -20,6 +21,7 @@ import yaml
 from .. import __version__
 from ..errors import ConfigError, UsageError, did_you_mean
 from .costmodel import FRAMEWORKS, Layout
+from .lowcomm import LowCommPlan, low_comm, per_step_name
 from .planner import PlanResult, fmt_s, plan
 from .specs import GIB, GPUS, MODELS
 
@@ -49,7 +51,7 @@ def parse_shape(text: str) -> tuple[int, ...]:
 
 
 KNOWN_NETWORKS = ("1gbit", "10gbit", "25gbit-roce", "100gbit-roce", "100gbit-ib", "200gbit-ib", "400gbit-ib",
-                  "8x400gbit-ib", "200mbit@2ms")
+                  "8x400gbit-ib", "200mbit@2ms", "100mbit,40ms")
 """Example --network SPECs, listed when one is refused."""
 
 
@@ -75,7 +77,7 @@ def check_network(text: str) -> None:
     try:
         parse_network(text)
     except ConfigError as exc:
-        fabric = text.rsplit("-", 1)[-1].split("@")[0].lower() if "-" in text else ""
+        fabric = re.split("[@,]", text.rsplit("-", 1)[-1])[0].lower() if "-" in text else ""
         hint = did_you_mean(fabric, tuple(FABRICS), quote=True) if fabric and fabric not in FABRICS else ""
         raise ConfigError(f"{exc}{hint}; {known}") from None
 
@@ -119,7 +121,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", required=True, type=int, metavar="N", help="GPUs in all")
     p.add_argument("--gpu-type", required=True, metavar="T", help=f"GPU: {', '.join(GPUS)}")
     p.add_argument("--network", required=True, metavar="SPEC",
-                   help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY], e.g. 25gbit-roce, 100gbit-ib, 1gbit")
+                   help="inter-node link per node: [Kx]RATE[-FABRIC][@LATENCY|,RTT], e.g. 25gbit-roce, "
+                        "100gbit-ib, 1gbit, 100mbit,40ms (RTT: the round trip between nodes, as --link writes it)")
     p.add_argument("--link-calibration", metavar="FILE",
                    help="measured inter-node link (probe_link figures as JSON, or a benchmarks/plan_validation.py "
                         "result: the link named by --network) instead of the SPEC's nominal rate")
@@ -205,6 +208,19 @@ def rendezvous_note(nodes: int) -> str | None:
     return (f"Run it on each of the {nodes} nodes, with {NODE0_HOST} replaced by an address of the first node "
             f"that every node reaches (that node hosts the rendezvous store on port {RDZV_PORT}; any free port "
             f"does). Your own script replaces train.py.")
+
+
+def diloco_command(result: PlanResult, low: LowCommPlan | None, script: str) -> str | None:
+    """The ``slipstream run`` line of the low-communication recommendation (None without one):
+    the plain data-parallel layout's flags, then ``--sync diloco --sync-options '{...}'``."""
+    rec = low.advice.recommendation if low is not None else None
+    if rec is None:
+        return None
+    assert low is not None
+    layout = dataclasses.replace(low.base.layout, sync="allreduce")
+    flags = run_flags(layout, result.nodes, min(result.gpus, result.gpus_per_node))
+    flags[4:4] = rendezvous_flags(result.nodes)
+    return "slipstream run " + " ".join(shlex.quote(f) for f in [*flags, *rec.setting.run_flags(), script])
 
 
 def config_doc(result: PlanResult, script: str) -> dict[str, Any]:
@@ -336,15 +352,32 @@ def memory_warning(result: PlanResult) -> str | None:
     return text
 
 
-def print_ranking(result: PlanResult, doc: dict[str, Any], top: int, explain_it: bool) -> None:
-    """The table, its legend, warnings, the chosen layout's run command and environment, at the
-    terminal's width. Lines meant to be copied (the command, the variables) are printed whole."""
+def print_low_comm(console, result: PlanResult, low: LowCommPlan | None, script: str) -> None:
+    """DiLoCo's rows, and the recommendation with its command (printed whole, indented: the chosen
+    layout's command stays the one line that starts with ``slipstream run``)."""
+    if low is None:
+        return
+    console.print(low.table(width=console.width))
+    line = low.advice.line(per_step_name(low.per_step))
+    if line is None:
+        return
+    console.print(line + ":", markup=False, style="bold")
+    console.file.flush()
+    print("  " + str(diloco_command(result, low, script)), flush=True)
+
+
+def print_ranking(result: PlanResult, doc: dict[str, Any], top: int, explain_it: bool,
+                  low: LowCommPlan | None = None, script: str = "train.py") -> None:
+    """The table, its legend, DiLoCo's rows, warnings, the chosen layout's run command and
+    environment, at the terminal's width. Lines meant to be copied (the commands, the variables)
+    are printed whole."""
     from rich.console import Console
 
     console = Console(width=terminal_width(), soft_wrap=False, highlight=False)
     console.print(result.table(top, width=console.width))
     for line in layout_legend([c.layout.label() for c in result.candidates[:top]]):
         console.print(line, markup=False)
+    print_low_comm(console, result, low, script)
     b = result.best
     console.print(f"{len(result.candidates)} layouts fit in memory, {result.rejected_memory} do not. "
                   f"Chosen: {b.layout.label()}, predicted step {fmt_s(b.prediction.step_s)}, time to train "
@@ -399,6 +432,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"largest micro-batch that fits (probed): {best}")
     doc = config_doc(result, args.script)
     check_train_config(doc["train"])
+    low = low_comm(result)
     if args.json:
         rows = [{"layout": c.layout.label(), "sync": c.layout.sync, "micro_batch": c.layout.micro_batch,
                  "microbatches_per_step": c.layout.microbatches_per_step,
@@ -410,13 +444,15 @@ def main(args: argparse.Namespace) -> int:
                 for c in result.candidates[: args.top]]
         out = {"chosen": doc, "ranking": rows, "uncertainty": result.uncertainty.source}
         out["memory_warning"] = memory_warning(result)  # None when the pick leaves 10% of the device free
+        # None where no plain data-parallel layout of 2+ replicas fits (DiLoCo's only layout)
+        out["low_communication"] = low.as_record(diloco_command(result, low, args.script)) if low else None
         if args.explain:
             from .explain import explain
 
             out["explain"] = explain(result)
         print(json.dumps(out, indent=1))
     else:
-        print_ranking(result, doc, args.top, args.explain)
+        print_ranking(result, doc, args.top, args.explain, low, args.script)
     header = f"# written by: slipstream plan {' '.join(shlex.quote(a) for a in sys.argv[2:])}\n"
     if args.write_config:
         _write_text(args.write_config, run_config_text(doc, header))

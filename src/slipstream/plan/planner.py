@@ -90,17 +90,8 @@ class PlanResult:
                          "yes" if L.activation_checkpointing else "no", f"{fmt_s(p.step_s)} ±{spread:.0%}",
                          fmt_s(p.exposed_comm_s), fmt_s(p.bubble_s), fmt_s(c.time_to_train_s), f"${c.cost:,.0f}",
                          f"{p.memory_bytes / GIB:.1f}/{p.memory_limit_bytes / GIB:.0f} GiB", eff))
-        keep = list(range(len(columns)))
-        hidden: list[str] = []
-        if width is not None:
-            natural = [max([len(name)] + [len(r[j]) for r in rows]) for j, (name, _) in enumerate(columns)]
-            # Each column takes its text, one space either side and a border; the first border too.
-            for name in ("bubble", "exposed comm", "ckpt", "sync", "scaling eff", "cost", "micro x acc"):
-                if sum(natural[j] + 3 for j in keep) + 1 <= width:
-                    break
-                j = [n for n, _ in columns].index(name)
-                keep.remove(j)
-                hidden.append(name)
+        keep, hidden = fit_columns([name for name, _ in columns], rows, width,
+                                   ("bubble", "exposed comm", "ckpt", "sync", "scaling eff", "cost", "micro x acc"))
         for j in keep:
             t.add_column(columns[j][0], justify=columns[j][1], no_wrap=True)
         for r in rows:
@@ -113,6 +104,28 @@ class PlanResult:
         if captions:
             t.caption = "\n".join(captions)
         return t
+
+
+def fit_columns(names: list[str], rows: list[tuple[str, ...]], width: int | None,
+                drop_order: tuple[str, ...]) -> tuple[list[int], list[str]]:
+    """Which columns of a rich table fit in ``width`` terminal columns: the indices kept, and the
+    names left out, taken in ``drop_order`` until the rest fits (no cell is ever cut). Each
+    column takes its widest text, one space either side and a border; the first border too.
+
+    >>> fit_columns(["a", "bb"], [("xxxx", "yy")], 10, ("bb",))
+    ([0], ['bb'])
+    """
+    keep = list(range(len(names)))
+    hidden: list[str] = []
+    if width is None:
+        return keep, hidden
+    natural = [max([len(name)] + [len(r[j]) for r in rows]) for j, name in enumerate(names)]
+    for name in drop_order:
+        if sum(natural[j] + 3 for j in keep) + 1 <= width:
+            break
+        keep.remove(names.index(name))
+        hidden.append(name)
+    return keep, hidden
 
 
 def fmt_s(s: float) -> str:

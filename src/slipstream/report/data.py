@@ -86,6 +86,8 @@ class Run:
             "sync_strategy": self.last("sync_strategy"),
             "sync_bytes_sent_total": sum(float(self.last("sync_bytes_sent_total", r) or 0.0) for r in self.ranks) or None,
             "sync_compression_ratio": self.last("sync_compression_ratio"),
+            # auto's DiLoCo recommendation (sync/auto.py), where its measured link made per-step sync lose widely
+            "sync_recommendation": self.last("sync_recommendation"),
             "straggler": self.last("straggler_message") if r0 and r0[-1].get("straggler_rank") is not None else None,
             "hang": (self.hang_text or "").strip() or None,
         }

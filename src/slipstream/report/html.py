@@ -107,6 +107,7 @@ def _summary_rows(run: Run, s: dict[str, Any]) -> list[tuple[str, str]]:
         ("gradient sync", _fmt(s["sync_strategy"])),
         ("bytes sent (all ranks)", _fmt(s["sync_bytes_sent_total"], "bytes")),
         ("compression ratio", _fmt(s["sync_compression_ratio"])),
+        *([("low-communication", _fmt(s["sync_recommendation"]))] if s.get("sync_recommendation") else []),
         ("straggler", _fmt(s["straggler"]) if s["straggler"] else "none detected"),
         ("hang", "see below" if s["hang"] else "none recorded"),
     ]

@@ -64,6 +64,7 @@ from .options import SyncOptions
 from .policy import BucketInfo, Decision, FlatCost, HierarchicalCost, as_cost, decide, verify_plan
 from . import probe
 from ..link import Link
+from ..lowcomm import LowCommAdvice, advise
 from ..timing import clock_for, duration_s
 
 log = logging.getLogger("slipstream.sync")
@@ -163,6 +164,12 @@ class AutoPolicy:
         self._lossy_plan: dict[int, str] | None = None
         self._cast_measured: tuple[dict[int, str], float] | None = None
         self._lossy: set[str] = set()  # the candidates with error feedback (set at the decision)
+        # The step before the newest observed (its count and record): the decision's step period.
+        self._previous: tuple[int, StepRecord] | None = None
+        # DiLoCo priced against the decision on the measured link (slipstream.lowcomm): a
+        # recommendation only, auto never switches to it (it changes the optimisation).
+        self.lowcomm: LowCommAdvice | None = None
+        self.lowcomm_compute_from = ""  # how the step's compute was found: "measured" or "estimated"
 
     @property
     def verifying(self) -> bool:
@@ -203,10 +210,13 @@ class AutoPolicy:
                 layouts: Mapping[Hashable, Layout | None], codecs: Mapping[str, Codec]) -> bool:
         """Record one uncompressed step; True when enough are in and the plan is decided."""
         # The first step runs with DDP's initial bucket order; it rebuilds buckets after it.
+        previous, self._previous = self._previous, (steps_done, step)
         if steps_done > 1 and step.t_backward_start is not None:
             self._observed.append(step)
             for s in self._observed[:-1]:  # only the newest step's gradients are measured
                 s.outputs.clear()
+        else:
+            step.outputs.clear()  # never measured; kept one step longer for its marks only
         if len(self._observed) < self.options.observe_steps:
             return False
         # Device times of the observed steps: this waits for their events, on the few
@@ -256,6 +266,8 @@ class AutoPolicy:
         else:
             self.decision = decisions["reducer"]
         self.choices = dict(self.decision.choices)
+        before = previous[1] if previous is not None and previous[0] == steps_done - 1 else None
+        self.price_lowcomm(last, before, clock)
         # Verified against the observed (flat, uncompressed) steps: a plan that compresses, or
         # that moved to the hierarchical level.
         spans = sorted(s.span_s for s in self._observed)
@@ -273,7 +285,53 @@ class AutoPolicy:
                 log.info("sync %s: the plan of casts alone is predicted at %.1f ms, within %.0f%% of it: "
                          "verifying both, the casts first", self.name, self.decision.cast_predicted_s * 1e3,
                          self.options.verify_runner_up * 100)
+            if self.recommendation():
+                log.info("sync %s: %s", self.name, self.recommendation())
+            elif self.lowcomm is not None:
+                log.debug("sync %s: low-communication: %s", self.name, self.lowcomm.reason)
         return True
+
+    def price_lowcomm(self, last: StepRecord, before: StepRecord | None, clock: Any) -> LowCommAdvice | None:
+        """DiLoCo against the decision just taken, on the measured flat link: sets ``lowcomm`` and
+        returns it (None where there is no flat link: ``hierarchical+auto``).
+
+        The step's compute: the period from ``before``'s forward end to ``last``'s, less
+        ``before``'s exposed communication (forward, backward, optimizer, the loop's own work);
+        else, with no step before, 1.5 x the backward (forward as half the backward, the
+        planner's rule; optimizer left out). With one observed step ``before`` is DDP's first,
+        slower than later ones: the compute is then overstated, which lowers DiLoCo's predicted
+        gain (the rule errs on the side of not recommending). Rank-local figures: nothing
+        collective depends on them.
+
+        Example::
+
+            auto.price_lowcomm(last, before, clock).recommendation   # DilocoEstimate or None
+        """
+        d, link = self.decision, flat_link(self.link)
+        self.lowcomm = None
+        if d is None or link is None or not last.numel:
+            return None
+        compute_s, self.lowcomm_compute_from = 1.5 * d.backward_s, "estimated"
+        if before is not None and before.t_backward_start is not None and last.t_backward_start is not None:
+            before.resolve(clock)
+            measured = duration_s(before.t_backward_start, last.t_backward_start) - before.exposed_s
+            if measured > d.backward_s:  # else a clock or ordering surprise: keep the estimate
+                compute_s, self.lowcomm_compute_from = measured, "measured"
+        exposed = d.predicted_s - d.backward_s  # the plan's exposed communication and codec compute
+        numel = sum(last.numel.values())
+        itemsize = round(sum(n * last.itemsize.get(i, 4) for i, n in last.numel.items()) / max(1, numel))
+        self.lowcomm = advise(compute_s, compute_s + exposed, numel, itemsize, link, self.world_size)
+        return self.lowcomm
+
+    def recommendation(self) -> str | None:
+        """The line auto logs after deciding and ``stats()`` carries (``sync_recommendation``), with
+        the flags to use; None where DiLoCo is not recommended."""
+        a = self.lowcomm
+        if a is None or a.recommendation is None:
+            return None
+        line = a.line(f"{self.name}'s plan (measured link)")
+        flags = a.recommendation.setting.run_flags()
+        return f"{line}: slipstream run {' '.join(flags[:3])} '{flags[3]}' ..."
 
     def begin_verification(self, uncompressed_s: float, lossy: set[str]) -> dict[int, str] | None:
         """After a decision (``decision``, ``choices`` and ``level`` set): start timing the plan
@@ -561,8 +619,19 @@ class AutoPolicy:
             levels = {"sync_predicted_flat_s": self.level_predicted_s[FLAT],
                       "sync_predicted_hierarchical_s": self.level_predicted_s[HIERARCHICAL],
                       "sync_level_decision": self.level_decision}
+        low = {}
+        if self.lowcomm is not None:
+            a = self.lowcomm
+            low = {"sync_recommendation": self.recommendation(),
+                   "sync_lowcomm": {"per_step_s": a.per_step_s, "compute_s": a.compute_s,
+                                    "compute_from": self.lowcomm_compute_from,
+                                    "per_step_utilisation": a.per_step_utilisation, "reason": a.reason,
+                                    "utilisation": {e.setting.label(): e.utilisation for e in a.estimates},
+                                    "recommended": None if a.recommendation is None else
+                                    a.recommendation.as_record(a.per_step_s)}}
         return {
             **levels,
+            **low,
             "sync_decisions": [b.as_record() for b in d.per_bucket],
             "sync_decision_reason": d.reason,
             "sync_predicted_s": d.predicted_s,
@@ -572,6 +641,16 @@ class AutoPolicy:
             "sync_retained": dict(d.retained),
             "sync_excluded": dict(d.excluded),
         }
+
+
+def flat_link(model: LinkModel | None) -> Link | None:
+    """The measured link of the whole group (where DiLoCo's outer all-reduce runs), or None
+    where ``auto`` holds only the two levels' (``hierarchical+auto``)."""
+    if isinstance(model, LevelLinks):
+        return model.flat
+    if isinstance(model, FlatCost):
+        return model.link
+    return model if isinstance(model, Link) else None
 
 
 def shares_kept(names: list[str], energy: list[float], lost: list[float]) -> dict[str, float]:
@@ -586,5 +665,5 @@ def shares_kept(names: list[str], energy: list[float], lost: list[float]) -> dic
     return {nm: max(0.0, 1.0 - v / e) for nm, e, v in zip(names, energy, lost, strict=True) if e > 0.0 and v >= 0.0}
 
 
-__all__ = ["COST_RUNS", "PROBE_MAX_BYTES", "PROBE_MIN_BYTES", "PROBE_SMALL_BYTES", "AutoPolicy", "flat_prober", "probe_sizes",
-           "shares_kept"]
+__all__ = ["COST_RUNS", "PROBE_MAX_BYTES", "PROBE_MIN_BYTES", "PROBE_SMALL_BYTES", "AutoPolicy", "flat_link",
+           "flat_prober", "probe_sizes", "shares_kept"]
