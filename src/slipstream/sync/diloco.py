@@ -37,7 +37,7 @@ the training loop calls :meth:`DiLoCo.after_optimizer_step` after every optimize
 (``slipstream.accelerate`` and the zero-change adopter do). Checkpoint state (per rank):
 the step count, the outer parameters and momentum, and, because replicas differ between
 outer steps, this rank's own parameters, buffers and inner-optimizer state (which the
-shared checkpoint holds only as rank 0's): a resumed run is bitwise the uninterrupted one.
+shared checkpoint holds only as one replica's): a resumed run is bitwise the uninterrupted one.
 
 Example::
 
