@@ -16,7 +16,7 @@ others; a step that cannot apply on this device is "skipped" with the reason):
 * perf: bf16 against fp32 step time (CUDA events on a GPU), the step profiler
   on against off, peak memory (benchmarks/acceptance/perf.py).
 * sync/<strategy> for every name in slipstream.sync.available(), and
-  layout/<name> (FSDP2, ZeRO-2, TP, PP, 4-rank combinations): 2 or 4 ranks
+  layout/<name> (FSDP2, ZeRO-2, TP, PP, 4-rank combinations, DiLoCo over FSDP2 replicas): 2 or 4 ranks
   through `slipstream run`, sharing one GPU with gloo + CUDA tensors
   (SLIPSTREAM_BACKEND=gloo SLIPSTREAM_DEVICE=cuda); every rank's model must
   end with the same bits (benchmarks/acceptance/ranks.py).
@@ -158,6 +158,9 @@ LAYOUTS_4 = {
     "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
     "pp2xfsdp2": {"pp": 2, "dp_shard": 2},
     "tp2xpp2": {"tp": 2, "pp": 2},
+    # DiLoCo across 2 replicas, FSDP2 over dp_shard inside each (issue #35): its inner_steps
+    # comes from sync_options, so the run ends on an outer step (equal digests everywhere)
+    "diloco-2x2": {"dp_replicate": 2, "dp_shard": 2, "sync": "diloco"},
 }
 
 def sync_options(strategy: str, steps: int) -> dict:
@@ -168,6 +171,12 @@ def sync_options(strategy: str, steps: int) -> dict:
     if strategy == "diloco":
         options["sync_options"] = {"inner_steps": steps // 2 if steps >= 2 and steps % 2 == 0 else max(1, steps)}
     return options
+
+
+def layout_options(options: dict, steps: int) -> dict:
+    """A layout step's options: one that names a sync strategy gets that strategy's (diloco: an
+    inner_steps dividing the run's steps)."""
+    return {**options, **sync_options(options["sync"], steps)} if "sync" in options else options
 
 
 def conformance_steps(strategies: list[str], steps: int, estimate_s: float) -> list[Step]:
@@ -320,7 +329,8 @@ class Acceptance:
             syncs = [Step("sync/*", 0)]
         layouts2 = [Step(f"layout/{n}", est["config2"], options=o) for n, o in LAYOUTS_2.items()]
         conformance = conformance_steps(self.environment.get("sync_available") or [], sizes.ranks_steps, est["config2"])
-        layouts4 = [Step(f"layout/{n}", est["config4"], options=o) for n, o in LAYOUTS_4.items()]
+        layouts4 = [Step(f"layout/{n}", est["config4"], options=layout_options(o, sizes.ranks_steps))
+                    for n, o in LAYOUTS_4.items()]
         # Most telling first, so a budget that runs out takes the least: each precision's
         # examples, then the profile figures, the NCCL refusal, the 2-rank matrix, the rest.
         units = [

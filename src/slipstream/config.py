@@ -424,16 +424,21 @@ class TrainConfig:
     def _check_across_sections(self) -> None:
         # Checked here, not only in accelerate(), so `slipstream run` refuses it before any worker starts.
         if self.parallel.is_mesh:
-            _require(
-                self.sync.strategy != "diloco",
-                "sync 'diloco' runs on the plain data-parallel layout only (DDP replicas); with dp_shard, tp or pp "
-                "it is not supported yet",
-            )
-            _require(
-                self.sync.strategy == "allreduce" and not self.sync.options,
-                f"sync {self.sync.strategy!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "
-                "gradients (leave sync at allreduce)",
-            )
+            p = self.parallel
+            if self.sync.strategy == "diloco":  # a dp_shard group is one replica (FSDP2 inside), joined over dp_replicate
+                beyond = " and ".join(f"{n}({getattr(p, n)})" for n in ("tp", "pp") if getattr(p, n) > 1)
+                _require(
+                    not beyond,
+                    f"sync 'diloco' with {beyond} is not supported: diloco runs on DDP replicas or on dp_shard "
+                    "replicas (FSDP2 inside each, the outer step across dp_replicate); use tp 1 and pp 1, or sync "
+                    "allreduce",
+                )
+            else:
+                _require(
+                    self.sync.strategy == "allreduce" and not self.sync.options,
+                    f"sync {self.sync.strategy!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "
+                    "gradients (leave sync at allreduce)",
+                )
             _require(self.numerics.precision != "fp16", "precision fp16 is not supported with dp_shard, tp or pp; use bf16")
         if self.parallel.pp > 1 and self.numerics.accumulate_steps > 1:
             raise ConfigError(

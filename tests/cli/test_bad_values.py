@@ -94,7 +94,7 @@ BAD: dict[tuple[str, str], list[Bad]] = {
         bad("--sync-options", '{"fragments": 9, "inner_steps": 4}', "--sync", "diloco", names=("fragments", "9")),
         bad("--sync-options", '{"outer_momentum": 1.5}', "--sync", "diloco", names=("outer_momentum", "1.5")),
         bad("--sync-options", '{"rank": 4}', "--sync", "diloco", names=("rank", "inner_steps")),
-        bad("--sync", "diloco", "--dp-shard", "2", "-n", "2", names=("diloco", "dp_shard")),
+        bad("--sync", "diloco", "--tp", "2", "-n", "2", names=("diloco", "tp(2)")),
     ],
     ("run", "--bucket-cap-mb"): [bad("--bucket-cap-mb", "0"), bad("--bucket-cap-mb", "x")],
     ("run", "--precision"): [bad("--precision", "fp64")],

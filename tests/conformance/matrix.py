@@ -156,7 +156,9 @@ def refusal(row: Row) -> str | None:
 
     Pure: the checks ``slipstream run`` makes (flags -> TrainConfig -> degrees against the
     world) or, for keyword rows, TrainConfig and its degrees; and the parameter-dtype check
-    accelerate() makes before it builds anything.
+    accelerate() makes before it builds anything. The product's own checks, not a copy of
+    their rules, so the two cannot disagree: ``diloco`` with dp_shard is accepted (one replica
+    at 2 ranks), with tp or pp refused, as TrainConfig decides.
     """
     from slipstream.config import TrainConfig, check_parameter_dtype
     from slipstream.errors import SlipstreamError
@@ -225,8 +227,12 @@ def tolerance(row: Row) -> tuple[float, str]:
       default density barely moves: 4.17 -> 4.17) but must not diverge; a residual kept
       in loss-scaled units, say, sends the loss far past either bound;
     * ``diloco`` (H=2): the same bound and rule: local steps and an outer step are another
-      optimisation, not a rounding of the reference's.
+      optimisation, not a rounding of the reference's. With dp_shard over both ranks it is
+      one replica, which runs as plain FSDP2 (docs/sync.md): the reference's numerics, so
+      the bound of the same row under ``allreduce``.
     """
+    if row.sync == "diloco" and LAYOUTS[row.layout].get("dp_shard", 1) == WORLD:
+        row = replace(row, sync="allreduce")  # one replica: nothing to join
     codec = row.sync.split("+")[-1]
     if codec in LOSSY:
         return 0.5, "lossy codec (error feedback): within 0.5 of allreduce's loss at step 6, below step 1's"

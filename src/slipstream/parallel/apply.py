@@ -16,7 +16,10 @@ The order, and why:
    mesh when any data parallelism is combined with sharding, TP or PP
    (HSDP when both dp degrees are > 1; replication when dp_shard is 1). Pure
    replication over every rank (the default layout) does not come here: it
-   stays on Slipstream's DDP path with its gradient-sync strategies.
+   stays on Slipstream's DDP path with its gradient-sync strategies. With
+   ``sync diloco`` the caller passes the ``dp_shard`` mesh alone (``dp_mesh``):
+   FSDP2 then shards and reduces inside each replica only, and DiLoCo's outer
+   step joins the replicas over ``dp_replicate``.
 
 Example::
 
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..config import TrainConfig
 from ..errors import ConfigError
@@ -101,11 +105,14 @@ def parallelize(
     device: torch.device,
     tp_plan: Mapping[str, object] | None = None,
     pp_split_points: list[str] | None = None,
+    dp_mesh: DeviceMesh | None = None,
 ) -> Parallelized:
     """Apply pipeline split -> device -> TP -> activation checkpointing -> FSDP2, in that order.
 
     ``model`` itself is changed in place when pp is 1 (TP and FSDP2 replace
     its parameters); with pp > 1 it is left as it was and a stage copy returned.
+    ``dp_mesh``: the mesh FSDP2 shards over (default ``dims.dp_mesh``: HSDP when both
+    data-parallel degrees are > 1); ``dims.mesh["dp_shard"]`` leaves the replicas apart.
     """
     check_model(model, config, dims, tp_plan)
     out = Parallelized(dims=dims, module=model)
@@ -127,7 +134,8 @@ def parallelize(
         apply_activation_checkpointing(out.module, here)
     if dims.dp_size > 1:
         apply_fully_shard(
-            out.module, dims.dp_mesh, precision=config.numerics.precision, zero_stage=config.parallel.zero_stage,
+            out.module, dims.dp_mesh if dp_mesh is None else dp_mesh, precision=config.numerics.precision,
+            zero_stage=config.parallel.zero_stage,
             in_pipeline=dims.pp > 1,
         )
         out.fully_sharded = True

@@ -18,6 +18,9 @@ A strategy is applied to a DistributedDataParallel model once, after wrapping:
                        parameter change (options: inner_steps, outer_lr, outer_momentum, fragments, ...)
 =====================  ==================================================================
 
+``diloco`` also runs on replicas that FSDP2 shards inside (``dp_shard``):
+:func:`apply_to_replicas` installs it on the sharded module with the replicas' group.
+
 Every strategy but ``allreduce`` and ``diloco`` runs through :mod:`.hooks`, which keeps one
 global collective order (see there); ``diloco`` (:mod:`.diloco`) sends nothing in backward
 and all-reduces from :meth:`SyncHandle.after_optimizer_step`, on the training loop's thread. The returned state is a
@@ -352,13 +355,33 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
 @register("diloco")
 def _diloco(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     """Local steps, and every ``inner_steps`` an outer step (:mod:`.diloco`)."""
-    from .diloco import DiLoCo
+    from .diloco import on_ddp
     from .options import SyncOptions
 
     opts = SyncOptions.parse("diloco", options)
     if _single_rank(ddp_model):
         return AllreduceState(ddp_model, "diloco")
-    return DiLoCo(ddp_model, opts).install()
+    return on_ddp(ddp_model, opts)
+
+
+def apply_to_replicas(name: str, module: torch.nn.Module, replica_group: Any, **options: Any) -> SyncHandle:
+    """Install ``name`` on a model whose gradients something else reduces inside each replica
+    (FSDP2 over the ``dp_shard`` ranks), with ``replica_group`` joining each rank to the ranks
+    that hold the same shard in the other replicas (the mesh's ``dp_replicate`` group).
+    Only ``diloco`` synchronises whole replicas this way (:func:`.diloco.on_sharded_replicas`);
+    any other name raises ConfigError. Collective over ``replica_group``.
+
+    Example::
+
+        handle = sync.apply_to_replicas("diloco", fsdp_module, mesh.get_group("dp_replicate"), inner_steps=20)
+    """
+    from ..errors import ConfigError
+    from .diloco import on_sharded_replicas
+    from .options import SyncOptions
+
+    if name != "diloco":
+        raise ConfigError(f"sync {name!r} is a DDP gradient hook; only 'diloco' synchronises sharded replicas")
+    return on_sharded_replicas(module, replica_group, SyncOptions.parse(name, options))
 
 
 @register("hierarchical+auto")

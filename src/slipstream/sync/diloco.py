@@ -13,6 +13,17 @@ rank steps on its own gradient. Then, on every rank at the same step, the outer 
   ``theta_outer``. Floating-point buffers (BatchNorm statistics) are averaged too, at
   the end of each period (DDP's per-forward buffer broadcast is switched off).
 
+**Sharded replicas** (``dp_shard`` > 1 with ``dp_replicate`` > 1; :func:`on_sharded_replicas`):
+a replica is a ``dp_shard`` group whose model FSDP2 shards over its ranks (and reduces
+gradients inside it, on every step: nothing crosses replicas). Each rank keeps the outer
+copy and momentum of its own shard only, and the outer all-reduce joins the ranks holding
+that shard in the other replicas (the ``dp_replicate`` group of the device mesh): the
+same arithmetic as above, element by element, on 1/dp_shard of the model per rank.
+Buffers (unsharded) are averaged over the same group; inside a replica they stay as
+FSDP2 leaves them. At construction every replica takes the first replica's parameters
+and buffers (FSDP2, unlike DDP, broadcasts nothing: replicas that started apart would
+keep their distance through every outer step).
+
 With H=1, outer_lr=1 and no momentum this is parameter averaging after every step; with
 an inner SGD that is synchronous data-parallel SGD (tested). Otherwise the optimisation
 is a different one: the result is not the synchronous run's.
@@ -26,11 +37,12 @@ the training loop calls :meth:`DiLoCo.after_optimizer_step` after every optimize
 (``slipstream.accelerate`` and the zero-change adopter do). Checkpoint state (per rank):
 the step count, the outer parameters and momentum, and, because replicas differ between
 outer steps, this rank's own parameters, buffers and inner-optimizer state (which the
-shared checkpoint holds only as rank 0's): a resumed run is bitwise the uninterrupted one.
+shared checkpoint holds only as one replica's): a resumed run is bitwise the uninterrupted one.
 
 Example::
 
-    handle = sync.apply("diloco", ddp_model, inner_steps=20)
+    handle = sync.apply("diloco", ddp_model, inner_steps=20)     # or, FSDP2 inside replicas:
+    # handle = sync.apply_to_replicas("diloco", fsdp_module, mesh.get_group("dp_replicate"), inner_steps=20)
     handle.attach_optimizer(opt)
     for x, y in loader:
         loss_fn(ddp_model(x), y).backward(); opt.step(); opt.zero_grad()
@@ -44,6 +56,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
 from ..link import allreduce_bytes
@@ -93,34 +107,49 @@ def _local_gradient_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP 
     return fut
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's values of ``t``: a DTensor's local shard (a view: writing it writes the
+    parameter), a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class DiLoCo:
     """The ``diloco`` strategy's state, a :class:`~slipstream.sync.SyncHandle` (see the module docstring).
 
-    Built by :func:`slipstream.sync.apply`; ``options``: a parsed :class:`SyncOptions`.
+    ``module``: the model (parameters plain, or DTensors sharded inside the replica);
+    ``group``: the process group that joins the replicas, each rank with the ranks that
+    hold the same values in the other replicas; ``options``: a parsed :class:`SyncOptions`.
+    Built by :func:`on_ddp` or :func:`on_sharded_replicas` (through :func:`slipstream.sync.apply`
+    and :func:`slipstream.sync.apply_to_replicas`).
     """
 
-    def __init__(self, ddp_model: DistributedDataParallel, options: SyncOptions, name: str = "diloco") -> None:
+    def __init__(self, module: nn.Module, group: Any, options: SyncOptions, name: str = "diloco", *,
+                 align_replicas: bool = False) -> None:
         self.name = name
         self.opts = options
-        self._ddp = ddp_model
-        self.group = ddp_model.process_group
-        self.wire = Wire(self.group)
+        self._module = module
+        self.group = group
+        self.wire = Wire(group)
         codec = "allreduce" if options.outer_codec == "none" else options.outer_codec
         self.codec = make_codec(codec)
-        named = [(n, p) for n, p in ddp_model.module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if len(named) < options.fragments:
             raise ConfigError(f"fragments({options.fragments}) is more than the model's {len(named)} trainable "
                               "parameter tensors: use fewer fragments")
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
+        # Whole-tensor sizes (a DTensor's numel is the global one): every rank cuts the same fragments.
         self.fragments = split_fragments([p.numel() for p in self.params], options.fragments)
         self.phases = fragment_phases(options.inner_steps, options.fragments)
+        if align_replicas:
+            self._take_first_replicas()
         with torch.no_grad():
-            self.outer = [p.detach().clone() for p in self.params]  # DDP broadcast rank 0's: equal everywhere
+            # Equal in every replica: DDP broadcast rank 0's, or _take_first_replicas did.
+            self.outer = [local_part(p).detach().clone() for p in self.params]
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
-        self.buffers = [(n, b) for n, b in ddp_model.module.named_buffers()]
         self.optimizer: torch.optim.Optimizer | None = None
-        grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        grad_bytes = sum(local_part(p).numel() * p.element_size() for p in self.params)
         self.allreduce_bytes_per_step = allreduce_bytes(grad_bytes, self.wire.size)
         # counters (checkpointed)
         self.step = 0  # optimizer steps seen
@@ -129,15 +158,30 @@ class DiLoCo:
         # stats of the last step
         self.last_bytes = 0.0
         self.last_mode = "inner"
-        self.backwards = 0  # synchronising backwards the hook saw (none of them communicated)
+        self.backwards = 0  # synchronising backwards the DDP hook saw (none of them communicated)
 
-    def install(self) -> DiLoCo:
-        """Register the comm hook, switch off DDP's per-forward buffer broadcast; returns ``self``."""
-        # A forward-time broadcast would send rank 0's buffers at every step; they are
-        # averaged with the parameters at the end of each period instead.
-        self._ddp.broadcast_buffers = False
-        self._ddp.register_comm_hook(self, _local_gradient_hook)
-        return self
+    @property
+    def buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The model's buffers, by name (looked up when used: a wrapper may have replaced them)."""
+        return list(self._module.named_buffers())
+
+    @torch.no_grad()
+    def _take_first_replicas(self) -> None:
+        """Every rank takes the values its peer in the group's first replica holds (one
+        broadcast per dtype, parameters and buffers)."""
+        tensors = [local_part(p) for p in self.params] + [b for _, b in self.buffers]
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            if t.numel():
+                by_dtype.setdefault(t.dtype, []).append(t)
+        src = dist.get_global_rank(self.group, 0)
+        for same in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=self.group)
+            offset = 0
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
 
     def count_bucket(self, bucket: dist.GradBucket) -> None:
         if bucket.is_last():
@@ -165,9 +209,10 @@ class DiLoCo:
 
     @torch.no_grad()
     def _outer_step(self, indices: list[int]) -> None:
-        params = [self.params[i] for i in indices]
+        params = [local_part(self.params[i]) for i in indices]
         flat = torch.cat([(self.outer[i] - p).reshape(-1) for i, p in zip(indices, params)])
-        flat = self.codec.reduce(flat, self.wire, key=("diloco", indices[0]))
+        if flat.numel():  # a shard can be empty (uneven sharding); so is its peers' in the group
+            flat = self.codec.reduce(flat, self.wire, key=("diloco", indices[0]))
         lr, mu = self.opts.outer_lr, self.opts.outer_momentum
         offset = 0
         for i, p in zip(indices, params):
@@ -187,7 +232,7 @@ class DiLoCo:
 
     @torch.no_grad()
     def _average_buffers(self) -> None:
-        floats = [b for _, b in self.buffers if b.is_floating_point()]
+        floats = [b for _, b in self.buffers if b.is_floating_point() and b.numel()]
         if not floats:
             return
         flat = torch.cat([b.reshape(-1) for b in floats])
@@ -203,7 +248,8 @@ class DiLoCo:
         return {
             "sync_strategy": self.name,
             "sync_mode": self.last_mode,
-            "sync_steps": self.backwards,
+            # DDP: backwards its hook saw; sharded: FSDP2 reduces inside the replica at every step
+            "sync_steps": self.step if self.sharded else self.backwards,
             "sync_bytes_sent": self.last_bytes,
             "sync_uncompressed_bytes": self.allreduce_bytes_per_step,
             "sync_bytes_sent_total": self.bytes_sent_total,
@@ -214,6 +260,8 @@ class DiLoCo:
         }
 
     def state_dict(self) -> dict[str, Any]:
+        """This rank's state, as plain tensors (a sharded parameter's: its local shard)."""
+        inner, sharded = optimizer_state_local(self.optimizer) if self.optimizer is not None else (None, [])
         return {
             "name": self.name,
             "step": self.step,
@@ -221,32 +269,40 @@ class DiLoCo:
             "bytes_sent_total": self.bytes_sent_total,
             "outer": dict(zip(self.names, self.outer)),
             "momentum": {n: m for n, m in zip(self.names, self.momentum) if m is not None},
-            "local": dict(zip(self.names, (p.detach() for p in self.params))),
-            "buffers": {n: b for n, b in self.buffers},
-            "inner_optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "local": {n: local_part(p).detach() for n, p in zip(self.names, self.params)},
+            "buffers": dict(self.buffers),
+            "inner_optimizer": inner,
+            "inner_optimizer_sharded": sharded,
         }
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's state, its own parameters, buffers and inner-optimizer state
-        included (loaded after the shared checkpoint, which holds rank 0's)."""
+        included (loaded after the shared checkpoint, which holds one replica's)."""
         missing = sorted(set(self.names) - set(state["outer"]))
         if missing:
             raise ConfigError(f"the diloco checkpoint state has no outer copy of {', '.join(missing[:3])}"
                               f"{' ...' if len(missing) > 3 else ''}: it was written for another model")
+        for n, mine in zip(self.names, self.outer):
+            saved = state["outer"][n]
+            if saved.shape != mine.shape:
+                raise ConfigError(f"the diloco checkpoint state holds {n} as {tuple(saved.shape)} on this rank, "
+                                  f"which holds {tuple(mine.shape)}: it was written by another layout "
+                                  "(dp_shard/dp_replicate)")
         self.step = int(state["step"])
         self.outer_steps = int(state.get("outer_steps", 0))
         self.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
         for i, n in enumerate(self.names):
             self.outer[i].copy_(state["outer"][n])
-            self.params[i].copy_(state["local"][n])
+            local_part(self.params[i]).copy_(state["local"][n])
             m = state["momentum"].get(n)
             self.momentum[i] = None if m is None else m.to(self.outer[i].device, copy=True)
         for n, b in self.buffers:
             if n in state.get("buffers", {}):
                 b.copy_(state["buffers"][n])
         if self.optimizer is not None and state.get("inner_optimizer") is not None:
-            self.optimizer.load_state_dict(state["inner_optimizer"])
+            load_optimizer_state_local(self.optimizer, state["inner_optimizer"],
+                                       state.get("inner_optimizer_sharded", []))
 
     def observe_loss(self, loss: float | torch.Tensor) -> None:
         """No convergence guard: nothing is compressed with error feedback."""
@@ -258,7 +314,8 @@ class DiLoCo:
         o = self.opts
         frag = f", {o.fragments} fragments" if o.fragments > 1 else ""
         codec = f", outer {o.outer_codec}" if o.outer_codec != "none" else ""
-        return f"diloco (H={o.inner_steps}, outer lr {o.outer_lr} momentum {o.outer_momentum}{frag}{codec})"
+        shards = " on sharded replicas" if self.sharded else ""
+        return f"diloco (H={o.inner_steps}, outer lr {o.outer_lr} momentum {o.outer_momentum}{frag}{codec}){shards}"
 
     def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
         """Gradients are not sent: the scale does not matter."""
@@ -267,4 +324,57 @@ class DiLoCo:
         """Nothing runs in the background."""
 
 
-__all__ = ["DiLoCo", "fragment_phases", "split_fragments"]
+def on_ddp(ddp_model: DistributedDataParallel, options: SyncOptions) -> DiLoCo:
+    """DiLoCo over the DDP model's ranks, each its own replica: a comm hook that sends nothing,
+    and DDP's per-forward buffer broadcast switched off (buffers are averaged with the
+    parameters at the end of each period instead of sending rank 0's at every step)."""
+    state = DiLoCo(ddp_model.module, ddp_model.process_group, options)
+    ddp_model.broadcast_buffers = False
+    ddp_model.register_comm_hook(state, _local_gradient_hook)
+    return state
+
+
+def on_sharded_replicas(module: nn.Module, replica_group: Any, options: SyncOptions) -> DiLoCo:
+    """DiLoCo over replicas that FSDP2 shards inside (``module``'s parameters are DTensors
+    over the replica's ``dp_shard`` ranks, gradients reduced there): the outer step runs over
+    ``replica_group`` (the mesh's ``dp_replicate`` group), shard by shard. Collective over
+    ``replica_group``: every replica starts from the first one's parameters and buffers."""
+    return DiLoCo(module, replica_group, options, align_replicas=True)
+
+
+# --- the inner optimizer's state, with sharded entries as local tensors ------------------------
+
+def optimizer_state_local(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[list[Any]]]:
+    """``optimizer.state_dict()`` with each DTensor entry (AdamW's moments of a sharded
+    parameter) replaced by its local shard, and the ``[index, key]`` of those entries:
+    plain tensors, which a per-rank file holds and loads with ``weights_only``."""
+    sd = optimizer.state_dict()
+    sharded: list[list[Any]] = []
+    state: dict[Any, dict[str, Any]] = {}
+    for index, entry in sd["state"].items():
+        state[index] = {}
+        for key, value in entry.items():
+            if isinstance(value, DTensor):
+                sharded.append([index, key])
+                value = value.to_local()
+            state[index][key] = value
+    return {**sd, "state": state}, sharded
+
+
+def load_optimizer_state_local(optimizer: torch.optim.Optimizer, sd: dict[str, Any], sharded: list[list[Any]]) -> None:
+    """Load what :func:`optimizer_state_local` returned: the listed entries become DTensors
+    again, on their parameter's mesh and placements."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: dict(entry) for index, entry in sd["state"].items()}
+    for index, key in sharded:
+        p = params[int(index)]
+        if not isinstance(p, DTensor):
+            raise ConfigError(f"the diloco checkpoint state holds sharded optimizer state ({key}) of parameter "
+                              f"{index}, which is not sharded here: it was written by another layout")
+        state[index][key] = DTensor.from_local(state[index][key].to(p.device), p.device_mesh, p.placements,
+                                               run_check=False, shape=p.shape, stride=p.stride())
+    optimizer.load_state_dict({**sd, "state": state})
+
+
+__all__ = ["DiLoCo", "fragment_phases", "load_optimizer_state_local", "local_part", "on_ddp", "on_sharded_replicas",
+           "optimizer_state_local", "split_fragments"]

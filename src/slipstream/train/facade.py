@@ -104,7 +104,7 @@ class Accelerated:
 
     @property
     def sync_state(self) -> SyncHandle | None:
-        """The gradient-sync strategy's state (DDP layout), for its ``stats()``."""
+        """The gradient-sync strategy's state (DDP layout; ``diloco`` on dp_shard replicas), for its ``stats()``."""
         return self.layout.sync
 
     @property

@@ -56,7 +56,8 @@ class Layout(Protocol):
     module: nn.Module
     """The plain model, or this rank's pipeline stage, with the original parameter names."""
     sync: SyncHandle | None
-    """The gradient-sync strategy's state (DDP hook strategies); None where FSDP2 reduces."""
+    """The gradient-sync strategy's state (DDP hook strategies, and ``diloco`` across dp_shard
+    replicas); None where FSDP2 alone reduces."""
     pipeline: Pipeline | None
     """Set with pipeline parallelism: then ``run.train_step`` is the only way to train."""
     dp_rank: int

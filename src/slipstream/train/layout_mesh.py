@@ -20,6 +20,13 @@ fully sharded, else through autocast; fp16 (which needs a gradient scaler
 aware of sharded gradients) and DDP sync strategies are refused by
 :class:`~slipstream.config.TrainConfig` on these layouts.
 
+``sync diloco`` with dp_shard (tp and pp refused by the config): each
+``dp_shard`` group is one DiLoCo replica. FSDP2 shards over ``dp_shard`` only
+(no HSDP all-reduce across replicas at each step), and the strategy
+(:func:`slipstream.sync.apply_to_replicas`) runs its outer step over the mesh's
+``dp_replicate`` group from the facade's ``after_optimizer_step``. With one
+replica (dp_replicate 1) there is nothing to join: plain FSDP2, logged once.
+
 Example::
 
     layout = MeshLayout(model, config, runtime, context, tp_plan=GPT_TP_PLAN)
@@ -28,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,10 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import sync
 from ..checkpoint.states import ModelOptimizerState
 from ..config import TrainConfig
 from ..errors import ConfigError, SlipstreamError
 from ..fault import progress
+from ..log import CONSOLE
 from ..parallel import ParallelDims, Parallelized, build_schedule, parallelize
 from ..runtime import Runtime
 from ..sync import SyncHandle
@@ -47,6 +57,8 @@ from .mesh_norm import GRAD_DIMS, local_square_sums, sharded_dims
 from .microsteps import ForwardContext, count_inputs
 from .optimizer_build import OptimizerArg, build_optimizer, parameter_names, rebuild_optimizer
 from .precision import autocast, outputs_to_fp32
+
+log = logging.getLogger(__name__)
 
 
 class ParallelModel(nn.Module):
@@ -146,7 +158,7 @@ class MeshLayout:
     Collective: every rank builds it (the mesh, FSDP2, the pipeline stages).
     """
 
-    sync: SyncHandle | None = None  # FSDP2 reduces the gradients; no DDP hook strategy
+    sync: SyncHandle | None = None  # FSDP2 reduces the gradients; diloco alone joins dp_shard replicas
 
     def __init__(
         self,
@@ -166,7 +178,9 @@ class MeshLayout:
                 "(the pipeline already accumulates over its micro-batches)"
             )
         self._names = parameter_names(model)  # before parallelize replaces the parameters
-        parts = parallelize(model, config, dims, device=runtime.device, tp_plan=tp_plan, pp_split_points=pp_split_points)
+        replicas = config.sync.strategy == "diloco"  # FSDP2 inside each replica; DiLoCo joins them
+        parts = parallelize(model, config, dims, device=runtime.device, tp_plan=tp_plan,
+                            pp_split_points=pp_split_points, dp_mesh=dims.mesh["dp_shard"] if replicas else None)
         self._parts = parts
         self.dims = dims
         self.module = parts.module
@@ -178,6 +192,19 @@ class MeshLayout:
                                    pipeline=dims.pp > 1)
         self.pipeline = PipelineRunner(parts, config, context, autocast_precision) if dims.pp > 1 else None
         self._selectors: dict[str, torch.Tensor] | None = None  # see global_grad_norm
+        if replicas:
+            self.sync = self._join_replicas(config)
+
+    def _join_replicas(self, config: TrainConfig) -> SyncHandle | None:
+        """``diloco`` over the dp_shard replicas (a collective over dp_replicate), or None with one."""
+        dims = self.dims
+        if dims.dp_replicate == 1:
+            if dist.get_rank() == 0:
+                log.info("sync diloco with dp_replicate(1): one replica, nothing to join: plain FSDP2 over "
+                         "dp_shard(%d), no outer step", dims.dp_shard, extra=CONSOLE)
+            return None
+        return sync.apply_to_replicas("diloco", self.module, dims.mesh.get_group("dp_replicate"),
+                                      **config.sync.options)
 
     def describe(self) -> str:
         return self.dims.describe()
