@@ -159,13 +159,54 @@ def suite(rank: int, world: int, ckpt: str) -> dict:
         return {"equal": all(torch.equal(sd_full[k], sd_res[k]) for k in sd_full),
                 "without_inner_state_differs": not torch.equal(flat_params(full), flat_params(fresh))}
 
+    def overlap():
+        # H=4, overlap_steps=2, outer lr 1, no momentum: the all-reduce started at step 4 lands
+        # at step 6, where the outer value is the ranks' mean of their step-4 parameters.
+        seen, at_start = [], {}
+
+        def look(step, model, handle):
+            flat = flat_params(model)
+            if step == 4:
+                mean = flat.clone()
+                dist.all_reduce(mean)
+                at_start["mean"] = mean / dist.get_world_size()
+            s = handle.stats()
+            seen.append({"step": step, "same": same_on_ranks(flat), "bytes": s["sync_bytes_sent"],
+                         "mode": s["sync_mode"], "in_flight": sorted(handle.pending)})
+            if step == 6:
+                at_start["err"] = float((flat - at_start["mean"]).abs().max() / at_start["mean"].abs().max())
+
+        _, handle, _, _ = train("diloco", 8, inner_steps=4, overlap_steps=2, outer_lr=1.0, outer_momentum=0.0,
+                                per_step=look)
+        mixed = []
+        train("diloco", 6, inner_steps=4, overlap_steps=2, overlap_mix=0.5,
+              per_step=lambda step, model, h: mixed.append(same_on_ranks(flat_params(model))))
+        return {"seen": seen, "err": at_start["err"], "outer_steps": handle.stats()["sync_outer_steps"],
+                "mixed_same": mixed, "summary": handle.decision_summary()}
+
+    def overlap_resume_bitwise():
+        # A save while a fragment is in flight (started at 4, lands at 6; saved after 5): the
+        # resumed run lands it at 6 from the saved, already averaged, pseudo-gradient.
+        kw = dict(opt_name="adam", lr=0.01, inner_steps=4, overlap_steps=2, fragments=2, outer_codec="bf16")
+        full, _, _, _ = train("diloco", 10, **kw)
+        first, handle, _, opt = train("diloco", 5, **kw)
+        in_flight = sorted(handle.pending)
+        shared = [{"model": first.state_dict(), "opt": opt.state_dict()}]
+        dist.broadcast_object_list(shared, src=0)
+        state = _round_trip({**shared[0], "sync": handle.state_dict()})
+        resumed, _, _, _ = train("diloco", 5, start=5, state=state, **kw)
+        sd_full, sd_res = full.state_dict(), resumed.state_dict()
+        return {"equal": all(torch.equal(sd_full[k], sd_res[k]) for k in sd_full), "in_flight": in_flight,
+                "saved": sorted(state["sync"]["in_flight"])}
+
     def loss_falls():
         _, _, losses, _ = train("diloco", 40, opt_name="sgd", lr=0.2, inner_steps=5)
         return {"first": sum(losses[:5]) / 5, "last": sum(losses[-5:]) / 5}
 
     for name, fn in [("local_gradients", local_gradients), ("averaging_is_sync_sgd", averaging_is_sync_sgd),
                      ("schedule", schedule), ("fragments_and_codec", fragments_and_codec),
-                     ("resume_bitwise", resume_bitwise), ("loss_falls", loss_falls),
+                     ("resume_bitwise", resume_bitwise), ("overlap", overlap),
+                     ("overlap_resume_bitwise", overlap_resume_bitwise), ("loss_falls", loss_falls),
                      ("accelerate_resume", lambda: accelerate_resume(ckpt))]:
         _check(out, name, fn)
     return out

@@ -70,6 +70,28 @@ def test_state_dict_resumes_bitwise(suite):
         assert r["without_inner_state_differs"], r  # the check can fail: rank 1's Adam moments matter
 
 
+def test_overlapped_outer_step_lands_overlap_steps_later(suite):
+    for r in _ok(suite, "overlap"):
+        by_step = {s["step"]: s for s in r["seen"]}
+        # started at 4 (bytes counted then), in flight through 5, landed at 6; again from 8
+        assert [by_step[t]["in_flight"] for t in (3, 4, 5, 6, 7, 8)] == [[], [0], [0], [], [], [0]], r["seen"]
+        assert [by_step[t]["bytes"] > 0 for t in (3, 4, 5, 6)] == [False, True, False, False], r["seen"]
+        assert [by_step[t]["mode"] for t in (3, 4, 5, 6)] == ["inner", "outer", "inner", "outer"], r["seen"]
+        # the replicas agree right after the landing (mix 0), not at the start
+        assert [by_step[t]["same"] for t in (4, 5, 6, 7)] == [False, False, True, False], r["seen"]
+        assert r["err"] < 1e-6, r  # outer lr 1, no momentum: the mean of the step-4 parameters
+        assert r["outer_steps"] == 1, r  # the one started at 8 is still in flight at the end
+        assert "overlapped 2 step(s)" in r["summary"], r
+        assert r["mixed_same"][5] is False, r  # mix 0.5: each keeps half its own value after landing
+
+
+def test_a_save_while_in_flight_resumes_bitwise(suite):
+    for r in _ok(suite, "overlap_resume_bitwise"):
+        # H=4, 2 fragments (phases 2 and 0): fragment 1 starts at 4, lands at 6; saved after 5
+        assert r["in_flight"] == [1] and r["saved"] == [1], r
+        assert r["equal"], r
+
+
 def test_loss_falls(suite):
     for r in _ok(suite, "loss_falls"):
         assert r["last"] < 0.6 * r["first"], r
@@ -102,6 +124,8 @@ def test_refused_with_tp_or_pp_in_one_line():
     ({"outer_codec": "bf61"}, "did you mean 'bf16'"),
     ({"inner_steps": "ten"}, "inner_steps must be a whole number"),
     ({"rank": 4}, "unknown options: rank"),
+    ({"inner_steps": 4, "overlap_steps": 4}, "overlap_steps must be in [0, inner_steps(4))"),
+    ({"overlap_mix": 1.0}, "overlap_mix must be in [0, 1)"),
 ])
 def test_bad_options_are_refused(options, words):
     from slipstream.sync.options import SyncOptionsError, check_sync_options

@@ -63,6 +63,7 @@ from ..errors import ConfigError
 from ..link import allreduce_bytes
 from .compress import make_codec
 from .compress.base import Wire
+from .compress.cast import Cast
 from .options import SyncOptions
 
 if TYPE_CHECKING:
@@ -148,6 +149,8 @@ class DiLoCo:
             # Equal in every replica: DDP broadcast rank 0's, or _take_first_replicas did.
             self.outer = [local_part(p).detach().clone() for p in self.params]
         self.momentum: list[torch.Tensor | None] = [None] * len(self.params)
+        # overlap_steps > 0: fragments whose outer all-reduce is in flight, by fragment index
+        self.pending: dict[int, _InFlight] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         grad_bytes = sum(local_part(p).numel() * p.element_size() for p in self.params)
         self.allreduce_bytes_per_step = allreduce_bytes(grad_bytes, self.wire.size)
@@ -198,14 +201,20 @@ class DiLoCo:
         self.step += 1
         phase = self.step % self.opts.inner_steps
         sent_before = self.wire.bytes_sent
+        landing = sorted(f for f, flight in self.pending.items() if flight.due == self.step)
+        for f in landing:
+            self._land(self.pending.pop(f))
         due = [f for f, at in enumerate(self.phases) if at == phase and self.fragments[f]]
         for f in due:
-            self._outer_step(self.fragments[f])
+            if self.opts.overlap_steps:
+                self.pending[f] = self._start(self.fragments[f], self.step + self.opts.overlap_steps)
+            else:
+                self._outer_step(self.fragments[f])
         if phase == 0:
             self._average_buffers()
         self.last_bytes = self.wire.bytes_sent - sent_before
         self.bytes_sent_total += self.last_bytes
-        self.last_mode = "outer" if due else "inner"
+        self.last_mode = "outer" if (due or landing) else "inner"
 
     @torch.no_grad()
     def _outer_step(self, indices: list[int]) -> None:
@@ -213,6 +222,43 @@ class DiLoCo:
         flat = torch.cat([(self.outer[i] - p).reshape(-1) for i, p in zip(indices, params)])
         if flat.numel():  # a shard can be empty (uneven sharding); so is its peers' in the group
             flat = self.codec.reduce(flat, self.wire, key=("diloco", indices[0]))
+        self._apply(indices, flat)
+
+    @torch.no_grad()
+    def _start(self, indices: list[int], due: int) -> "_InFlight":
+        """Start the fragment's outer all-reduce (overlap_steps > 0); it lands at step ``due``."""
+        params = [local_part(self.params[i]) for i in indices]
+        flat = torch.cat([(self.outer[i] - p).reshape(-1) for i, p in zip(indices, params)])
+        flight = _InFlight(indices, due, flat)
+        if flat.numel():
+            flight.payload = self.codec.encode(flat, self.wire.size) if isinstance(self.codec, Cast) else flat
+            flight.work = self.wire.allreduce_async(flight.payload)
+        else:
+            flight.reduced = True
+        return flight
+
+    def _finish(self, flight: "_InFlight") -> None:
+        """Wait for the fragment's all-reduce; ``flight.flat`` then holds the averaged pseudo-gradient."""
+        if flight.reduced:
+            return
+        if flight.work is not None:
+            flight.work.wait()
+        if isinstance(self.codec, Cast):
+            self.codec.decode(flight.payload, flight.flat, self.wire.size)
+        else:
+            flight.flat.div_(self.wire.size)
+        flight.work = flight.payload = None
+        flight.reduced = True
+
+    @torch.no_grad()
+    def _land(self, flight: "_InFlight") -> None:
+        self._finish(flight)
+        self._apply(flight.indices, flight.flat)
+
+    def _apply(self, indices: list[int], flat: torch.Tensor) -> None:
+        """The outer optimizer's step on the averaged pseudo-gradient ``flat`` of the fragment's
+        parameters; the replica then takes the new outer values (``overlap_mix`` 0) or mixes them in."""
+        params = [local_part(self.params[i]) for i in indices]
         lr, mu = self.opts.outer_lr, self.opts.outer_momentum
         offset = 0
         for i, p in zip(indices, params):
@@ -227,7 +273,10 @@ class DiLoCo:
                     buf.mul_(mu).add_(g)
                 update = g.add(buf, alpha=mu) if self.opts.outer_nesterov else buf
             self.outer[i].add_(update, alpha=-lr)
-            p.copy_(self.outer[i])
+            if self.opts.overlap_mix:
+                p.lerp_(self.outer[i], 1.0 - self.opts.overlap_mix)
+            else:
+                p.copy_(self.outer[i])
         self.outer_steps += 1
 
     @torch.no_grad()
@@ -273,7 +322,13 @@ class DiLoCo:
             "buffers": dict(self.buffers),
             "inner_optimizer": inner,
             "inner_optimizer_sharded": sharded,
+            # overlap_steps: fragments in flight, reduced (waited for here) but not yet applied
+            "in_flight": {f: {"due": flight.due, "reduced": self._reduced(flight)} for f, flight in self.pending.items()},
         }
+
+    def _reduced(self, flight: "_InFlight") -> torch.Tensor:
+        self._finish(flight)
+        return flight.flat
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -303,6 +358,16 @@ class DiLoCo:
         if self.optimizer is not None and state.get("inner_optimizer") is not None:
             load_optimizer_state_local(self.optimizer, state["inner_optimizer"],
                                        state.get("inner_optimizer_sharded", []))
+        self.close()
+        self.pending = {}
+        for f, saved in state.get("in_flight", {}).items():
+            f = int(f)
+            if not 0 <= f < len(self.fragments):
+                raise ConfigError(f"the diloco checkpoint state has fragment {f} in flight, and this run has "
+                                  f"{len(self.fragments)} fragments: it was written with other options")
+            flight = _InFlight(self.fragments[f], int(saved["due"]), saved["reduced"].to(self.outer[0].device, copy=True))
+            flight.reduced = True
+            self.pending[f] = flight
 
     def observe_loss(self, loss: float | torch.Tensor) -> None:
         """No convergence guard: nothing is compressed with error feedback."""
@@ -315,13 +380,31 @@ class DiLoCo:
         frag = f", {o.fragments} fragments" if o.fragments > 1 else ""
         codec = f", outer {o.outer_codec}" if o.outer_codec != "none" else ""
         shards = " on sharded replicas" if self.sharded else ""
-        return f"diloco (H={o.inner_steps}, outer lr {o.outer_lr} momentum {o.outer_momentum}{frag}{codec}){shards}"
+        overlap = f", overlapped {o.overlap_steps} step(s)" if o.overlap_steps else ""
+        mix = f", mix {o.overlap_mix}" if o.overlap_mix else ""
+        return (f"diloco (H={o.inner_steps}, outer lr {o.outer_lr} momentum {o.outer_momentum}{frag}{codec}"
+                f"{overlap}{mix}){shards}")
 
     def use_loss_scale(self, scale: Callable[[], torch.Tensor | None] | None) -> None:
         """Gradients are not sent: the scale does not matter."""
 
     def close(self) -> None:
-        """Nothing runs in the background."""
+        """Wait for any outer all-reduce still in flight (overlap_steps): nothing is left
+        running on the group."""
+        for flight in self.pending.values():
+            self._finish(flight)
+
+
+class _InFlight:
+    """One fragment's outer all-reduce started at some step and applied at ``due``."""
+
+    __slots__ = ("indices", "due", "flat", "payload", "work", "reduced")
+
+    def __init__(self, indices: list[int], due: int, flat: torch.Tensor) -> None:
+        self.indices, self.due, self.flat = indices, due, flat
+        self.payload: torch.Tensor | None = None
+        self.work: Any = None
+        self.reduced = False
 
 
 def on_ddp(ddp_model: DistributedDataParallel, options: SyncOptions) -> DiLoCo:

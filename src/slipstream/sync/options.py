@@ -45,7 +45,8 @@ GUARD_OPTION_NAMES = ("guard", "check_every_steps", "max_error_ratio", "loss_win
 AUTO_OPTION_NAMES = ("candidates", "observe_steps", "hidden_tolerance", "verify_steps", "verify_min_gain",
                      "verify_runner_up", "min_retained")
 CODEC_STRATEGY_OPTION_NAMES = ("warmup_steps",)
-DILOCO_OPTION_NAMES = ("inner_steps", "outer_lr", "outer_momentum", "outer_nesterov", "fragments", "outer_codec")
+DILOCO_OPTION_NAMES = ("inner_steps", "outer_lr", "outer_momentum", "outer_nesterov", "fragments", "outer_codec",
+                       "overlap_steps", "overlap_mix")
 DILOCO_CODECS = ("none", "bf16", "fp16")
 """What ``outer_codec`` takes: the pseudo-gradient as it is, or cast to 16 bits for its all-reduce."""
 BUILTIN_STRATEGIES = ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign", "hierarchical", "auto", "diloco")
@@ -136,6 +137,17 @@ class SyncOptions:
     """How the pseudo-gradient travels: ``none`` (its own dtype), ``bf16`` or ``fp16`` (a 16-bit
     cast for the all-reduce: half the outer bytes; the outer parameters stay in full width)."""
 
+    overlap_steps: int = 0
+    """Streaming DiLoCo's overlap (tau): a fragment's outer all-reduce starts at its step and is
+    applied ``overlap_steps`` optimizer steps later, while the replica goes on training, so the
+    exchange hides behind that many steps of compute instead of blocking its step. 0: blocking
+    (the outer step completes at the step it starts). Must be below ``inner_steps``."""
+    overlap_mix: float = 0.0
+    """Alpha: where a fragment's outer step lands, each parameter becomes ``alpha * local +
+    (1 - alpha) * outer``. 0 (default): the replica takes the new outer value, as plain DiLoCo
+    does (every replica equal right after the step); above 0 it keeps part of what it learnt
+    meanwhile (useful with ``overlap_steps``; the replicas then never become equal)."""
+
     # -- codecs ------------------------------------------------------------------------------
     codec_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """Per codec name, the constructor options given for it (defaults: the codec's own)."""
@@ -167,6 +179,12 @@ class SyncOptions:
         if not 1 <= self.fragments <= self.inner_steps:
             raise ConfigError(f"fragments must be in [1, inner_steps({self.inner_steps})] (each fragment is "
                               f"synchronised at its own step of the period), got {self.fragments}")
+        object.__setattr__(self, "overlap_steps", int(self.overlap_steps))
+        if not 0 <= self.overlap_steps < self.inner_steps:
+            raise ConfigError(f"overlap_steps must be in [0, inner_steps({self.inner_steps})) (a fragment's outer "
+                              f"step lands before the fragment's next one starts), got {self.overlap_steps}")
+        if not 0.0 <= self.overlap_mix < 1.0:
+            raise ConfigError(f"overlap_mix must be in [0, 1) (the share of the local value kept), got {self.overlap_mix}")
         if self.outer_codec not in DILOCO_CODECS:
             raise ConfigError(f"outer_codec must be one of {', '.join(DILOCO_CODECS)}, got {self.outer_codec!r}"
                               + did_you_mean(str(self.outer_codec), DILOCO_CODECS, quote=True))

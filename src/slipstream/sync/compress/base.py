@@ -134,6 +134,16 @@ class Wire:
             self._count(allreduce_bytes(t.numel() * t.element_size(), self.size))
         return t
 
+    def allreduce_async(self, t: torch.Tensor) -> Any:
+        """Start an in-place sum of ``t`` over the group; the collective's work handle (``None``
+        on one rank, where there is nothing to wait for). ``t`` must not change until
+        ``work.wait()`` returned. Counted when started."""
+        if self.size <= 1:
+            return None
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        self._count(allreduce_bytes(t.numel() * t.element_size(), self.size))
+        return work
+
     def allgather(self, t: torch.Tensor) -> torch.Tensor:
         """Concatenation of every rank's ``t`` (same shape on all ranks), rank order."""
         t = t.contiguous()
