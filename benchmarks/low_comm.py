@@ -32,9 +32,13 @@ Per row:
   ranks, per-rank batch and training script with no communication: the links unshaped and
   ``--sync diloco`` with H past the last step, so no outer step ever runs and each rank does
   exactly a DiLoCo inner step (forward, backward, AdamW, DDP with a hook that sends nothing).
-  It is measured on the same emulated nodes because the ranks share this machine's cores: one
-  rank alone would get a core to itself (two at 4x1 on 2 cores) and its step would be a floor
-  no multi-rank row can reach. A step time is the loop's mean after the first log window;
+  It runs on the same emulated nodes because the ranks share this machine's cores: one rank
+  alone would get a core to itself (two at 4x1 on 2 cores) and its step would be a floor no
+  multi-rank row can reach. It is measured in every cell, first in the cell's order (last on
+  odd repeats), because a shared machine's load drifts over minutes. A step time is the
+  loop's mean after the first log window. The floor is also a row of the table: its held-out
+  loss is one replica's after training alone on its share of the data, the quality with no
+  communication at all, which a DiLoCo row should beat;
 * wall: the whole job (start, rendezvous, training, saving); loop: the training loop alone;
 * time to target: loop seconds until the row's training loss (rank 0's, mean over
   ``--smooth-steps`` steps) first reaches the target: DDP's smoothed loss at
@@ -220,7 +224,7 @@ class Bench:
         flags = ["run", "--sync", sync, "--run-dir", str(run_dir), "--log-every-steps", str(self.args.log_every)]
         if options:
             flags += ["--sync-options", json.dumps(options)]
-        argv = [*flags, str(GPT_SCRIPT), *self.model_args(self.args.global_batch // world), "--out", str(out)]
+        argv = [*flags, str(self.args.script), *self.model_args(self.args.global_batch // world), "--out", str(out)]
         opts = launch_options_from_args(build_parser(argv).parse_args(argv))
         opts.worker_env.update(QUIET_ENV)
         start = self._log(f"{tag}: slipstream {' '.join(argv[1:])}")
@@ -361,36 +365,32 @@ def summarise(runs: list[dict], floor_step_s: float | None, args: argparse.Names
     return out
 
 
+FLOOR = "floor"
+"""The label of each cell's floor row: the same jobs with no communication (see the module docstring)."""
+
+
 def run_grid(args: argparse.Namespace, systems: list[System], work: Path) -> dict:
     from slipstream.launch.emulate import EmulatedCluster, parse_shape
 
     bench = Bench(args, work)
     window = max(1, args.smooth_steps // args.log_every)
-    doc: dict = {"floors": {}, "cells": []}
+    floor = System(FLOOR, FLOOR, "diloco", {"inner_steps": args.steps + 1})  # H past the last step: no outer step
+    doc: dict = {"floor_definition": "the same cluster shape, ranks, per-rank batch and script, links unshaped, "
+                                     f"--sync diloco with inner_steps {args.steps + 1} (no outer step ever runs); "
+                                     "measured in every cell, interleaved with its rows", "cells": []}
     for shape in args.clusters:
         nodes, procs = parse_shape(shape)
-        world = nodes * procs
         tokens = args.steps * args.global_batch * args.context
         with EmulatedCluster(nodes, link="unshaped") as cluster:
-            floors = []
-            for repeat in range(args.repeats):
-                # H past the last step: DiLoCo's inner steps only, on unshaped links.
-                floor = bench.run_slipstream(cluster, procs, "diloco", {"inner_steps": args.steps + 1}, f"{shape}-floor")
-                floor = finish_row(bench, floor, args, tokens, score=False)
-                floors.append(floor)
-                print(f"{shape} floor #{repeat + 1}: step {_ms(floor['step_s'])}, wall {floor['wall_s']:.1f} s"
-                      + (f"; ERROR {floor['error']}" if "error" in floor else ""), flush=True)
-            floor_step = median_or_none([f["step_s"] for f in floors if "error" not in f])
-            doc["floors"][shape] = {"step_s": floor_step, "runs": floors,
-                                    "definition": "same shape and per-rank batch, links unshaped, --sync diloco with "
-                                                  f"inner_steps {args.steps + 1} (no outer step)"}
             for link in args.links:
-                cluster.set_link(link)
-                runs: dict[str, list[dict]] = {s.label: [] for s in systems}
+                runs: dict[str, list[dict]] = {x.label: [] for x in (floor, *systems)}
                 for repeat in range(args.repeats):
-                    order = systems if repeat % 2 == 0 else list(reversed(systems))
+                    # The floor first, then the rows; reversed on odd repeats, so a neighbour's load drifting
+                    # over the cell's minutes weighs on the floor and the rows alike.
+                    order = [floor, *systems] if repeat % 2 == 0 else [*reversed(systems), floor]
                     for s in order:
                         tag = f"{shape}-{link.replace(',', '_')}-{s.label.replace(':', '_')}"
+                        cluster.set_link("unshaped" if s is floor else link)
                         if s.kind == "torchft":
                             row = bench.run_torchft(cluster, procs, s.inner_steps or 1, bool(s.options["per_param"]), tag)
                         else:
@@ -399,17 +399,18 @@ def run_grid(args: argparse.Namespace, systems: list[System], work: Path) -> dic
                             row = finish_row(bench, row, args, tokens)
                         runs[s.label].append(row)
                         print(f"{shape} {link} {s.label} #{repeat + 1}: " + _brief(row), flush=True)
+                floor_step = median_or_none([r.get("step_s") for r in runs[FLOOR] if "error" not in r])
                 # The target: DDP's smoothed training loss at target_fraction of its steps (per DDP run, median).
                 ddp_curves = [smoothed(r["records"], window) for r in runs.get("ddp", []) if "error" not in r]
                 target = median_or_none([target_loss(c, args.steps, args.target_fraction) for c in ddp_curves])
-                for label, rs in runs.items():
+                for rs in runs.values():
                     for r in rs:
                         curve = smoothed(r.get("records") or [], window)
                         r["final_loss"] = curve[-1][2] if curve else None
                         r["time_to_target_s"] = time_to(curve, target) if "error" not in r else None
-                cell = {"cluster": shape, "world_size": world, "link": link, "tokens": tokens, "target_loss": target,
-                        "floor_step_s": floor_step, "systems": {}}
-                for s in systems:
+                cell = {"cluster": shape, "world_size": nodes * procs, "link": link, "tokens": tokens,
+                        "target_loss": target, "floor_step_s": floor_step, "systems": {}}
+                for s in (*systems, floor):
                     cell["systems"][s.label] = {"kind": s.kind, "sync": s.sync, "options": s.options,
                                                 **summarise(runs[s.label], floor_step, args), "each": runs[s.label]}
                 check_targets(cell)
@@ -470,7 +471,8 @@ def table(doc: dict) -> str:
                          f"{_f(s['heldout_loss'], '.4f')} | {_f(ratio, '.4f')} | {marks} |")
     notes = [f"target loss per cell (DDP's training loss at {doc['meta']['target_fraction']:.0%} of its steps): "
              + "; ".join(f"{c['cluster']} {c['link']}: {_f(c['target_loss'], '.4f')}" for c in doc["cells"]),
-             "floor step per cluster: " + ", ".join(f"{k} {_ms(v['step_s'])}" for k, v in doc["floors"].items())]
+             f"floor: {doc['floor_definition']}; its held-out loss is one replica's model after training alone. "
+             "Floor step per cell: " + "; ".join(f"{c['cluster']} {c['link']}: {_ms(c['floor_step_s'])}" for c in doc["cells"])]
     return "\n".join(lines + [""] + notes)
 
 
@@ -489,6 +491,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[System]
                    help="links RATE[,RTT][,LOSS], space-separated (a link has commas of its own)")
     p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
                    help="comma-separated: ddp, a --sync strategy name (auto, bf16, ...), diloco:H[:CODEC], torchft:H")
+    p.add_argument("--script", default=str(GPT_SCRIPT),
+                   help="the GPT training script the Slipstream rows run (default examples/train_gpt.py; a copy or "
+                        "link of it under another name keeps it apart from tools that pick processes by script name)")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps of every row (H must divide it)")
     p.add_argument("--global-batch", type=int, default=32, help="sequences per step over all ranks")
     p.add_argument("--context", type=int, default=64)
@@ -539,6 +544,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[System]
                     ("--repeats", args.repeats), ("--heldout-samples", args.heldout_samples)):
         if v < 1:
             p.error(f"{name} must be >= 1, got {v}")
+    if not Path(args.script).is_file():
+        p.error(f"--script {args.script}: no such file")
     if not 0 < args.target_fraction <= 1:
         p.error(f"--target-fraction must be in (0, 1], got {args.target_fraction}")
     for s in systems:
@@ -594,7 +601,6 @@ def main(argv: list[str] | None = None) -> int:
     # A Slipstream row that failed is a failed benchmark; torchft's row records its error instead.
     failed = [f"{c['cluster']} {c['link']} {label}" for c in doc["cells"] for label, s in c["systems"].items()
               if s["kind"] != "torchft" and s["error"]]
-    failed += [f"{k} floor" for k, v in doc["floors"].items() if v["step_s"] is None]
     if failed:
         print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
         return 1

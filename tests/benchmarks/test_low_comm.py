@@ -88,12 +88,13 @@ def test_quick_mode_measures_every_row(tmp_path, monkeypatch):
     assert list_namespaces(prefix) == []
     (path,) = tmp_path.glob("low-comm-*.json")
     doc = json.loads(path.read_text())
-    assert doc["floors"]["2x1"]["step_s"] > 0
     (cell,) = doc["cells"]
+    assert cell["floor_step_s"] > 0
     assert (cell["cluster"], cell["link"], cell["tokens"]) == ("2x1", "100mbit,40ms", 10 * 32 * 64)
     systems = cell["systems"]
-    assert list(systems) == ["ddp", "diloco:5", "torchft:5"]
+    assert list(systems) == ["ddp", "diloco:5", "torchft:5", "floor"]
     ddp, diloco = systems["ddp"], systems["diloco:5"]
+    assert systems["floor"]["utilisation"] == 1.0 and systems["floor"]["error"] is None
     for row in (ddp, diloco):
         assert row["error"] is None, row
         assert row["bytes_per_token"] > 0 and 0 < row["utilisation"] and row["heldout_loss"] > 0
