@@ -33,18 +33,41 @@ REPO = Path(__file__).resolve().parents[1]
 GPT = str(REPO / "examples" / "train_gpt.py")
 
 
-def worker_pid(agent_pid: int, rank: int) -> int | None:
-    """The worker process of ``rank`` among the agent's descendants (from /proc)."""
+def descendants(pid: int) -> set[int]:
+    """Process ids of every descendant of ``pid`` (from the parent ids in /proc/*/stat)."""
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the command name, which may hold spaces
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def worker_pid(agent_pid: int, rank: int) -> int | None:
+    """The worker process of ``rank`` among the agent's descendants (from /proc).
+
+    Only the agent's own tree: a job beside this one (another benchmark's GPT workers on the same
+    machine) has workers of the same script and ranks, and must never be the one killed.
+    """
+    for pid in sorted(descendants(agent_pid)):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"train_gpt.py" in cmdline and f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b" ".join(environ):
-            return int(entry)
+            return pid
     return None
 
 
