@@ -577,15 +577,12 @@ class EmulatedCluster:
             if log_file is not None:
                 log_file.close()
 
-    def _restart_lost(self, procs: list[subprocess.Popen], restart: Callable[[int], subprocess.Popen], left: int) -> int:
-        """Start again every node whose agent a signal killed, while ``left`` node restarts
-        remain; returns how many remain. The node's other processes are killed first (a lost
-        machine keeps none) and its snapshot memory deleted. Not once a node has exited: the
-        job is ending (or failed), and a restarted node would wait for peers that are gone."""
-        if any(p.poll() is not None and p.poll() >= 0 for p in procs):
-            return left
-        for i, proc in enumerate(procs):
-            code = proc.poll()
+    def _restart_lost(self, procs: list[subprocess.Popen], codes: list[int | None],
+                      restart: Callable[[int], subprocess.Popen], left: int) -> int:
+        """Start again each node whose agent a signal killed (``codes``: the agents' last poll),
+        while ``left`` node restarts remain; returns how many remain. The node's other processes
+        are killed first (a lost machine keeps none) and its snapshot memory deleted."""
+        for i, code in enumerate(codes):
             if code is None or code >= 0 or left <= 0:
                 continue
             left -= 1
@@ -609,9 +606,13 @@ class EmulatedCluster:
         first_failure: int | None = None
         failed_at: float | None = None
         while True:
-            if restart is not None and failed_at is None:
-                node_restarts = self._restart_lost(procs, restart, node_restarts)
             codes = [p.poll() for p in procs]
+            # A node killed by a signal is lost: started again while restarts remain, unless some
+            # node has exited (the job is ending or failed: a new node would wait for gone peers).
+            if (restart is not None and failed_at is None and node_restarts > 0
+                    and any(c is not None and c < 0 for c in codes) and not any(c is not None and c >= 0 for c in codes)):
+                node_restarts = self._restart_lost(procs, codes, restart, node_restarts)
+                continue
             # Record failures before the all-done check: every agent may have
             # exited (some failing) between two polls.
             for c in codes:
