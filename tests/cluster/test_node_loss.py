@@ -41,8 +41,8 @@ def reference(tmp_path_factory) -> Path:
     run.stop()
 
 
-def lose_node_mid_run(tmp_path: Path, *flags: str, every: int) -> tuple[int, str]:
-    """Run the job on --emulate 2x1, kill node 1 whole once rank 1 ran KILL_AFTER steps; (exit code, output)."""
+def lose_node_mid_run(tmp_path: Path, *flags: str, every: int, node: int = 1) -> tuple[int, str]:
+    """Run the job on --emulate 2x1, kill ``node`` whole once rank 1 ran KILL_AFTER steps; (exit code, output)."""
     prefix = f"ssl{secrets.token_hex(2)}-"
     log = tmp_path / "log.txt"
     env = {**os.environ, "SLIPSTREAM_EMULATE_NS_PREFIX": prefix, "SLIPSTREAM_SNAPSHOT_DIR": str(tmp_path / "shm"),
@@ -59,9 +59,9 @@ def lose_node_mid_run(tmp_path: Path, *flags: str, every: int) -> tuple[int, str
         while not (ledger.exists() and len(ledger.read_text().splitlines()) >= KILL_AFTER):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        node1 = [ns for ns in list_namespaces(prefix) if ns.endswith("-n1")]
-        assert len(node1) == 1, node1
-        pids = subprocess.run(["ip", "netns", "pids", node1[0]], capture_output=True, text=True).stdout.split()
+        lost = [ns for ns in list_namespaces(prefix) if ns.endswith(f"-n{node}")]
+        assert len(lost) == 1, lost
+        pids = subprocess.run(["ip", "netns", "pids", lost[0]], capture_output=True, text=True).stdout.split()
         assert len(pids) >= 2  # its agent and its worker
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
@@ -86,14 +86,17 @@ def check_against(reference, out: Path) -> int:
     return redone
 
 
-def test_a_lost_node_resumes_from_the_peer_copy_bitwise(reference, tmp_path):
+@pytest.mark.parametrize("node", [1, 0])
+def test_a_lost_node_resumes_from_the_peer_copy_bitwise(reference, tmp_path, node):
+    """Node 0 hosts the rendezvous store: losing it, the other node's agent joins the restarted
+    node's new store, and its workers still know they are not a new job's (their memory is kept)."""
     require_root()
-    code, output = lose_node_mid_run(tmp_path, every=100)  # no disk checkpoint before the end
+    code, output = lose_node_mid_run(tmp_path, every=100, node=node)  # no disk checkpoint before the end
     assert code == 0, output[-3000:]
-    assert "slipstream run: node 1 lost (its agent was killed by SIGKILL); its memory is gone; starting it again" \
-        in output, output[-3000:]
-    assert "resumed from an in-memory snapshot (rank 1 from its peer copy on rank 0; newest checkpoint in" in output \
-        and ": none) at step" in output, output[-3000:]
+    assert f"slipstream run: node {node} lost (its agent was killed by SIGKILL); its memory is gone; starting it " \
+           "again" in output, output[-3000:]
+    assert (f"resumed from an in-memory snapshot (rank {node} from its peer copy on rank {1 - node}; newest checkpoint "
+            "in") in output and ": none) at step" in output, output[-3000:]
     assert check_against(reference, tmp_path) <= 2  # at most the one step each rank was in
 
 

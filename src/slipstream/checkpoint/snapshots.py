@@ -26,9 +26,10 @@ Layout: ``ROOT/slipstream-snapshots/<checkpoint dir hash>-ws<W>/launcher<PID>/ra
 ``SLIPSTREAM_SNAPSHOT_DIR`` or ``/dev/shm``), directories 0700. ``rank<R>/owner`` names
 the launcher (the worker's parent): the launcher deletes its ranks' snapshots when it
 exits, and those of launchers that no longer run (killed with SIGKILL) at its start
-(:func:`sweep`). A first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) clears its rank's
-directory, so a snapshot of an earlier job on the same checkpoint directory is never
-loaded. The index is read as plain data (``weights_only``), like checkpoint files.
+(:func:`sweep`). A first attempt (``TORCHELASTIC_RESTART_COUNT`` 0, and an agent that never
+joined again after losing the rendezvous store: :func:`~slipstream.snapshot_dirs.restart_count`)
+clears its rank's directory, so a snapshot of an earlier job on the same checkpoint directory
+is never loaded. The index is read as plain data (``weights_only``), like checkpoint files.
 
 Sharded tensors (DTensor) are stored as their local shard and rebuilt on the current
 tensor's mesh and placements, which is why a snapshot is only loaded into the world
@@ -62,7 +63,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import pids
-from ..snapshot_dirs import ENV_ROOT, SUBDIR, root_dir, sweep
+from ..snapshot_dirs import ENV_ROOT, SUBDIR, restart_count, root_dir, sweep
 from . import peer as peer_copy
 
 __all__ = ["ENV_ROOT", "SUBDIR", "MemorySnapshots", "Slots", "decode", "root_dir", "sweep"]
@@ -276,7 +277,7 @@ class MemorySnapshots:
         # The launcher's pid in the path: a worker orphaned by a launcher killed with SIGKILL, still
         # alive for a moment, can never write into the slots of the job relaunched on this directory.
         directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"launcher{os.getppid()}", f"rank{rank}")
-        return cls(directory, rank, world_size, every_steps, int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+        return cls(directory, rank, world_size, every_steps, restart_count(env))
 
     def steps(self) -> list[int]:
         """The steps this rank holds a complete snapshot of, oldest first."""
