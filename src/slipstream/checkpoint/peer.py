@@ -139,6 +139,7 @@ class PeerCopy:
         self.slots = {source: slots_for(source) for source in self.sources}
         self.group = group
         self.transfer_s: list[float] = []  # each copy's time in the background thread
+        self.waited_s: list[float] = []  # the loop's wait for the previous copy, at each offer()
         self.broken: str | None = None  # why the copy stopped (a peer gone: the job restarts anyway)
         self._no_room: set[int] = set()  # sources this rank has no room for
         self._queue: queue.Queue = queue.Queue()
@@ -164,7 +165,9 @@ class PeerCopy:
     def offer(self, step: int, buffer: torch.Tensor | None, index: bytes) -> None:
         """Hand the snapshot of ``step`` (its slot's buffer and index; None: this rank has none) to
         the background thread, once the previous one has travelled. Main thread, every due step."""
+        started = time.perf_counter()
         self._idle.wait()
+        self.waited_s.append(time.perf_counter() - started)
         if self.broken is not None:
             return
         self._idle.clear()

@@ -10,7 +10,9 @@ step into a tmpfs (``/dev/shm``: host memory, which a process's death does not f
 A restarted worker of the same launch loads the newest step that every rank holds,
 when it is newer than the newest checkpoint on disk: a killed worker then costs at
 most ``every_steps`` steps of redone work (none at the default 1 when it dies between
-steps). Disk checkpoints go on at their own cadence; they are what survives the machine.
+steps). Disk checkpoints go on at their own cadence. With more than one node, each snapshot
+also goes to a rank on another node (:mod:`.peer`), so a node lost with its memory resumes
+from there; without that copy, the disk checkpoint is what survives the machine.
 
 Two slots per rank, used in turn. A slot is a buffer file (every tensor's bytes, one
 after the other, reserved with ``posix_fallocate`` and mapped once with
