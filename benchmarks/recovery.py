@@ -159,8 +159,11 @@ if rt.rank == 0:
 slipstream.shutdown(exit_code=0)
 """
 
-PEER_WAYS = (("no snapshots", []), ("snapshot every step, no peer copy", ["--snapshot-every-steps", "1", "--no-snapshot-peer-copy"]),
-             ("snapshot every step + peer copy", ["--snapshot-every-steps", "1"]))
+def peer_ways(every: int) -> tuple[tuple[str, list[str]], ...]:
+    when = "every step" if every == 1 else f"every {every} steps"
+    return (("no snapshots", []),
+            (f"snapshot {when}, no peer copy", ["--snapshot-every-steps", str(every), "--no-snapshot-peer-copy"]),
+            (f"snapshot {when} + peer copy", ["--snapshot-every-steps", str(every)]))
 
 
 def peer_stall(way: list[str], steps: int, link: str) -> dict:
@@ -174,15 +177,16 @@ def peer_stall(way: list[str], steps: int, link: str) -> dict:
         return json.loads(out.read_text())
 
 
-def peer_stall_table(trials: int, steps: int, link: str) -> None:
-    rows = {name: [] for name, _ in PEER_WAYS}
+def peer_stall_table(trials: int, steps: int, link: str, every: int) -> None:
+    ways = peer_ways(every)
+    rows: dict[str, list[dict]] = {name: [] for name, _ in ways}
     for _ in range(trials):  # the ways in turn, so that the machine's load falls on each alike
-        for name, way in PEER_WAYS:
+        for name, way in ways:
             rows[name].append(peer_stall(way, steps, link))
-    params = rows[PEER_WAYS[0][0]][0]["params"]
+    params = rows[ways[0][0]][0]["params"]
     print(f"emulated 2x1, link {link}, GPT {params / 1e6:.1f}M parameters ({params * 12 / 2**20:.0f} MiB of state "
           f"with AdamW), {steps} steps x {trials} trials; load average at the end {os.getloadavg()[0]:.1f}\n")
-    print("| way | step (median) | snapshot stall per step | of which waiting for the previous peer copy | "
+    print("| way | step (median) | stall per snapshot | of which waiting for the previous peer copy | "
           "peer copy in the background |")
     print("|---|---:|---:|---:|---:|")
     for name, results in rows.items():
@@ -197,9 +201,10 @@ def main() -> None:
     p.add_argument("--peer-stall", action="store_true", help="part 3 only: the peer copy's cost on --emulate 2x1 (root)")
     p.add_argument("--steps", type=int, default=40, help="--peer-stall: steps per run")
     p.add_argument("--link", default="unshaped", help="--peer-stall: the emulated nodes' link (unshaped, 1gbit, ...)")
+    p.add_argument("--snapshot-every", type=int, default=1, help="--peer-stall: steps between snapshots")
     args = p.parse_args()
     if args.peer_stall:
-        peer_stall_table(args.trials, args.steps, args.link)
+        peer_stall_table(args.trials, args.steps, args.link, args.snapshot_every)
         return
     rows = [recovery(every=10, kill_at=25, steps=60, snapshots=snap) for _ in range(args.trials) for snap in (False, True)]
     print(f"load average at the end: {os.getloadavg()[0]:.1f}\n")

@@ -34,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -51,6 +52,8 @@ log = logging.getLogger("slipstream.checkpoint")
 # Point-to-point tags of the peer group (the copy) and of the checkpoint group (a restore).
 TAG_HEADER, TAG_ANSWER, TAG_INDEX, TAG_DATA = 71, 72, 73, 74
 TAG_FETCH_HEADER, TAG_FETCH_INDEX, TAG_FETCH_DATA = 81, 82, 83
+SLOW_OFFERS = 5
+"""Snapshots in a row whose hand-over waited for the previous copy before rank 0 says so."""
 
 
 class SlotStore(Protocol):
@@ -142,6 +145,8 @@ class PeerCopy:
         self.waited_s: list[float] = []  # the loop's wait for the previous copy, at each offer()
         self.broken: str | None = None  # why the copy stopped (a peer gone: the job restarts anyway)
         self._no_room: set[int] = set()  # sources this rank has no room for
+        self._last_offer: float | None = None
+        self._slow_offers = 0  # offers in a row that waited for the previous copy (rank 0 says so once)
         self._queue: queue.Queue = queue.Queue()
         self._idle = threading.Event()
         self._idle.set()
@@ -167,11 +172,26 @@ class PeerCopy:
         the background thread, once the previous one has travelled. Main thread, every due step."""
         started = time.perf_counter()
         self._idle.wait()
-        self.waited_s.append(time.perf_counter() - started)
+        now = time.perf_counter()
+        self.waited_s.append(now - started)
+        self._note_waits(now - started, started - self._last_offer if self._last_offer is not None else None)
+        self._last_offer = now
         if self.broken is not None:
             return
         self._idle.clear()
         self._queue.put((step, buffer, index))
+
+    def _note_waits(self, waited_s: float, between_s: float | None) -> None:
+        """One line (rank 0) once the loop has waited for the previous copy at SLOW_OFFERS snapshots
+        in a row: the copy takes longer than the time between two snapshots (a slow link)."""
+        slow = between_s is not None and waited_s > 0.1 * (between_s + waited_s)
+        self._slow_offers = self._slow_offers + 1 if slow else 0
+        if self._slow_offers == SLOW_OFFERS and self.rank == 0 and self.transfer_s:
+            copy_s = sorted(self.transfer_s)[len(self.transfer_s) // 2]
+            log.warning("the snapshots' peer copy takes %.2f s, longer than the %.2f s between two snapshots: the "
+                        "training loop waits %.2f s for it at each one; take snapshots about %dx less often "
+                        "(snapshot_every_steps) or turn the copy off (--no-snapshot-peer-copy)",
+                        copy_s, between_s, waited_s, math.ceil(copy_s / max(between_s, 1e-3)))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Whether the copy in flight (if any) has travelled, after waiting up to ``timeout_s``."""
