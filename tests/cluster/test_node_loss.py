@@ -70,9 +70,11 @@ def lose_node_mid_run(tmp_path: Path, *flags: str, every: int, node: int = 1) ->
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    output = log.read_text()
+    assert code == 0, output[-3000:]
     assert list_namespaces(prefix) == []
     assert not any((tmp_path / "shm").rglob("*")), sorted((tmp_path / "shm").rglob("*"))  # every node's memory freed
-    return code, log.read_text()
+    return code, output
 
 
 def check_against(reference, out: Path) -> int:
