@@ -60,8 +60,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
                       did_you_mean)
 from ..log import CONSOLE
-from . import agent_signals
 from ..snapshot_dirs import ENV_REJOINS
+from . import agent_signals
 from .parent_death import ENV_AGENT_PID
 
 log = logging.getLogger(__name__)
