@@ -13,7 +13,16 @@ memory, written in a background thread), and reports the median time each
 save held the training loop, next to the median step time; and the same with
 an in-memory snapshot every step (the time each snapshot held the loop).
 
-    python benchmarks/recovery.py            # both parts, about 2 minutes on 2 cores
+Part 3 (``--peer-stall``, root): the cost of the snapshots' peer copy on another node. On an
+emulated 2x1 cluster (``slipstream run --emulate 2x1``: two nodes, one rank each, the link
+unshaped or ``--link``), the larger GPT trains N steps, three ways in turn per trial: no
+snapshots, a snapshot every step without the peer copy (``--no-snapshot-peer-copy``), and with
+it. Reported per way, medians over the trials of rank 0's medians: the step time, the time each
+snapshot held the loop (the local copy, plus any wait for the previous peer copy to travel) and
+of that the wait, and the time each peer copy took in its background thread.
+
+    python benchmarks/recovery.py            # parts 1 and 2, about 2 minutes on 2 cores
+    sudo python benchmarks/recovery.py --peer-stall --trials 3      # part 3
 """
 
 from __future__ import annotations
@@ -143,10 +152,83 @@ print(statistics.median(blocks), statistics.median(times), params, len(blocks))
             "params": int(params), "saves": int(saves)}
 
 
+PEER_WORKER = """
+import json, os, statistics, sys, time, torch
+sys.path.insert(0, {examples!r})
+import train_gpt, slipstream
+rt = slipstream.init()
+torch.manual_seed(0)
+corpus = train_gpt.load_corpus(1 << 20)
+model = train_gpt.GPT(dim=256, layers=6, context=64)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+run = slipstream.accelerate(model, opt, checkpoint_dir={ckpt!r}, progress=False, run_dir={run_dir!r})
+times = []
+while run.step_count < {steps}:
+    t = time.perf_counter()
+    x, y = train_gpt.batch_for(run.step_count, rt.rank, corpus, 8, 64, 0)
+    run.backward(torch.nn.functional.cross_entropy(run.model(x).view(-1, 256), y.view(-1)))
+    run.step()
+    times.append(time.perf_counter() - t)
+snaps = run.checkpoints.snapshots
+peer = snaps.peer if snaps is not None else None
+med = lambda xs: statistics.median(xs) if xs else 0.0
+result = dict(step_s=med(times[3:]), stall_s=med(snaps.stall_s[3:]) if snaps else 0.0,
+              waited_s=med(peer.waited_s[3:]) if peer else 0.0, transfer_s=med(peer.transfer_s[3:]) if peer else 0.0,
+              params=sum(p.numel() for p in model.parameters()), peer=peer is not None)
+run.finish()
+if rt.rank == 0:
+    with open({out!r}, "w") as fh:
+        json.dump(result, fh)
+slipstream.shutdown(exit_code=0)
+"""
+
+def peer_ways(every: int) -> tuple[tuple[str, list[str]], ...]:
+    when = "every step" if every == 1 else f"every {every} steps"
+    return (("no snapshots", []),
+            (f"snapshot {when}, no peer copy", ["--snapshot-every-steps", str(every), "--no-snapshot-peer-copy"]),
+            (f"snapshot {when} + peer copy", ["--snapshot-every-steps", str(every)]))
+
+
+def peer_stall(way: list[str], steps: int, link: str) -> dict:
+    """One 2x1 emulated run of the larger GPT with the flags of ``way``; rank 0's medians."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out, script = Path(tmp) / "result.json", Path(tmp) / "worker.py"
+        script.write_text(PEER_WORKER.format(examples=str(REPO / "examples"), ckpt=str(Path(tmp) / "ckpt"),
+                                             run_dir=str(Path(tmp) / "run"), steps=steps, out=str(out)))
+        subprocess.run([sys.executable, "-m", "slipstream", "run", "--emulate", "2x1", "--link", link, *way, str(script)],
+                       cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=900)
+        return json.loads(out.read_text())
+
+
+def peer_stall_table(trials: int, steps: int, link: str, every: int) -> None:
+    ways = peer_ways(every)
+    rows: dict[str, list[dict]] = {name: [] for name, _ in ways}
+    for _ in range(trials):  # the ways in turn, so that the machine's load falls on each alike
+        for name, way in ways:
+            rows[name].append(peer_stall(way, steps, link))
+    params = rows[ways[0][0]][0]["params"]
+    print(f"emulated 2x1, link {link}, GPT {params / 1e6:.1f}M parameters ({params * 12 / 2**20:.0f} MiB of state "
+          f"with AdamW), {steps} steps x {trials} trials; load average at the end {os.getloadavg()[0]:.1f}\n")
+    print("| way | step (median) | stall per snapshot | of which waiting for the previous peer copy | "
+          "peer copy in the background |")
+    print("|---|---:|---:|---:|---:|")
+    for name, results in rows.items():
+        med = {k: statistics.median(r[k] for r in results) * 1000 for k in ("step_s", "stall_s", "waited_s", "transfer_s")}
+        print(f"| {name} | {med['step_s']:.0f} ms | {med['stall_s']:.1f} ms | {med['waited_s']:.1f} ms | "
+              f"{med['transfer_s']:.0f} ms |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--peer-stall", action="store_true", help="part 3 only: the peer copy's cost on --emulate 2x1 (root)")
+    p.add_argument("--steps", type=int, default=40, help="--peer-stall: steps per run")
+    p.add_argument("--link", default="unshaped", help="--peer-stall: the emulated nodes' link (unshaped, 1gbit, ...)")
+    p.add_argument("--snapshot-every", type=int, default=1, help="--peer-stall: steps between snapshots")
     args = p.parse_args()
+    if args.peer_stall:
+        peer_stall_table(args.trials, args.steps, args.link, args.snapshot_every)
+        return
     rows = [recovery(every=10, kill_at=25, steps=60, snapshots=snap) for _ in range(args.trials) for snap in (False, True)]
     print(f"load average at the end: {os.getloadavg()[0]:.1f}\n")
     print("| trial | recovers from | killed after step | resumed from | steps redone | kill -> first step after resume |")

@@ -222,6 +222,10 @@ class CheckpointConfig:
     """Also keep each rank's state of every Nth step in host memory (/dev/shm): a worker the agent
     restarts resumes from there when it is newer than the newest checkpoint on disk, so a failure
     redoes at most N steps (None: disk checkpoints only)."""
+    snapshot_peer_copy: bool = True
+    """With snapshot_every_steps and more than one node: also copy each rank's snapshot to a rank
+    on another node (in the background), so a node lost with its memory resumes from there, not
+    from disk. Doubles the snapshots' host memory; off: a lost node's ranks go back to disk."""
 
     FLAT: ClassVar[dict[str, str]] = {
         "dir": "checkpoint_dir",
@@ -233,6 +237,7 @@ class CheckpointConfig:
         "max_failures": "checkpoint_max_failures",
         "preemption_deadline_s": "preemption_deadline_s",
         "snapshot_every_steps": "snapshot_every_steps",
+        "snapshot_peer_copy": "snapshot_peer_copy",
     }
 
     def __post_init__(self) -> None:

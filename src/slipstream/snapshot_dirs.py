@@ -21,6 +21,21 @@ from . import pids
 
 ENV_ROOT = "SLIPSTREAM_SNAPSHOT_DIR"
 SUBDIR = "slipstream-snapshots"
+ENV_REJOINS = "SLIPSTREAM_AGENT_REJOINS"
+"""Set by the launcher for its workers: how many times its agent joined the job again after
+losing the rendezvous store (the rendezvous host's node lost). The new agent counts its
+restarts from 0, so without this its workers would take themselves for a new job's."""
+
+
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times this launcher restarted its workers: 0 only for a new job's first attempt.
+
+    Example::
+
+        restart_count({"TORCHELASTIC_RESTART_COUNT": "0", "SLIPSTREAM_AGENT_REJOINS": "1"})   # 1
+    """
+    env = os.environ if environ is None else environ
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + int(env.get(ENV_REJOINS, "0") or 0)
 
 
 def root_dir(environ: Mapping[str, str] | None = None) -> str:

@@ -69,6 +69,15 @@ def test_a_new_job_on_the_same_directory_never_loads_an_earlier_jobs_snapshot(tm
     assert MemorySnapshots.for_run("ckpt", 0, 1, 1, environ=env(tmp_path, 1)).agreed_newest() == 7
 
 
+def test_an_agent_that_joined_again_keeps_its_workers_snapshots(tmp_path):
+    """The rendezvous host's node lost: the other node's launcher runs a new agent (restart count
+    0 again) with SLIPSTREAM_AGENT_REJOINS set; its workers are not a new job's."""
+    model, optimizer = trained(0, 1)
+    MemorySnapshots.for_run("ckpt", 0, 1, 1, environ=env(tmp_path, 0)).take(7, {"mo": ModelOptimizerState(model, optimizer)}, {})
+    rejoined = {**env(tmp_path, 0), "SLIPSTREAM_AGENT_REJOINS": "1"}
+    assert MemorySnapshots.for_run("ckpt", 0, 1, 1, environ=rejoined).agreed_newest() == 7
+
+
 def test_a_snapshot_cut_short_is_not_a_snapshot(tmp_path):
     """A worker killed while copying into a slot (its index already deleted) or while writing the
     index (a .tmp left behind) leaves that slot out; the other slot's step stays loadable."""

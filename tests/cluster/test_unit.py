@@ -263,3 +263,44 @@ class _Exited:
 def test_wait_reports_a_failure_even_when_every_agent_exited_before_the_first_poll(codes, expected):
     cluster = emulate.EmulatedCluster(len(codes), "1gbit")
     assert cluster._wait([_Exited(c) for c in codes], timeout_s=5, grace_s=5) == expected
+
+
+class _Agent:
+    """An agent process: running (None) until its code is set, or for ``polls`` polls."""
+
+    def __init__(self, code: int | None = None, polls: int = 0):
+        self.code, self.polls = code, polls
+
+    def poll(self) -> int | None:
+        self.polls -= 1
+        return self.code if self.polls < 0 else None
+
+
+def test_a_node_killed_by_a_signal_is_started_again_up_to_the_restart_budget(monkeypatch):
+    """Issue #34: a lost node (its agent killed by a signal) is restarted, as a scheduler restarts
+    a pod, its memory deleted first; past --max-restarts node restarts the job fails. An agent that
+    exits with a code is the job's own outcome, never restarted."""
+    cluster = emulate.EmulatedCluster(2, "1gbit")
+    monkeypatch.setattr(cluster, "lose_node", lambda node: [])
+    monkeypatch.setattr(cluster, "_wait_netns_empty", lambda node: None)
+    forgotten, started = [], []
+    monkeypatch.setattr(cluster, "forget_memory", forgotten.append)
+    survivor = _Agent()
+
+    def restart(node: int) -> _Agent:
+        started.append(node)
+        # the first restarted node dies again; the second one finishes with the survivor
+        if len(started) == 1:
+            return _Agent(-9, polls=3)
+        survivor.code = 0
+        return _Agent(0, polls=3)
+
+    assert cluster._wait([survivor, _Agent(-9)], timeout_s=5, grace_s=5, restart=restart, node_restarts=2) == 0
+    assert started == [1, 1] and forgotten == [1, 1]
+
+    started.clear()
+    assert cluster._wait([_Agent(), _Agent(-9)], timeout_s=5, grace_s=0.2, restart=restart, node_restarts=1) == 1
+    assert started == [1]  # the second death: no node restart left
+    started.clear()
+    assert cluster._wait([_Agent(), _Agent(1)], timeout_s=5, grace_s=0.2, restart=restart, node_restarts=3) == 1
+    assert started == []  # exit 1 (its own restarts spent): the job's failure, not a lost node

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from slipstream.launch import api
+from slipstream.snapshot_dirs import ENV_REJOINS
 from slipstream.launch.api import LaunchOptions
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
@@ -12,7 +15,7 @@ def _agent(failures: int):
     calls = []
 
     def run() -> None:
-        calls.append(1)
+        calls.append(os.environ.get(ENV_REJOINS))
         if len(calls) <= failures:
             raise RendezvousConnectionError("The connection to the C10d store has failed.")
 
@@ -25,14 +28,17 @@ def _opts(**kw) -> LaunchOptions:
 
 def test_a_joining_node_tries_again_until_the_store_answers(monkeypatch, caplog):
     monkeypatch.setattr(api, "REJOIN_PAUSE_S", 0.0)
+    monkeypatch.delenv(ENV_REJOINS, raising=False)  # restored after the test
     run, calls = _agent(failures=2)
     api._launch_rejoining(_opts(node_rank=1), "10.0.0.1:29400", run)
-    assert len(calls) == 3
+    # each new agent's workers learn the launcher ran workers before (their snapshots are kept)
+    assert calls == [None, "1", "2"]
     assert "cannot reach the rendezvous store at 10.0.0.1:29400" in caplog.text and "check --rdzv-endpoint" in caplog.text
 
 
 def test_it_gives_up_after_the_join_timeout(monkeypatch):
     monkeypatch.setattr(api, "REJOIN_PAUSE_S", 0.02)
+    monkeypatch.delenv(ENV_REJOINS, raising=False)
     run, calls = _agent(failures=10**6)
     with pytest.raises(RendezvousConnectionError):
         api._launch_rejoining(_opts(node_rank=1, join_timeout_s=0.1), "10.0.0.1:29400", run)
@@ -51,6 +57,7 @@ def test_the_retry_window_is_capped_whatever_the_join_timeout(monkeypatch):
     """A lost rendezvous host takes the c10d store with it: the others must still fail within minutes."""
     monkeypatch.setattr(api, "REJOIN_PAUSE_S", 0.02)
     monkeypatch.setattr(api, "REJOIN_WINDOW_S", 0.1)
+    monkeypatch.delenv(ENV_REJOINS, raising=False)
     run, calls = _agent(failures=10**6)
     with pytest.raises(RendezvousConnectionError):
         api._launch_rejoining(_opts(node_rank=1, join_timeout_s=600), "10.0.0.1:29400", run)

@@ -170,7 +170,8 @@ def test_every_named_option_gets_its_line(adopting, capsys):
               "pp_schedule": "gpipe", "pp_microbatches": "2", "zero_stage": "2", "checkpoint_dir": "/tmp/c",
               "checkpoint_every_steps": "5", "checkpoint_every_s": "60", "checkpoint_keep_last": "2",
               "checkpoint_async": "true", "checkpoint_verify": "size", "checkpoint_max_failures": "2",
-              "preemption_deadline_s": "10", "snapshot_every_steps": "1"}
+              "preemption_deadline_s": "10", "snapshot_every_steps": "1",
+              "snapshot_peer_copy": "false"}
     assert set(values) == set(adopt.NOT_APPLIED)
     adopting(**values)
     DDP(net())

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import runtime
 from ..errors import EXIT_PREEMPTED, ConfigError
-from . import layout, lease, remote, safe_load, snapshots, storage
+from . import layout, lease, peer, remote, safe_load, snapshots, storage
 from . import verify as integrity  # the name `verify` is the constructor's option
 
 log = logging.getLogger("slipstream.checkpoint")
@@ -100,6 +100,7 @@ class CheckpointManager:
         lease_stale_after_s: float | None = None,
         storage_options: Mapping[str, Any] | None = None,
         snapshot_every_steps: int | None = None,
+        snapshot_peer_copy: bool = True,
     ) -> None:
         if not directory:
             raise ConfigError("checkpoint_dir must be a path, got an empty string")
@@ -184,12 +185,13 @@ class CheckpointManager:
                                         storage_options=storage_options)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.snapshots = self._open_snapshots(snapshot_every_steps)
+        self.snapshots = self._open_snapshots(snapshot_every_steps, snapshot_peer_copy)
         self.restored_from: str | None = None  # what restore_latest() loaded: a checkpoint's path or a snapshot
 
-    def _open_snapshots(self, every_steps: int | None) -> snapshots.MemorySnapshots | None:
+    def _open_snapshots(self, every_steps: int | None, peer_copy: bool) -> snapshots.MemorySnapshots | None:
         """This rank's in-memory snapshots (:mod:`.snapshots`), when asked for and an elastic agent
-        (``slipstream run``, torchrun) would restart a failed worker to use them."""
+        (``slipstream run``, torchrun) would restart a failed worker to use them; with ``peer_copy``
+        and more than one node, also copied to a rank on another node (:mod:`.peer`; a collective)."""
         if every_steps is None:
             return None
         if "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -197,14 +199,18 @@ class CheckpointManager:
                 log.warning("snapshot_every_steps is set but no elastic agent (slipstream run, torchrun) started "
                             "this process to restart it: no in-memory snapshots")
             return None
-        return snapshots.MemorySnapshots.for_run(self.directory, self.rank, self.world_size, every_steps)
+        snaps = snapshots.MemorySnapshots.for_run(self.directory, self.rank, self.world_size, every_steps)
+        if peer_copy and self.group is not None and self.world_size > 1:
+            snaps.peer = peer.PeerCopy.for_job(self.rank, self.group, snaps.peer_slots)
+        return snaps
 
     def maybe_snapshot(self, step: int) -> bool:
-        """Snapshot ``step`` in host memory when one is due (rank-local, no collective)."""
-        if self.snapshots is None or not self.snapshots.due(step):
+        """Snapshot ``step`` in host memory when one is due (no collective; the peer copy, if any,
+        travels in the background). True when this rank took one."""
+        if self.snapshots is None or not self.snapshots.scheduled(step):
             return False
-        self.snapshots.take(step, self._shared, self._per_rank)
-        return True
+        self.snapshots.take(step, self._shared, self._per_rank)  # with snapshots off: tells the peer so
+        return self.snapshots.enabled
 
     # --- registry ----------------------------------------------------------------------
     def register(self, name: str, obj: Any, per_rank: bool = False) -> None:
@@ -539,7 +545,9 @@ class CheckpointManager:
             if self.group is not None and self.world_size > 1:
                 dist.broadcast_object_list(newest, src=0, group=self.group)
             if snapshot >= newest[0] and self._restore_snapshot(snapshot):
-                self.restored_from = (f"an in-memory snapshot (newest checkpoint in {self.directory}: "
+                via = "".join(f"rank {r} from its peer copy on rank {h}; "
+                              for r, h in sorted(self.snapshots.from_peers.items()))
+                self.restored_from = (f"an in-memory snapshot ({via}newest checkpoint in {self.directory}: "
                                       f"{f'step {newest[0]}' if newest[0] else 'none'})")
                 self._last_save_time = time.monotonic()
                 return snapshot
@@ -585,7 +593,7 @@ class CheckpointManager:
         any registered object changes, so a rank that cannot read leaves no rank half-restored."""
         tree, problem = None, ""
         try:
-            tree = self.snapshots.read(step)  # type: ignore[union-attr]
+            tree = self.snapshots.read(step, self.group)  # type: ignore[union-attr]  (peer copies: a collective)
         except Exception as exc:  # noqa: BLE001 - agreed below; the disk checkpoint is the fallback
             problem = f"rank {self.rank}: {type(exc).__name__}: {exc}"
         failed = torch.tensor([0.0 if tree is not None else 1.0])
@@ -635,6 +643,8 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self.snapshots is not None and self.snapshots.peer is not None:
+                self.snapshots.peer.close()
             if self.lease is not None:
                 self.lease.release()
                 self.lease = None

@@ -10,7 +10,9 @@ step into a tmpfs (``/dev/shm``: host memory, which a process's death does not f
 A restarted worker of the same launch loads the newest step that every rank holds,
 when it is newer than the newest checkpoint on disk: a killed worker then costs at
 most ``every_steps`` steps of redone work (none at the default 1 when it dies between
-steps). Disk checkpoints go on at their own cadence; they are what survives the machine.
+steps). Disk checkpoints go on at their own cadence. With more than one node, each snapshot
+also goes to a rank on another node (:mod:`.peer`), so a node lost with its memory resumes
+from there; without that copy, the disk checkpoint is what survives the machine.
 
 Two slots per rank, used in turn. A slot is a buffer file (every tensor's bytes, one
 after the other, reserved with ``posix_fallocate`` and mapped once with
@@ -26,9 +28,10 @@ Layout: ``ROOT/slipstream-snapshots/<checkpoint dir hash>-ws<W>/launcher<PID>/ra
 ``SLIPSTREAM_SNAPSHOT_DIR`` or ``/dev/shm``), directories 0700. ``rank<R>/owner`` names
 the launcher (the worker's parent): the launcher deletes its ranks' snapshots when it
 exits, and those of launchers that no longer run (killed with SIGKILL) at its start
-(:func:`sweep`). A first attempt (``TORCHELASTIC_RESTART_COUNT`` 0) clears its rank's
-directory, so a snapshot of an earlier job on the same checkpoint directory is never
-loaded. The index is read as plain data (``weights_only``), like checkpoint files.
+(:func:`sweep`). A first attempt (``TORCHELASTIC_RESTART_COUNT`` 0, and an agent that never
+joined again after losing the rendezvous store: :func:`~slipstream.snapshot_dirs.restart_count`)
+clears its rank's directory, so a snapshot of an earlier job on the same checkpoint directory
+is never loaded. The index is read as plain data (``weights_only``), like checkpoint files.
 
 Sharded tensors (DTensor) are stored as their local shard and rebuilt on the current
 tensor's mesh and placements, which is why a snapshot is only loaded into the world
@@ -49,6 +52,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import shutil
@@ -61,9 +65,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import pids
-from ..snapshot_dirs import ENV_ROOT, SUBDIR, root_dir, sweep
+from ..snapshot_dirs import ENV_ROOT, SUBDIR, restart_count, root_dir, sweep
+from . import peer as peer_copy
 
-__all__ = ["ENV_ROOT", "SUBDIR", "MemorySnapshots", "root_dir", "sweep"]
+__all__ = ["ENV_ROOT", "SUBDIR", "MemorySnapshots", "Slots", "decode", "root_dir", "sweep"]
 
 log = logging.getLogger("slipstream.checkpoint")
 
@@ -133,6 +138,114 @@ def _places(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int
     return places, max(offset, ALIGN)
 
 
+class Slots:
+    """Two slots in ``directory``, used in turn: each a buffer file and an index written last.
+
+    The storage both of a rank's own snapshots and of the copies it holds for a rank on
+    another node (:mod:`.peer`). Example::
+
+        slots = Slots("/dev/shm/x")
+        slot = slots.claim()                          # the older slot, its index deleted
+        slots.buffer(slot, size)[:] = payload         # the bytes
+        slots.commit(step, slot, index_bytes)         # now a snapshot of ``step``
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self._buffers: dict[int, torch.Tensor] = {}  # slot -> its mapped buffer (uint8)
+
+    def held(self) -> dict[int, int]:
+        """{step: slot} of the complete snapshots (those with an index)."""
+        held = {}
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return held
+        for name in names:
+            stem, _, slot = name.partition(".slot")
+            if stem.startswith("step_") and slot.isdigit():
+                try:
+                    held[int(stem[len("step_"):])] = int(slot)
+                except ValueError:
+                    continue
+        return held
+
+    def steps(self) -> list[int]:
+        """The steps held complete, oldest first."""
+        return sorted(self.held())
+
+    def index(self, step: int, slot: int) -> str:
+        return os.path.join(self.directory, f"step_{step:08d}.slot{slot}")
+
+    def claim(self) -> int:
+        """The slot to write next (not the newest step's), its index deleted: from now on it is
+        no snapshot until :meth:`commit`. Raises OSError."""
+        held = self.held()
+        newest = max(held) if held else None
+        slot = (held[newest] + 1) % SLOTS if newest is not None else 0
+        for old, old_slot in held.items():
+            if old_slot == slot:
+                os.remove(self.index(old, slot))
+        return slot
+
+    def buffer(self, slot: int, size: int) -> torch.Tensor:
+        """Slot ``slot``'s buffer of ``size`` bytes, reserved in the tmpfs (ENOSPC now, not SIGBUS later)."""
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.numel() != size:
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            path = os.path.join(self.directory, f"slot{slot}.bin")
+            self._buffers.pop(slot, None)
+            with open(path, "wb") as fh:
+                os.posix_fallocate(fh.fileno(), 0, size)
+            buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            self._buffers[slot] = buffer
+        return buffer
+
+    def commit(self, step: int, slot: int, index: bytes) -> None:
+        """Write the index of ``step`` in ``slot`` (a temporary name, renamed): the slot is a snapshot now."""
+        path = self.index(step, slot)
+        with open(path + ".tmp", "wb") as fh:
+            fh.write(index)
+        os.replace(path + ".tmp", path)
+
+    def read_raw(self, step: int) -> tuple[bytes, torch.Tensor]:
+        """(index bytes, buffer bytes) of the snapshot of ``step``; raises when it is not complete."""
+        slot = self.held()[step]
+        with open(self.index(step, slot), "rb") as fh:
+            index = fh.read()
+        size = load_index(index)["size"]
+        with open(os.path.join(self.directory, f"slot{slot}.bin"), "rb") as fh:
+            data = torch.frombuffer(bytearray(fh.read(size)), dtype=torch.uint8)
+        if data.numel() != size:
+            raise OSError(f"snapshot slot {slot} of step {step} holds {data.numel()} of {size} bytes")
+        return index, data
+
+    def clear(self) -> None:
+        self._buffers.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def load_index(index: bytes) -> dict:
+    """A snapshot's index, read as plain data only (a pickled object is refused)."""
+    return torch.load(io.BytesIO(index), map_location="cpu", weights_only=True)
+
+
+def decode(index: bytes, data: torch.Tensor) -> dict:
+    """The state a snapshot holds ({"shared": ..., "per_rank": ...}) from its index and buffer bytes."""
+    meta = load_index(index)
+    if data.numel() < meta["size"]:
+        raise OSError(f"snapshot of step {meta.get('step')} holds {data.numel()} of {meta['size']} bytes")
+    tensors = []
+    for offset, dtype_name, shape in meta["places"]:
+        dtype = getattr(torch, dtype_name)
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        tensors.append(data[offset:offset + nbytes].view(dtype).view(shape).clone())
+    return _unflatten(meta["tree"], tensors)
+
+
 class MemorySnapshots:
     """One rank's snapshots of one job (see the module docstring)."""
 
@@ -143,7 +256,9 @@ class MemorySnapshots:
         self.restart_count = restart_count
         self.enabled = True
         self.stall_s: list[float] = []  # time each snapshot held the training loop
-        self._buffers: dict[int, torch.Tensor] = {}  # slot -> its mapped buffer (uint8)
+        self.slots = Slots(directory)
+        self.peer: peer_copy.PeerCopy | None = None  # the copy on another node: set by the manager
+        self.from_peers: dict[int, int] = {}  # agreed_newest(): {rank: the rank holding its copy} to fetch
         if restart_count == 0:  # a new job on this checkpoint directory: nothing of an earlier one is loaded
             shutil.rmtree(directory, ignore_errors=True)
         launcher = os.getppid()
@@ -164,111 +279,104 @@ class MemorySnapshots:
         # The launcher's pid in the path: a worker orphaned by a launcher killed with SIGKILL, still
         # alive for a moment, can never write into the slots of the job relaunched on this directory.
         directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"launcher{os.getppid()}", f"rank{rank}")
-        return cls(directory, rank, world_size, every_steps, int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+        return cls(directory, rank, world_size, every_steps, restart_count(env))
 
-    def _held(self) -> dict[int, int]:
-        """{step: slot} of the complete snapshots (those with an index)."""
+    def steps(self) -> list[int]:
+        """The steps this rank holds a complete snapshot of, oldest first."""
+        return self.slots.steps()
+
+    def peer_slots(self, source: int) -> Slots:
+        """Where this rank keeps the copies of rank ``source``'s snapshots (:mod:`.peer`)."""
+        return Slots(os.path.join(self.directory, f"peer{source}"))
+
+    def scheduled(self, step: int) -> bool:
+        """Whether ``step`` is a snapshot step (the same on every rank, snapshots off or not)."""
+        return step > 0 and step % self.every_steps == 0
+
+    def due(self, step: int) -> bool:
+        """Whether this rank takes a snapshot of ``step``."""
+        return self.enabled and self.scheduled(step)
+
+    def take(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
+        """Copy this rank's state of ``step`` into the older slot; complete (indexed) or not at all.
+        With a peer copy, the same bytes then go to the buddy rank in the background; a rank whose
+        snapshots are off still tells its buddy so (every rank calls this at the same steps)."""
+        started = time.perf_counter()
+        if not self.enabled:
+            if self.peer is not None:
+                self.peer.offer(step, None, b"")
+            return
+        tensors: list[torch.Tensor] = []
+        tree = {"shared": {name: _flatten(_state_of(obj), tensors) for name, obj in shared.items()},
+                "per_rank": {name: _flatten(_state_of(obj), tensors) for name, obj in per_rank.items()}}
+        places, size = _places(tensors)
+        try:
+            slot = self.slots.claim()
+            buffer = self.slots.buffer(slot, size)
+            for t, (offset, _, _) in zip(tensors, places):
+                nbytes = t.numel() * t.element_size()
+                buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+            index = io.BytesIO()
+            torch.save({"step": step, "world_size": self.world_size, "size": size, "places": places, "tree": tree},
+                       index)
+            self.slots.commit(step, slot, index.getvalue())
+        except (OSError, RuntimeError) as exc:  # ENOSPC from the reservation; torch.save's iostream error
+            self._turn_off(f"{self.directory}: {exc} (two snapshots of this rank need {2 * size / 2**20:.0f} MiB; "
+                           f"set {ENV_ROOT} to a larger tmpfs, or the pod's shm_size)")
+            if self.peer is not None:
+                self.peer.offer(step, None, b"")
+            return
+        if self.peer is not None:
+            self.peer.offer(step, buffer, index.getvalue())
+        self.stall_s.append(time.perf_counter() - started)
+
+    def _turn_off(self, why: str) -> None:
+        self.enabled = False
+        self.slots.clear()  # give the memory back
+        log.warning("in-memory snapshots are off for rank %d: %s; recovery uses disk checkpoints", self.rank, why)
+
+    def held_for_others(self) -> dict[int, list[int]]:
+        """{source rank: steps} of the peer copies this rank holds complete."""
         held = {}
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             return held
         for name in names:
-            stem, _, slot = name.partition(".slot")
-            if stem.startswith("step_") and slot.isdigit():
-                try:
-                    held[int(stem[len("step_"):])] = int(slot)
-                except ValueError:
-                    continue
+            if name.startswith("peer") and name[len("peer"):].isdigit():
+                steps = self.peer_slots(int(name[len("peer"):])).steps()
+                if steps:
+                    held[int(name[len("peer"):])] = steps
         return held
 
-    def steps(self) -> list[int]:
-        """The steps this rank holds a complete snapshot of, oldest first."""
-        return sorted(self._held())
-
-    def due(self, step: int) -> bool:
-        return self.enabled and step > 0 and step % self.every_steps == 0
-
-    def _index(self, step: int, slot: int) -> str:
-        return os.path.join(self.directory, f"step_{step:08d}.slot{slot}")
-
-    def _buffer(self, slot: int, size: int) -> torch.Tensor:
-        """Slot ``slot``'s buffer of ``size`` bytes, reserved in the tmpfs (ENOSPC now, not SIGBUS later)."""
-        buffer = self._buffers.get(slot)
-        if buffer is None or buffer.numel() != size:
-            path = os.path.join(self.directory, f"slot{slot}.bin")
-            self._buffers.pop(slot, None)
-            with open(path, "wb") as fh:
-                os.posix_fallocate(fh.fileno(), 0, size)
-            buffer = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
-            self._buffers[slot] = buffer
-        return buffer
-
-    def take(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:
-        """Copy this rank's state of ``step`` into the older slot; complete (indexed) or not at all."""
-        started = time.perf_counter()
-        tensors: list[torch.Tensor] = []
-        tree = {"shared": {name: _flatten(_state_of(obj), tensors) for name, obj in shared.items()},
-                "per_rank": {name: _flatten(_state_of(obj), tensors) for name, obj in per_rank.items()}}
-        places, size = _places(tensors)
-        held = self._held()
-        newest = max(held) if held else None
-        slot = (held[newest] + 1) % SLOTS if newest is not None else 0
-        try:
-            for old, old_slot in held.items():
-                if old_slot == slot:
-                    os.remove(self._index(old, slot))  # the slot is about to change: no longer a snapshot
-            buffer = self._buffer(slot, size)
-            for t, (offset, _, _) in zip(tensors, places):
-                nbytes = t.numel() * t.element_size()
-                buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
-            index = self._index(step, slot)
-            torch.save({"step": step, "world_size": self.world_size, "size": size, "places": places, "tree": tree},
-                       index + ".tmp")
-            os.replace(index + ".tmp", index)
-        except (OSError, RuntimeError) as exc:  # ENOSPC from the reservation; torch.save's iostream error
-            self._turn_off(f"{self.directory}: {exc} (two snapshots of this rank need {2 * size / 2**20:.0f} MiB; "
-                           f"set {ENV_ROOT} to a larger tmpfs, or the pod's shm_size)")
-            return
-        self.stall_s.append(time.perf_counter() - started)
-
-    def _turn_off(self, why: str) -> None:
-        self.enabled = False
-        self._buffers.clear()
-        shutil.rmtree(self.directory, ignore_errors=True)  # give the memory back
-        log.warning("in-memory snapshots are off for rank %d: %s; recovery uses disk checkpoints", self.rank, why)
-
     def agreed_newest(self, group: Any = None) -> int | None:
-        """The newest step whose snapshot every rank holds (a collective on ``group``), or None.
+        """The newest step whose snapshot every rank holds, itself or through the peer copy on
+        another rank (a collective on ``group``), or None. Sets :attr:`from_peers`.
 
-        Only a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) looks; the answer is the
-        same on every rank."""
-        mine = self.steps() if self.restart_count > 0 else []
+        Only a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) offers what it holds; the
+        answer is the same on every rank."""
+        looks = self.restart_count > 0
+        mine = {"local": self.steps() if looks else [], "held": self.held_for_others() if looks else {}}
         held = [mine]
         if group is not None and self.world_size > 1:
             held = [None] * self.world_size
             dist.all_gather_object(held, mine, group=group)
-        common = set(held[0]).intersection(*map(set, held[1:])) if held else set()
-        return max(common) if common else None
+        choice = peer_copy.choose(held)
+        self.from_peers = choice.from_peers
+        if choice.step is None and choice.missing and self.rank == 0 and any(h["local"] or h["held"] for h in held):
+            log.warning("in-memory snapshots: no step is held for every rank (rank(s) %s hold none, nor does a peer "
+                        "copy): loading the newest checkpoint on disk", ", ".join(map(str, choice.missing)))
+        return choice.step
 
-    def read(self, step: int) -> dict:
+    def read(self, step: int, group: Any = None) -> dict:
         """This rank's snapshot of ``step`` as plain data ({"shared": ..., "per_rank": ...}), touching
-        no registered object: a rank that cannot read its snapshot says so before any rank loads."""
-        slot = self._held()[step]
-        index = torch.load(self._index(step, slot), map_location="cpu", weights_only=True)
-        with open(os.path.join(self.directory, f"slot{slot}.bin"), "rb") as fh:
-            data = torch.frombuffer(bytearray(fh.read(index["size"])), dtype=torch.uint8)
-        if data.numel() != index["size"]:
-            raise OSError(f"snapshot slot {slot} of step {step} holds {data.numel()} of {index['size']} bytes")
-        tensors = []
-        for offset, dtype_name, shape in index["places"]:
-            dtype = getattr(torch, dtype_name)
-            count = 1
-            for n in shape:
-                count *= n
-            nbytes = count * torch.empty((), dtype=dtype).element_size()
-            tensors.append(data[offset:offset + nbytes].view(dtype).view(shape).clone())
-        return _unflatten(index["tree"], tensors)
+        no registered object: a rank that cannot read its snapshot says so before any rank loads.
+
+        After :meth:`agreed_newest` chose peer copies (:attr:`from_peers`), a collective on
+        ``group``: each holder sends its copy to the rank it is for, that rank reads it from there."""
+        if self.from_peers:
+            return decode(*peer_copy.fetch(step, self.rank, self.from_peers, self.slots, self.peer_slots, group))
+        return decode(*self.slots.read_raw(step))
 
     @staticmethod
     def apply(tree: dict, shared: Mapping[str, Any], per_rank: Mapping[str, Any]) -> None:

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
                       did_you_mean)
 from ..log import CONSOLE
+from ..snapshot_dirs import ENV_REJOINS
 from . import agent_signals
 from .parent_death import ENV_AGENT_PID
 
@@ -263,6 +264,10 @@ def check_port_free(host: str, port: int) -> None:
         return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
+        # As the store binds (TCPStore sets SO_REUSEADDR): only a listener makes the port busy, not
+        # the connections of a store that was killed, left in TIME_WAIT for a minute (a rendezvous
+        # host's node lost and started again on the same port was refused here).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("" if family == socket.AF_INET else "::", port))
         except OSError as exc:
@@ -430,6 +435,7 @@ def _launch_rejoining(opts: LaunchOptions, endpoint: str, run_agent: Callable[[]
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
     first_error: float | None = None
+    joins = 0
     while True:
         try:
             run_agent()
@@ -448,6 +454,10 @@ def _launch_rejoining(opts: LaunchOptions, endpoint: str, run_agent: Callable[[]
                 extra=CONSOLE,
             )
             time.sleep(REJOIN_PAUSE_S)
+            # The next agent counts its restarts from 0 again: its workers learn they are not a
+            # new job (their in-memory snapshots are kept, slipstream.snapshot_dirs.restart_count).
+            joins += 1
+            os.environ[ENV_REJOINS] = str(joins)
 
 
 def agent_config(opts: LaunchOptions) -> "tuple[LaunchConfig, str, list[str]]":

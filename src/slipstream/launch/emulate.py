@@ -19,7 +19,19 @@
   TUN device shapes what it sends. A rate alone keeps the bridge above;
 * one elastic agent per node, started with ``ip netns exec`` and
   ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` set to the node's interface,
-  joined by c10d rendezvous at node 0's address.
+  joined by c10d rendezvous at node 0's address;
+* per node, its own host memory for in-memory snapshots: ``SLIPSTREAM_SNAPSHOT_DIR``
+  is a directory of that node alone (under the launcher's ``SLIPSTREAM_SNAPSHOT_DIR``
+  or ``/dev/shm``), so a node that is lost loses its snapshots, as a real one does.
+
+A node dies when its agent is killed by a signal (:meth:`EmulatedCluster.lose_node`
+kills every process in its namespace with SIGKILL, as a machine that loses power).
+The cluster then does what a real one's scheduler does for a failed pod: the node's
+memory (its snapshot directory) is deleted and its agent started again, with the same
+node rank and rendezvous, up to ``--max-restarts`` node restarts per run; the other
+nodes' agents restart their workers and the job goes on at the same size. An agent that
+exits with a code (its restarts spent, a usage error) is not restarted: that is the
+job's failure.
 
 Ranks of one node share its namespace. Gloo binds every rank to the address of
 ``GLOO_SOCKET_IFNAME``; a connection between two ranks of the same node goes to
@@ -61,11 +73,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE
 from .. import safe_signals
+from ..snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
 from .api import LaunchOptions
 from .linkspec import (  # noqa: F401  (re-exported: emulate.parse_rate, ... are its public names too)
     LINK_SYNTAX, MAX_RTT_S, LinkSpec, format_link, format_rate, parse_link, parse_rate, split_link_list, tbf_args,
@@ -351,6 +365,8 @@ class EmulatedCluster:
         for name in reversed(self._created):
             self._ip("ip", "netns", "del", name, check=False)
         self._created.clear()
+        for node in range(self.nodes):
+            self.forget_memory(node)
 
     def _kill_netns_pids(self, name: str) -> None:
         # Only processes inside a namespace this object created: ours by construction.
@@ -451,14 +467,46 @@ class EmulatedCluster:
         return ["ip", "netns", "exec", self.node_list[node].netns, *argv]
 
     def node_env(self, node: int, base: dict[str, str] | None = None) -> dict[str, str]:
-        """Environment for a process of node ``node``: socket interface for gloo/NCCL, threads."""
+        """Environment for a process of node ``node``: socket interface for gloo/NCCL, the node's
+        own snapshot memory (:meth:`memory_dir`)."""
         env = dict(os.environ if base is None else base)
         ifname = self.node_list[node].ifname
         env["GLOO_SOCKET_IFNAME"] = ifname
         env["NCCL_SOCKET_IFNAME"] = ifname
         env["SLIPSTREAM_EMULATED_NODE"] = str(node)
         env["SLIPSTREAM_EMULATED_IFNAME"] = ifname
+        env[SNAPSHOT_ENV_ROOT] = self.memory_dir(node)
         return env
+
+    def memory_dir(self, node: int) -> str:
+        """Node ``node``'s own host memory for in-memory snapshots (its ``SLIPSTREAM_SNAPSHOT_DIR``).
+
+        The nodes share this machine's ``/dev/shm``; without a directory each, a node that is
+        lost would keep its snapshots for its restarted workers, which no real node does.
+        Under the launcher's own ``SLIPSTREAM_SNAPSHOT_DIR`` (default ``/dev/shm``); deleted
+        when the node is lost and by :meth:`down`."""
+        base = os.environ.get(SNAPSHOT_ENV_ROOT) or "/dev/shm"
+        return os.path.join(base, "slipstream-emulated", f"{NS_PREFIX}{self.run_id}-n{node}")
+
+    def forget_memory(self, node: int) -> None:
+        """Delete node ``node``'s snapshot memory: what a lost machine's RAM holds is gone."""
+        shutil.rmtree(self.memory_dir(node), ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(self.memory_dir(node)))  # the cluster's directory, once empty
+        except OSError:
+            pass
+
+    def lose_node(self, node: int) -> list[int]:
+        """Node ``node`` dies: every process in its namespace (its agent and workers) gets SIGKILL
+        at once, as when a machine loses power. Returns the pids killed. During :meth:`run`, the
+        node is then restarted as a lost node (see the module docstring)."""
+        pids = [int(p) for p in self._ip("ip", "netns", "pids", self.node_list[node].netns, check=False).stdout.split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return pids
 
     # -- running -----------------------------------------------------------------
 
@@ -499,38 +547,72 @@ class EmulatedCluster:
         0 when every node succeeded; otherwise 2 if a node exited 2 (a worker's
         usage or configuration error), else the first non-zero code (1 for a
         training failure). When one node fails, the others get
-        ``failure_grace_s`` to notice and exit before they are stopped.
+        ``failure_grace_s`` to notice and exit before they are stopped. A node
+        whose agent is killed by a signal is lost and started again, up to
+        ``base.max_restarts`` node restarts in all (see the module docstring).
         ``timeout_s``: stop everything after this long and return 1.
         ``log_path``: send the agents' stdout and stderr there (default: inherit).
         """
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         procs: list[subprocess.Popen] = []
-        log = open(log_path, "ab") if log_path else None
+        log_file = open(log_path, "ab") if log_path else None
+
+        def start(i: int) -> subprocess.Popen:
+            env = self.node_env(i)
+            env.update(base.worker_env)
+            # All nodes share this machine's cores: split them over every worker.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (self.nodes * procs_per_node))))
+            os.makedirs(self.memory_dir(i), mode=0o700, exist_ok=True)
+            return subprocess.Popen(self.exec_argv(i, self.agent_argv(i, base, procs_per_node)),
+                                    env=env, start_new_session=True, stdout=log_file, stderr=log_file, cwd=cwd)
+
         try:
-            for i in range(self.nodes):
-                env = self.node_env(i)
-                env.update(base.worker_env)
-                # All nodes share this machine's cores: split them over every worker.
-                env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (self.nodes * procs_per_node))))
-                procs.append(
-                    subprocess.Popen(self.exec_argv(i, self.agent_argv(i, base, procs_per_node)),
-                                     env=env, start_new_session=True, stdout=log, stderr=log, cwd=cwd)
-                )
-            return self._wait(procs, timeout_s, failure_grace_s)
+            procs.extend(start(i) for i in range(self.nodes))
+            return self._wait(procs, timeout_s, failure_grace_s, restart=start, node_restarts=base.max_restarts)
         finally:
             # Each agent leads a session of its own (start_new_session): stopping its
             # group reaches its workers too.
             stop_processes(procs, grace_s=10.0, process_group=True)
             self._jobs += 1
-            if log is not None:
-                log.close()
+            if log_file is not None:
+                log_file.close()
 
-    def _wait(self, procs: list[subprocess.Popen], timeout_s: float | None, grace_s: float) -> int:
+    def _restart_lost(self, procs: list[subprocess.Popen], codes: list[int | None],
+                      restart: Callable[[int], subprocess.Popen], left: int) -> int:
+        """Start again each node whose agent a signal killed (``codes``: the agents' last poll),
+        while ``left`` node restarts remain; returns how many remain. The node's other processes
+        are killed first (a lost machine keeps none) and its snapshot memory deleted."""
+        for i, code in enumerate(codes):
+            if code is None or code >= 0 or left <= 0:
+                continue
+            left -= 1
+            self.lose_node(i)
+            self._wait_netns_empty(i)
+            self.forget_memory(i)
+            log.info(f"slipstream run: node {i} lost (its agent was killed by {signal.Signals(-code).name}); its "
+                     f"memory is gone; starting it again ({left} node restart(s) of --max-restarts left)", extra=CONSOLE)
+            procs[i] = restart(i)
+        return left
+
+    def _wait_netns_empty(self, node: int, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self._ip("ip", "netns", "pids", self.node_list[node].netns,
+                                                        check=False).stdout.strip():
+            time.sleep(0.05)
+
+    def _wait(self, procs: list[subprocess.Popen], timeout_s: float | None, grace_s: float,
+              restart: Callable[[int], subprocess.Popen] | None = None, node_restarts: int = 0) -> int:
         started = time.monotonic()
         first_failure: int | None = None
         failed_at: float | None = None
         while True:
             codes = [p.poll() for p in procs]
+            # A node killed by a signal is lost: started again while restarts remain, unless some
+            # node has exited (the job is ending or failed: a new node would wait for gone peers).
+            if (restart is not None and failed_at is None and node_restarts > 0
+                    and any(c is not None and c < 0 for c in codes) and not any(c is not None and c >= 0 for c in codes)):
+                node_restarts = self._restart_lost(procs, codes, restart, node_restarts)
+                continue
             # Record failures before the all-done check: every agent may have
             # exited (some failing) between two polls.
             for c in codes:

@@ -94,7 +94,7 @@ NOT_APPLIED: dict[str, str] = {
     "checkpoint_dir": _CHECKPOINT, "checkpoint_every_steps": _CHECKPOINT, "checkpoint_every_s": _CHECKPOINT,
     "checkpoint_keep_last": _CHECKPOINT, "checkpoint_async": _CHECKPOINT, "checkpoint_verify": _CHECKPOINT,
     "checkpoint_max_failures": _CHECKPOINT, "preemption_deadline_s": _CHECKPOINT,
-    "snapshot_every_steps": _CHECKPOINT,
+    "snapshot_every_steps": _CHECKPOINT, "snapshot_peer_copy": _CHECKPOINT,
 }
 """Options that cannot reach a loop the script owns, and why (one start-up line each)."""
 

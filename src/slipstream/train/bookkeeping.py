@@ -65,6 +65,7 @@ def open_checkpoints(
         verify=ckpt.verify,
         max_failures=ckpt.max_failures,
         snapshot_every_steps=ckpt.snapshot_every_steps,
+        snapshot_peer_copy=ckpt.snapshot_peer_copy,
     )
     mgr.register("model_optimizer", model_optimizer)
     mgr.register("train", counters)
