@@ -12,8 +12,10 @@ Phase timing (see :mod:`.profiler`) goes through ``begin(phase)`` /
 config)`` (a TrainConfig) hooks the model's parameters (for the backward/communication split)
 and opens the sinks the config asks for (TensorBoard, Prometheus, timeline, and
 on rank 0 the experiment trackers ``log_to`` names, see :mod:`.trackers`).
-At each log step the ranks exchange their busy times (one small all_gather)
-to name a straggler.
+At each log step the ranks start an exchange of their busy times (one small
+all_gather, not waited for) and name a straggler from the window before's, whose
+exchange completed while this window trained: a slow link's round trip never
+stalls a step.
 
 Example::
 
@@ -51,7 +53,7 @@ from .profiler import (
     window_means,
 )
 from .sinks import ConsoleSink, JsonlSink, Sink
-from .straggler import GATHERED, StragglerDetector, gather_vectors
+from .straggler import GATHERED, PendingGather, StragglerDetector, start_gather
 from .timeline import TimelineWriter
 from .trackers import open_trackers, require_trackers, run_params
 
@@ -106,6 +108,7 @@ class StepRecorder:
         self.profiler: StepProfiler | None = StepProfiler(clock) if profile else None
         self.timeline: TimelineWriter | None = None
         self.straggler: StragglerDetector | None = None
+        self._pending_gather: PendingGather | None = None  # this window's busy times, in flight
         self.device = torch.device("cpu")
         self.n_params = 0
         self.flops_per_sample: float | None = None
@@ -340,13 +343,22 @@ class StepRecorder:
         return record
 
     def _straggler_fields(self, record: dict[str, Any]) -> dict[str, Any]:
-        """All-gather the busy times (every rank, every log step) and name a straggler."""
+        """Start the all_gather of this window's busy times (every rank, every log step) and
+        name a straggler from the previous window's, gathered while this one trained (none
+        in the first record). The span ``straggler_gather`` is the time spent waiting for it."""
         assert self.straggler is not None
         mine = [float(record.get(k) or 0.0) for k in GATHERED]
         t0 = self.profiler.clock.mark() if self.profiler is not None else None
-        vectors = gather_vectors(mine, self.device)
+        previous, self._pending_gather = self._pending_gather, start_gather(mine, self.device)
+        if previous is None:
+            return {}
+        vectors = previous.result()
         if self.profiler is not None and t0 is not None:
             self.profiler.add_span("straggler_gather", (t0[0], None), (time.perf_counter(), None))
+        return self._verdict_fields(vectors)
+
+    def _verdict_fields(self, vectors: list[list[float]]) -> dict[str, Any]:
+        assert self.straggler is not None
         busy = [v[0] for v in vectors]
         verdict = self.straggler.observe(busy)
         out: dict[str, Any] = {
@@ -387,6 +399,9 @@ class StepRecorder:
 
     def close(self) -> None:
         self.flush()
+        if self._pending_gather is not None:  # the last window's: its verdict goes to summary()
+            pending, self._pending_gather = self._pending_gather, None
+            self._verdict_fields(pending.result())
         if self.profiler is not None:
             self.profiler.remove()
         if self.timeline is not None:

@@ -23,6 +23,7 @@ import statistics
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -108,20 +109,31 @@ class StragglerDetector:
         return verdict
 
 
-def gather_vectors(values: Sequence[float], device: torch.device) -> list[list[float]]:
-    """All-gather a short float vector from every rank (a collective: call on all ranks).
+class PendingGather:
+    """An all_gather of short float vectors started with :func:`start_gather`; :meth:`result`
+    waits for it (it completes in the background while training goes on)."""
 
-    One small all_gather per log step; on NCCL the tensor lives on ``device``
-    and ``tolist()`` is the read-back, at log time only.
-    """
+    def __init__(self, work: Any, out: list[torch.Tensor]) -> None:
+        self.work, self.out = work, out
+
+    def result(self) -> list[list[float]]:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return [t.tolist() for t in self.out]
+
+
+def start_gather(values: Sequence[float], device: torch.device) -> PendingGather:
+    """Start an all_gather of a short float vector from every rank (a collective: every rank
+    starts it at the same point), without waiting for it: on a slow link its round trip
+    hides behind the next steps instead of stalling this one."""
     import torch.distributed as dist
 
     if dist.get_backend() != "nccl":
         device = torch.device("cpu")  # gloo (and mpi) gather host tensors
     mine = torch.tensor(list(values), dtype=torch.float64, device=device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, mine)
-    return [t.tolist() for t in out]
+    return PendingGather(dist.all_gather(out, mine, async_op=True), out)
 
 
-__all__ = ["GATHERED", "StragglerDetector", "Verdict", "gather_vectors"]
+__all__ = ["GATHERED", "PendingGather", "StragglerDetector", "Verdict", "start_gather"]
