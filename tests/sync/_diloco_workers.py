@@ -244,7 +244,9 @@ def _accelerate(ckpt: str, steps: int, stop_after: int | None = None) -> dict:
         run.recorder.close()
         return {"stopped_at": run.step_count}
     run.finish()
-    return {"params": flat_params(model), "resumed_from": start}
+    from slipstream.train.bucket_order import is_fixed
+
+    return {"params": flat_params(model), "resumed_from": start, "bucket_order_fixed": is_fixed(run.model)}
 
 
 def accelerate_resume(ckpt: str) -> dict:
@@ -253,4 +255,5 @@ def accelerate_resume(ckpt: str) -> dict:
     _accelerate(os.path.join(ckpt, "killed"), 8, stop_after=5)
     resumed = _accelerate(os.path.join(ckpt, "killed"), 8)
     return {"equal": torch.equal(whole["params"], resumed["params"]), "resumed_from": resumed["resumed_from"],
-            "whole_from": whole["resumed_from"], "replicas_differ": not same_on_ranks(whole["params"])}
+            "whole_from": whole["resumed_from"], "replicas_differ": not same_on_ranks(whole["params"]),
+            "bucket_order_fixed": whole["bucket_order_fixed"]}

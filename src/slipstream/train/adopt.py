@@ -192,8 +192,9 @@ class Adopter:
 
     def adopt(self, ddp: DistributedDataParallel) -> None:
         """Install the strategy on a freshly built DDP model (every rank, before its first forward)."""
-        fix_bucket_order(ddp)
         strategy = self.config.sync.strategy
+        if strategy != "diloco":  # diloco sums no gradient: no layout to fix (layout_dp says why)
+            fix_bucket_order(ddp)
         try:
             handle = sync.apply(strategy, ddp, **self.config.sync.options)
         except (TypeError, ValueError) as exc:

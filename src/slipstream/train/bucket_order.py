@@ -43,6 +43,11 @@ log = logging.getLogger("slipstream.train")
 _FIXED = "_slipstream_bucket_order_fixed"
 
 
+def is_fixed(ddp: DistributedDataParallel) -> bool:
+    """Whether :func:`fix_bucket_order` fixed this DDP model's bucket layout."""
+    return bool(getattr(ddp, _FIXED, False))
+
+
 def fix_bucket_order(ddp: DistributedDataParallel) -> bool:
     """Make DDP rebuild its buckets at the first forward from reverse declaration order.
 

@@ -90,8 +90,11 @@ class DataParallelLayout:
         )
         # Before the strategy's comm hook: the same bucket layout at every step of
         # every run, so a resumed run sums gradients in the order the run did.
-        fix_bucket_order(self.model)
+        # diloco sums no gradient (its hook hands each bucket back): the layout changes
+        # nothing, and fixing it would send the model's size over a link chosen for being slow.
         strategy = config.sync.strategy
+        if strategy != "diloco":
+            fix_bucket_order(self.model)
         try:
             self.sync: sync.SyncHandle | None = sync.apply(strategy, self.model, **config.sync.options)
         except (TypeError, ValueError) as exc:  # an option the strategy does not take, or a bad value
