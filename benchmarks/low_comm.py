@@ -16,7 +16,8 @@ odd ``--repeats``):
 
 * ``ddp``: ``--sync allreduce`` (DDP's reducer, fp32); any other Slipstream strategy by its
   name (``auto``, ``bf16``, ``powersgd``, ...);
-* ``diloco:H[:CODEC]``: ``--sync diloco --sync-options '{"inner_steps": H[, "outer_codec": CODEC]}'``;
+* ``diloco:H[:CODEC][:tauN]``: ``--sync diloco --sync-options '{"inner_steps": H[, "outer_codec": CODEC][,
+  "overlap_steps": N]}'``;
 * ``torchft:H[:perparam]``: torchft's ``DiLoCo`` (``benchmarks/torchft_diloco_gpt.py``: one
   replica group per node, a lighthouse on node 0), same model, optimizer and data order, its
   pseudo-gradient in one bucketized all-reduce (``perparam``: torchft's default, one all-reduce
@@ -121,13 +122,18 @@ def parse_system(text: str) -> System:
                                  "torchft:H:perparam (torchft's default: one all-reduce per parameter tensor)")
             return System(text, "torchft", options={"per_param": parts[2:] == ["perparam"]}, inner_steps=h)
         options: dict = {"inner_steps": h}
-        if len(parts) > 2:
-            options["outer_codec"] = parts[2]
-        if len(parts) > 3:
-            raise ValueError(f"system {text!r}: diloco:H[:CODEC], e.g. diloco:50:bf16")
+        for part in parts[2:]:
+            if part in ("bf16", "fp16") and "outer_codec" not in options:
+                options["outer_codec"] = part
+            elif re.fullmatch(r"tau[1-9][0-9]*", part) and "overlap_steps" not in options:
+                options["overlap_steps"] = int(part[3:])
+            else:
+                raise ValueError(f"system {text!r}: diloco:H[:CODEC][:tauN], e.g. diloco:50:bf16 or "
+                                 "diloco:50:bf16:tau5 (the outer all-reduce overlapped with 5 steps)")
         return System(text, "diloco", "diloco", options, h)
     if len(parts) > 1 or not re.fullmatch(r"[a-z0-9_+]+", name):
-        raise ValueError(f"system {text!r}: ddp, a --sync strategy name (auto, bf16, ...), diloco:H[:CODEC] or torchft:H")
+        raise ValueError(f"system {text!r}: ddp, a --sync strategy name (auto, bf16, ...), diloco:H[:CODEC][:tauN] "
+                         "or torchft:H")
     return System(text, "slipstream", "allreduce" if name == "ddp" else name)
 
 

@@ -8,7 +8,8 @@ It trains ``examples/train_gpt.py``'s GPT with that script's optimizer (AdamW, l
 weight decay 0.01, linear warm-up over steps/20 then cosine) on the same data order
 (``SlipstreamLoader`` over the packed stdlib corpus, rank = replica index, world size =
 replicas: the split ``slipstream run`` gives data-parallel rank ``r``), with the paper's outer
-optimizer (SGD, lr 0.7, momentum 0.9, Nesterov), which is also ``--sync diloco``'s default.
+optimizer as ``--sync diloco``'s defaults (SGD, lr 0.7, no momentum; ``--outer-momentum 0.9`` for the
+paper's Nesterov momentum).
 
 torchft's process model differs from torchrun's: each replica group is a job of its own
 with its own TCPStore and Manager server, and a lighthouse forms the quorum of groups.
@@ -85,7 +86,8 @@ def train(args: argparse.Namespace) -> int:
     warmup = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         inner, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
-    outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.9, nesterov=True)
+    outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
+                            nesterov=args.outer_momentum > 0)
 
     # The replica group's own store, on the node's address: the quorum's primary store is
     # where the groups' gloo ranks meet, so the other nodes must reach it.
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-param", action="store_true",
                    help="torchft's default: one all-reduce per parameter tensor (else one bucketized all-reduce)")
     p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.0, help="Nesterov when above 0 (the paper: 0.9)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per replica per step")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)

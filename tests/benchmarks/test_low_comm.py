@@ -30,10 +30,12 @@ def test_systems_parse_to_their_sync_and_options():
     assert parse_system("auto").sync == "auto"
     d = parse_system("diloco:50:bf16")
     assert (d.kind, d.sync, d.options, d.inner_steps) == ("diloco", "diloco", {"inner_steps": 50, "outer_codec": "bf16"}, 50)
+    assert parse_system("diloco:50:bf16:tau5").options == {"inner_steps": 50, "outer_codec": "bf16", "overlap_steps": 5}
+    assert parse_system("diloco:50:tau2").options == {"inner_steps": 50, "overlap_steps": 2}
     t = parse_system("torchft:100:perparam")
     assert (t.kind, t.inner_steps, t.options) == ("torchft", 100, {"per_param": True})
     assert parse_system("torchft:10").options == {"per_param": False}
-    for bad in ("diloco", "diloco:x", "diloco:0", "torchft:5:bf16", "ddp:3", "Auto!"):
+    for bad in ("diloco", "diloco:x", "diloco:0", "diloco:50:tau0", "diloco:50:bf16:bf16", "torchft:5:bf16", "ddp:3", "Auto!"):
         with pytest.raises(ValueError, match="system"):
             parse_system(bad)
 

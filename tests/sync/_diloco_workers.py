@@ -143,18 +143,20 @@ def suite(rank: int, world: int, ckpt: str) -> dict:
 
     def resume_bitwise():
         # 10 steps with H=4 and Adam; against 6 steps, state saved, and 4 more in a fresh model.
-        full, _, _, _ = train("diloco", 10, opt_name="adam", lr=0.01, inner_steps=4, batchnorm=True)
-        first, handle, _, opt = train("diloco", 6, opt_name="adam", lr=0.01, inner_steps=4, batchnorm=True)
+        # The paper's Nesterov momentum: its buffers are part of the state that must resume.
+        kw = dict(opt_name="adam", lr=0.01, inner_steps=4, batchnorm=True, outer_momentum=0.9)
+        full, _, _, _ = train("diloco", 10, **kw)
+        first, handle, _, opt = train("diloco", 6, **kw)
         # the shared checkpoint holds rank 0's model and optimizer: give every rank rank 0's
         shared = [{"model": first.state_dict(), "opt": opt.state_dict()}]
         dist.broadcast_object_list(shared, src=0)
         state = {**shared[0], "sync": handle.state_dict()}
         state = _round_trip(state)
         resumed, _, _, _ = train("diloco", 4, opt_name="adam", lr=0.01, start=6, state=state, inner_steps=4,
-                                 batchnorm=True)
+                                 batchnorm=True, outer_momentum=0.9)
         fresh, _, _, _ = train("diloco", 4, opt_name="adam", lr=0.01, start=6,
                                state={**shared[0], "sync": {**state["sync"], "inner_optimizer": None}},
-                               inner_steps=4, batchnorm=True)
+                               inner_steps=4, batchnorm=True, outer_momentum=0.9)
         sd_full, sd_res = full.state_dict(), resumed.state_dict()
         return {"equal": all(torch.equal(sd_full[k], sd_res[k]) for k in sd_full),
                 "without_inner_state_differs": not torch.equal(flat_params(full), flat_params(fresh))}
@@ -200,7 +202,7 @@ def suite(rank: int, world: int, ckpt: str) -> dict:
                 "saved": sorted(state["sync"]["in_flight"])}
 
     def loss_falls():
-        _, _, losses, _ = train("diloco", 40, opt_name="sgd", lr=0.2, inner_steps=5)
+        _, _, losses, _ = train("diloco", 40, opt_name="sgd", lr=0.2, inner_steps=5, outer_momentum=0.9)  # the paper's Nesterov path
         return {"first": sum(losses[:5]) / 5, "last": sum(losses[-5:]) / 5}
 
     for name, fn in [("local_gradients", local_gradients), ("averaging_is_sync_sgd", averaging_is_sync_sgd),

@@ -8,9 +8,9 @@ rank steps on its own gradient. Then, on every rank at the same step, the outer 
 
 * pseudo-gradient ``delta = theta_outer - theta_local`` (how far this replica moved);
 * one all-reduce averages it over the DDP model's process group;
-* an outer optimizer, SGD with Nesterov momentum (lr 0.7, momentum 0.9 by default, as in
-  the paper), applies it to ``theta_outer``; every replica continues from the new
-  ``theta_outer``. Floating-point buffers (BatchNorm statistics) are averaged too, at
+* an outer optimizer, SGD (lr 0.7; Nesterov momentum with ``outer_momentum`` > 0, the
+  paper's 0.9; 0 by default, measured better on runs of tens of outer steps: options.py),
+  applies it to ``theta_outer``; every replica continues from the new ``theta_outer``. Floating-point buffers (BatchNorm statistics) are averaged too, at
   the end of each period (DDP's per-forward buffer broadcast is switched off).
 
 **Sharded replicas** (``dp_shard`` > 1 with ``dp_replicate`` > 1; :func:`on_sharded_replicas`):
