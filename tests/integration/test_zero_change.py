@@ -50,7 +50,7 @@ def plain(tmp_path_factory):
 
 
 def test_bf16_on_a_plain_ddp_script_equals_accelerate_bitwise(tmp_path, plain):
-    proc, ours, run_dir = run(tmp_path, "ddp", "--sync", "bf16")
+    proc, ours, run_dir = run(tmp_path, "ddp", "--sync", "bf16", "--log-every-steps", "4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "adopted the script's DistributedDataParallel (Sequential" in proc.stdout + proc.stderr
     assert "gradient sync bf16" in proc.stdout + proc.stderr
@@ -62,9 +62,11 @@ def test_bf16_on_a_plain_ddp_script_equals_accelerate_bitwise(tmp_path, plain):
 
     # Metrics as for an accelerate() script: every rank's records, the strategy's figures, the report.
     records = [json.loads(line) for line in (run_dir / "metrics" / "rank0.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [10, 12]
+    assert [r["step"] for r in records] == [4, 8, 12]
     assert records[0]["sync_strategy"] == "bf16" and records[0]["sync_compression_ratio"] == pytest.approx(2.0)
-    assert records[0]["samples"] == 16 * 10 and records[0]["busy_s_ranks"] and records[0]["comm_exposed_s"] >= 0
+    assert records[0]["samples"] == 16 * 4 and records[0]["comm_exposed_s"] >= 0
+    # the straggler exchange started at a log step is read at the next one (docs/metrics.md)
+    assert "busy_s_ranks" not in records[0] and len(records[1]["busy_s_ranks"]) == 2
     assert (run_dir / "metrics" / "rank1.jsonl").exists() and (run_dir / "metrics" / "run.json").exists()
     report = subprocess.run([sys.executable, "-m", "slipstream", "report", str(run_dir)], capture_output=True,
                             text=True, timeout=120, cwd=REPO)
