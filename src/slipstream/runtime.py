@@ -32,9 +32,10 @@ from typing import Mapping, NoReturn
 import torch
 import torch.distributed as dist
 
-from . import gloo_exit, gloo_interface
+from . import gloo_exit, gloo_interface, heal
 from .errors import ConfigError, SlipstreamError, TrainingFailed
 from .gpu_binding import GpuClaim, agree_gpu_binding, refuse_shared_gpus, visible_gpus  # noqa: F401 - re-exported
+from .snapshot_dirs import restart_count
 
 log = logging.getLogger(__name__)
 
@@ -387,8 +388,12 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
         os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
     if not dist.is_initialized():
         gloo_interface.configure(launch.world_size, launch.local_rank, launch.master_addr, launch.master_port)  # before the first gloo group, NCCL runs create them too
-        _join_process_group(launch, backend, where, timeout)
-        if backend == "nccl" and launch.world_size > 1:
+        healer = None
+        if heal.requested() and launch.launcher == "torchrun" and launch.world_size > 1:
+            healer = _form_healing_group(launch, backend, where, timeout)
+        else:
+            _join_process_group(launch, backend, where, timeout)
+        if backend == "nccl" and launch.world_size > 1 and (healer is None or not healer.pending):
             # Ranks that each see one GPU may see the same one: only their identities tell.
             claim = GpuClaim(launch.rank, socket.gethostname(), gpus[where.index or 0], where.index or 0,
                              os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -401,6 +406,20 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
     gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
     _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)
     return _RUNTIME
+
+
+def _form_healing_group(launch: LaunchEnv, backend: str, where: torch.device,
+                        timeout: datetime.timedelta) -> heal.Healer:
+    """The first default group under ``slipstream run --heal`` (:mod:`slipstream.heal`): generation 0
+    through the launcher's store, or, in a replacement, the fake group until ``accelerate()``."""
+    try:
+        healer = heal.from_env(launch.rank, launch.world_size, backend, timeout, restart_count(), device=where)
+        healer.form()
+    except RuntimeError as exc:  # the store or gloo could not connect
+        _install_excepthook()
+        raise TrainingFailed(f"rank {launch.rank} could not join the process group of {launch.world_size} ranks "
+                             f"({backend}, healing in place): {_first_line(exc)}") from exc
+    return healer
 
 
 def _join_process_group(launch: LaunchEnv, backend: str, where: torch.device, timeout: datetime.timedelta) -> None:

@@ -1,0 +1,260 @@
+"""Healing in place: when a rank dies, the others keep their processes and re-form the group.
+
+Under ``slipstream run --heal`` each rank's worker is a small supervisor
+(:mod:`slipstream.launch.supervisor`) over the training process. When the
+training process of one rank dies (SIGKILL, a segfault, the OOM killer), its
+supervisor starts a replacement in place (a warm spare: Python and torch
+already imported) and torch's elastic agent sees nothing fail. The survivors'
+next collective fails; :class:`Accelerated` catches that, and every rank, the
+replacement included, goes through this module:
+
+1. the broken default group is destroyed (aborted on NCCL);
+2. the ranks agree on a new *generation* through the launcher's store (a TCPStore
+   the launcher that hosts the rendezvous starts for this, at ``SLIPSTREAM_HEAL_STORE``,
+   so it outlives any worker): the first rank to fail moves the counter
+   from ``g`` to ``g + 1`` with ``compare_set``, the others find it moved;
+3. each rank counts itself into the generation and, once all ``world_size`` have,
+   creates the default group from a store prefix of that generation;
+4. the training state is restored from the in-memory snapshot every rank holds
+   (:mod:`slipstream.checkpoint.snapshots`), so the survivors go back at most to
+   the last completed step and the replacement to the same one.
+
+A replacement runs the training script from its start. Until it reaches the
+restore point inside :func:`slipstream.accelerate`, its default group is a
+*fake* one (torch's ``FakeProcessGroup``: every collective returns at once,
+moving no data): a ``barrier()`` the script makes before ``accelerate()`` does
+not wait for survivors that are not making it, and DDP's first broadcast is a
+no-op (the snapshot overwrites those parameters). Then it joins the survivors'
+generation like they do. Consequence, documented for users: a value a script
+*receives* from a collective before ``accelerate()`` is its own in a
+replacement (``rank 0``'s broadcast does not reach it); state that matters
+belongs in the checkpoint, as it does for every resume.
+
+torch offers no API for this (``torch.distributed.elastic`` restarts every
+worker on any failure; torchft re-forms groups only inside its own manager), so
+it is written here; it uses only public store and group calls, plus
+``FakeProcessGroup`` from torch's C extension (the same class torch's own fake
+backend registers).
+
+Example::
+
+    healer = heal.from_env(rank=1, world_size=2, backend="gloo", timeout=timedelta(seconds=60), attempt=0)
+    healer.form()                 # the first group (a replacement: the fake one)
+    ...
+    healer.rejoin()               # after a failed collective: the next generation's group
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import time
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from . import heal_env
+from .errors import TrainingFailed
+
+ENV_HEAL = heal_env.HEAL
+ENV_REPLACEMENT = heal_env.REPLACEMENT
+ENV_ARMED_FILE = heal_env.ARMED_FILE
+ENV_JOIN_TIMEOUT = heal_env.JOIN_TIMEOUT
+DEFAULT_JOIN_TIMEOUT_S = 120.0
+_FAKE_BACKEND = "slipstream_replay"
+_POLL_S = 0.005
+
+_CURRENT: "Healer | None" = None
+
+
+def requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the launcher asked for healing in place (``slipstream run --heal``)."""
+    env = os.environ if environ is None else environ
+    return env.get(ENV_HEAL) == "1"
+
+
+def current() -> "Healer | None":
+    """This process's healer, once :func:`slipstream.init` formed its group with one; else None."""
+    return _CURRENT
+
+
+def _register_fake_backend() -> None:
+    if _FAKE_BACKEND in dist.Backend.backend_list:
+        return
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    def create(common: object, backend_options: object) -> object:
+        return FakeProcessGroup._create_internal(common.group_rank, common.group_size, backend_options)  # type: ignore[attr-defined]
+
+    dist.Backend.register_backend(_FAKE_BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
+
+
+class Healer:
+    """One process's side of healing in place (see the module docstring).
+
+    ``store``: a client of the launcher's store; ``prefix``: this launch attempt's
+    keys (a full restart starts a new attempt, and so new generations).
+    """
+
+    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int, backend: str,
+                 timeout: datetime.timedelta, device: torch.device | None = None,
+                 replacement: bool = False, join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S,
+                 armed_file: str | None = None) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.device = device
+        self.replacement = replacement
+        self.join_timeout_s = join_timeout_s
+        self.armed_file = armed_file
+        self.generation: int | None = None  # the generation of the real group this process is in
+        self._left: int | None = None  # the generation whose group failed (None: a replacement's first join)
+        self.heals = 0  # groups re-formed after a failure, in this process
+        self.last_heal_s: float | None = None
+        self.armed = False
+
+    # --- the group ---------------------------------------------------------------------
+    @property
+    def pending(self) -> bool:
+        """True in a replacement until it joined the survivors (its default group is the fake one)."""
+        return self.generation is None
+
+    def side_group_backend(self) -> str | None:
+        """The backend for a gloo side group made now: None while the default group is the fake
+        one (a gloo group would wait for peers that are not making it), else "gloo"."""
+        return None if self.pending else "gloo"
+
+    def form(self) -> None:
+        """The first default group: generation 0 for a rank of the first start, the fake group
+        for a replacement (which joins the survivors later, in :meth:`rejoin`)."""
+        global _CURRENT
+        if self.replacement:
+            self._init_fake_group()
+        else:
+            self._join(0)
+        _CURRENT = self
+
+    def leave(self) -> None:
+        """After a failed collective: destroy the broken default group (every group with it) and put
+        the fake one in its place. The caller then hands the fake group to whatever held the broken
+        one (DDP), so the broken group's last reference goes and its sockets close: a peer still
+        blocked in the failed collective on one of them (the ring's next rank) fails at once too,
+        instead of waiting out the collective timeout."""
+        if self.pending:
+            return
+        self._left = self.generation
+        if self.backend == "nccl":
+            # A NCCL collective that lost its peer never returns: abort it (and every group) first.
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+        self.generation = None
+        self._init_fake_group()
+
+    def rejoin(self) -> float:
+        """Leave the fake default group (after :meth:`leave`, or a replacement's first one) and join
+        the next generation's; returns the seconds it took. Raises :class:`TrainingFailed` when the
+        group does not form in time (another failure meanwhile, a peer that never comes back): the
+        caller's failure then ends the process, and the launcher's full restart takes over."""
+        started = time.monotonic()
+        self.leave()
+        was = self._left
+        self._drop_fake_group()
+        self.store.add(self._key("gen"), 0)  # exists from here on
+        if was is not None:
+            # A survivor: move the counter past the generation that failed (the first one wins).
+            target = int(self.store.compare_set(self._key("gen"), str(was), str(was + 1)))
+        else:
+            # A replacement: the generation its predecessor was in is complete (formed by every rank);
+            # move past it, unless the survivors already did and are forming the next one.
+            target = self._read_gen()
+            if self.store.add(self._key(f"{target}/formed"), 0) >= self.world_size:
+                target = int(self.store.compare_set(self._key("gen"), str(target), str(target + 1)))
+        self._join(target)
+        if was is not None:
+            self.heals += 1
+        self.last_heal_s = time.monotonic() - started
+        return self.last_heal_s
+
+    def arm(self) -> None:
+        """Tell the supervisor this process can heal: when it dies, replace it in place."""
+        self.armed = True
+        if self.armed_file:
+            with open(self.armed_file, "w") as fh:
+                fh.write(str(os.getpid()))
+
+    def disarm(self) -> None:
+        """Back to the full restart: the supervisor passes this process's death on to the agent."""
+        self.armed = False
+        if self.armed_file:
+            try:
+                os.unlink(self.armed_file)
+            except FileNotFoundError:
+                pass
+
+    # --- the protocol ------------------------------------------------------------------
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/{name}"
+
+    def _read_gen(self) -> int:
+        return int(self.store.add(self._key("gen"), 0))
+
+    def _drop_fake_group(self) -> None:
+        dist.destroy_process_group()
+        gc.collect()  # the broken group's sockets close when its last reference goes
+
+    def _init_fake_group(self) -> None:
+        _register_fake_backend()
+        dist.init_process_group(_FAKE_BACKEND, store=dist.HashStore(), rank=self.rank, world_size=self.world_size)
+
+    def _join(self, generation: int) -> None:
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            self.store.add(self._key(f"{generation}/joined"), 1)
+            moved = False
+            while not moved:
+                if self.store.add(self._key(f"{generation}/joined"), 0) >= self.world_size:
+                    self._init_group(generation)
+                    self.store.add(self._key(f"{generation}/formed"), 1)
+                    self.generation = generation
+                    return
+                newer = self._read_gen()
+                if newer > generation:  # another rank failed meanwhile: that generation is the one
+                    generation, moved = newer, True
+                elif time.monotonic() > deadline:
+                    joined = self.store.add(self._key(f"{generation}/joined"), 0)
+                    raise TrainingFailed(
+                        f"rank {self.rank}: the process group of generation {generation} did not form within "
+                        f"{self.join_timeout_s:.0f} s ({joined} of {self.world_size} ranks joined): the dead "
+                        "rank was not replaced (see its supervisor's line); the launcher restarts every worker")
+                else:
+                    time.sleep(_POLL_S)
+
+    def _init_group(self, generation: int) -> None:
+        store = dist.PrefixStore(self._key(f"{generation}/pg"), self.store)
+        device_id = self.device if self.backend == "nccl" else None
+        try:
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=self.timeout, device_id=device_id)
+        except RuntimeError as exc:
+            raise TrainingFailed(f"rank {self.rank}: the process group of generation {generation} failed to "
+                                 f"form: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+
+
+def from_env(rank: int, world_size: int, backend: str, timeout: datetime.timedelta, attempt: int,
+             device: torch.device | None = None, environ: Mapping[str, str] | None = None) -> Healer:
+    """The healer of a worker that ``slipstream run --heal`` started: a client of the launcher's
+    store (``SLIPSTREAM_HEAL_STORE``), keys under launch attempt ``attempt`` (a full restart's
+    workers start a new one)."""
+    env = os.environ if environ is None else environ
+    host, _, port = env[heal_env.STORE].rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    join_timeout = float(env.get(ENV_JOIN_TIMEOUT) or DEFAULT_JOIN_TIMEOUT_S)
+    return Healer(store, f"slipstream/heal/attempt{attempt}", rank, world_size, backend, timeout,
+                  device=device, replacement=env.get(ENV_REPLACEMENT) == "1", join_timeout_s=join_timeout,
+                  armed_file=env.get(ENV_ARMED_FILE) or None)

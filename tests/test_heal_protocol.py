@@ -1,0 +1,121 @@
+"""The generation protocol of healing in place (slipstream.heal), on a real TCPStore.
+
+The process-group creation is replaced by a record of the generation each rank formed, so
+several "processes" (threads) can run the protocol in one test: what is checked is that
+survivors and replacements always meet in one generation, whoever comes first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from slipstream import heal
+from slipstream.errors import TrainingFailed
+
+
+class RecordingHealer(heal.Healer):
+    """A healer whose group is a note of the generation (no torch group: threads share one process)."""
+
+    formed: dict[int, list[int]]
+
+    def _init_group(self, generation: int) -> None:
+        self.formed.setdefault(generation, []).append(self.rank)
+
+    def _init_fake_group(self) -> None:
+        pass
+
+    def _drop_fake_group(self) -> None:
+        pass
+
+    def leave(self) -> None:
+        if not self.pending:
+            self._left, self.generation = self.generation, None
+
+
+def make(store, rank, world, formed, replacement=False, timeout_s=20.0) -> RecordingHealer:
+    h = RecordingHealer(store, "t", rank, world, "gloo", datetime.timedelta(seconds=30),
+                        replacement=replacement, join_timeout_s=timeout_s)
+    h.formed = formed
+    return h
+
+
+@pytest.fixture()
+def store():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=30))
+
+
+def rejoin_all(healers) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def go(h):
+        try:
+            h.rejoin()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(h,)) for h in healers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return errors
+
+
+def form_all(healers) -> None:
+    threads = [threading.Thread(target=h.form) for h in healers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+
+
+@pytest.mark.parametrize("replacement_first", [True, False])
+def test_survivors_and_a_replacement_meet_in_the_next_generation(store, replacement_first):
+    formed: dict[int, list[int]] = {}
+    first = [make(store, r, 3, formed) for r in range(3)]
+    form_all(first)
+    assert sorted(formed[0]) == [0, 1, 2]
+    survivors = [first[0], first[2]]
+    replacement = make(store, 1, 3, formed, replacement=True)
+    replacement.form()  # the fake group: no generation yet
+    assert replacement.pending
+    order = [replacement, *survivors] if replacement_first else [*survivors, replacement]
+    assert rejoin_all(order) == []
+    assert sorted(formed[1]) == [0, 1, 2]
+    assert {h.generation for h in [*survivors, replacement]} == {1}
+    assert [h.heals for h in survivors] == [1, 1] and replacement.heals == 0
+
+
+def test_a_second_death_while_forming_moves_everyone_on(store):
+    formed: dict[int, list[int]] = {}
+    first = [make(store, r, 3, formed) for r in range(3)]
+    form_all(first)
+    # Rank 2 dies; rank 1 dies too before generation 1 forms: rank 0 and the two replacements
+    # must end in one generation that all three formed.
+    store.add("t/gen", 0)
+    assert int(store.compare_set("t/gen", "0", "1")) == 1  # the first survivor's move
+    store.add("t/1/joined", 1)  # rank 1 counted itself into generation 1, then died
+    store.add("t/1/formed", 0)
+    r1 = make(store, 1, 3, formed, replacement=True)
+    r2 = make(store, 2, 3, formed, replacement=True)
+    r1.form(), r2.form()
+    # generation 1 can still form (rank 1's stale count plus two): who joins first decides nothing
+    errors = rejoin_all([first[0], r1, r2])
+    assert errors == []
+    gens = {first[0].generation, r1.generation, r2.generation}
+    assert len(gens) == 1
+    (gen,) = gens
+    assert sorted(formed[gen]) == [0, 1, 2]
+
+
+def test_a_peer_that_never_comes_back_fails_in_time(store):
+    formed: dict[int, list[int]] = {}
+    first = [make(store, r, 2, formed, timeout_s=0.5) for r in range(2)]
+    form_all(first)
+    with pytest.raises(TrainingFailed, match="did not form within"):
+        first[0].rejoin()
