@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
                       did_you_mean)
+from .. import heal_env
 from ..log import CONSOLE
 from ..snapshot_dirs import ENV_REJOINS
 from . import agent_signals
@@ -345,6 +346,7 @@ def _launch(opts: LaunchOptions) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(_default_threads(opts.nproc_per_node)))
     os.environ.setdefault("LOGLEVEL", "WARNING")
     os.environ.update(opts.worker_env)
+    heal_store = _heal_store(opts, host, port)  # noqa: F841 - held: the store lives while the agent runs
     config, entrypoint, cmd_args = agent_config(opts)
     # The agent runs in this process: workers arm themselves to die with it
     # (slipstream.launch.parent_death) and check it is still their parent.
@@ -384,6 +386,28 @@ def _launch(opts: LaunchOptions) -> int:
         os.environ.pop(ENV_AGENT_PID, None)
         snapshots.sweep(owner=os.getpid())  # this launch's workers' in-memory snapshots: no restart comes now
     return EXIT_OK
+
+
+def _heal_store(opts: LaunchOptions, host: str, port: int) -> object | None:
+    """Under ``--heal``: the store the ranks agree on generations through (:mod:`slipstream.heal`),
+    its address in ``SLIPSTREAM_HEAL_STORE`` for the workers. One node: a free local port; more:
+    the rendezvous port + 1 on the rendezvous host, hosted by the launcher there."""
+    if opts.worker_env.get(heal_env.HEAL) != "1":
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    if opts.max_nodes == 1:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=60))
+        os.environ[heal_env.STORE] = f"127.0.0.1:{store.port}"
+        return store
+    os.environ[heal_env.STORE] = f"{host}:{port + 1}"
+    if not (opts.is_rdzv_host or (opts.is_rdzv_host is None and opts.node_rank in (None, 0))):
+        return None
+    check_port_free(host, port + 1)
+    return dist.TCPStore(host, port + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
 
 
 def with_run_dir(opts: LaunchOptions, now: float | None = None) -> LaunchOptions:

@@ -28,6 +28,7 @@ import os
 import re
 
 from .. import config as config_module
+from .. import heal_env
 from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig, env_text
 from ..errors import ConfigError, UsageError
 from . import run_config
@@ -338,6 +339,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --emulate: each node's link rate, both directions (1gbit, 200mbit, unshaped; "
                    "default unshaped), then optionally the round trip added between two nodes and the "
                    "packet loss each way, e.g. 100mbit,40ms,0.1%%")
+    g.add_argument("--heal", action="store_true", default=None,
+                   help="a rank whose process dies is replaced in place: the others keep their processes, "
+                   "re-form the group and go back to the last in-memory snapshot (one every step unless "
+                   "--snapshot-every-steps says otherwise); needs --checkpoint-dir in the script")
+    g.add_argument("--spares", type=int, default=None, metavar="{0,1}",
+                   help="with --heal: warm spare processes each rank keeps, torch imported (default 1; 0: a "
+                   "replacement starts cold, seconds later, and costs no memory until then)")
     _add_training_flags(p)
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m), or JOB.yaml")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
@@ -506,7 +514,19 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
             raise UsageError(f"--collective-timeout-s must be > 0, got {timeout_s}")
         env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
     env.update(_placement_env(getattr(args, "backend", None), getattr(args, "device", None)))
+    env.update(_heal_env(getattr(args, "heal", None), getattr(args, "spares", None)))
     return env
+
+
+def _heal_env(heal: bool | None, spares: int | None) -> dict[str, str]:
+    """The workers' variables of ``--heal`` and ``--spares`` (:mod:`slipstream.launch.supervisor`)."""
+    if spares is not None and spares not in (0, 1):
+        raise UsageError(f"--spares must be 0 or 1 (warm spares per rank), got {spares}")
+    if not heal:
+        if spares is not None:
+            raise UsageError("--spares keeps warm replacements for --heal: give --heal too")
+        return {}
+    return {heal_env.HEAL: "1", heal_env.SPARES: str(1 if spares is None else spares)}
 
 
 def _check_local_dirs(flat: dict[str, object], given: dict[str, object]) -> None:

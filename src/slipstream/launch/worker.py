@@ -28,7 +28,7 @@ import signal
 import sys
 from typing import NoReturn
 
-from slipstream import gloo_exit
+from slipstream import gloo_exit, heal_env
 from slipstream.errors import SlipstreamError, UsageError
 from slipstream.launch.parent_death import die_with_agent
 
@@ -175,5 +175,15 @@ def main(argv: list[str]) -> None:
     del script_globals
 
 
+def entry(argv: list[str]) -> None:
+    """``python -m slipstream.launch.worker``: the worker itself, or under ``slipstream run --heal``
+    the rank's supervisor over it (:mod:`slipstream.launch.supervisor`)."""
+    if os.environ.get(heal_env.HEAL) == "1" and os.environ.get(heal_env.CHILD) != "1":
+        from slipstream.launch.supervisor import exit_like, supervise
+
+        exit_like(supervise(argv))
+    main(argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    entry(sys.argv[1:])

@@ -1,0 +1,47 @@
+"""A warm spare of ``slipstream run --heal``: torch imported ahead, waiting to run a rank's script.
+
+Started by the rank's supervisor (:mod:`slipstream.launch.supervisor`) with the rank's
+environment. It arms itself to die with the supervisor, imports torch and the training
+modules (the seconds a replacement would otherwise spend at the failure), then blocks
+on stdin for one line of JSON: ``{"argv": [...], "replacement": bool}``. It then runs
+the script as the worker entry does (:func:`slipstream.launch.worker.main`), as a
+replacement when told so (:mod:`slipstream.heal`). An end of input without a line (the
+supervisor stopping) ends it quietly.
+
+Example::
+
+    echo '{"argv": ["train.py"], "replacement": false}' | python -m slipstream.launch.spare
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main() -> None:
+    from slipstream.launch.parent_death import die_with_agent
+
+    die_with_agent()
+    import torch  # noqa: F401 - the warm part: imported before the failure, not after
+    import torch.distributed  # noqa: F401
+    import slipstream.train  # noqa: F401 - accelerate() and the checkpoint package
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return
+    order = json.loads(line)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)  # the script gets no stdin, as under the agent
+    os.close(devnull)
+    from slipstream import heal_env
+    from slipstream.launch import worker
+
+    if order.get("replacement"):
+        os.environ[heal_env.REPLACEMENT] = "1"
+    worker.main(list(order["argv"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The supervisor of one rank under ``slipstream run --heal``: it replaces a dead training process in place.
+
+torch's elastic agent restarts every worker when any one fails. Under ``--heal`` the
+worker the agent starts (``python -m slipstream.launch.worker ...``) is this small,
+torch-free supervisor, and the training runs in its child. When that child dies by a
+signal (SIGKILL, SIGSEGV, the OOM killer) after it armed itself for healing
+(:meth:`slipstream.heal.Healer.arm`), the supervisor starts a replacement for the same
+rank and the agent sees nothing fail: the other ranks keep their processes and re-form
+the group with it (:mod:`slipstream.heal`).
+
+The replacement is a *warm spare* (:mod:`slipstream.launch.spare`): a process started
+ahead, Python and torch already imported, blocked on a pipe until it is told to run the
+script. With ``--spares 0`` a new process is started at the failure instead (it imports
+torch then: seconds).
+
+Everything else goes to the agent as before, so the full restart stays the fallback:
+an exit with a code (a Python exception, a configuration error, a heal that failed, the
+preemption's 143), a death before the child armed, a death once the per-rank limit of
+heals is used up, or any signal while the job is being stopped. A death by a signal is
+passed on as that signal (the supervisor kills itself with it), so the launcher's report
+reads as it would without the supervisor.
+
+SIGTERM and SIGINT from the agent go to the training process (preemption: it writes the
+emergency checkpoint and exits 143, which the supervisor returns). The supervisor dies
+with the agent (:func:`~slipstream.launch.parent_death.die_with_agent`) and its children
+with it (the same, with the supervisor as their parent).
+
+Example::
+
+    python -m slipstream.launch.worker train.py --steps 100   # under SLIPSTREAM_HEAL=1: supervises
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import IO
+
+from .. import heal_env
+from .parent_death import ENV_AGENT_PID, die_with_agent
+from ..snapshot_dirs import ENV_OWNER
+
+DEFAULT_HEAL_LIMIT = 100
+"""Heals per rank before a death goes to the agent (a crash that repeats at one step would loop)."""
+_FORWARDED = (signal.SIGTERM, signal.SIGINT)
+
+
+class Spare:
+    """A started ``slipstream.launch.spare`` process, waiting on its stdin for what to run."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "slipstream.launch.spare"], stdin=subprocess.PIPE,
+                                     env=env, close_fds=True)
+
+    def activate(self, argv: list[str], replacement: bool) -> subprocess.Popen:
+        stdin: IO[bytes] = self.proc.stdin  # type: ignore[assignment]
+        stdin.write((json.dumps({"argv": argv, "replacement": replacement}) + "\n").encode())
+        stdin.close()
+        return self.proc
+
+    def discard(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def _signal_name(rc: int) -> str:
+    try:
+        return signal.Signals(-rc).name
+    except ValueError:
+        return f"signal {-rc}"
+
+
+def supervise(argv: list[str]) -> int:
+    """Run ``argv`` (the worker's script and arguments) in a child, replacing it in place when it
+    dies armed; returns the exit code to end with (a signal's death is re-raised on this process)."""
+    die_with_agent()
+    env = os.environ
+    rank = env.get("RANK", "?")
+    spares = int(env.get(heal_env.SPARES) or 1)
+    limit = DEFAULT_HEAL_LIMIT
+    armed_file = os.path.join(tempfile.gettempdir(), f"slipstream-heal-{os.getpid()}.armed")
+    child_env = dict(env)
+    child_env.update({
+        heal_env.CHILD: "1",
+        heal_env.ARMED_FILE: armed_file,
+        ENV_AGENT_PID: str(os.getpid()),  # the child dies with this supervisor
+        ENV_OWNER: str(os.getppid()),  # its snapshots belong to the launcher, as without a supervisor
+    })
+    pid_dir = env.get(heal_env.PID_DIR)
+    pid_file = os.path.join(pid_dir, f"rank{rank}.pid") if pid_dir else None
+    state: dict = {"active": None, "stopping": False}
+
+    def forward(signum: int, _frame: object) -> None:
+        state["stopping"] = True
+        active = state["active"]
+        if active is not None and active.poll() is None:
+            os.kill(active.pid, signum)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    warm: Spare | None = Spare(child_env)
+    replacement, heals = False, 0
+    try:
+        while True:
+            assert warm is not None
+            child = warm.activate(argv, replacement)
+            state["active"], warm = child, None
+            if pid_file:
+                _write(pid_file, str(child.pid))
+            if spares > 0 and not state["stopping"]:
+                warm = Spare(child_env)  # the next replacement imports torch now, not at the failure
+            rc = child.wait()
+            armed = os.path.exists(armed_file)
+            _remove(armed_file)
+            if state["stopping"] or rc >= 0 or not armed or heals >= limit:
+                if rc < 0 and armed and heals >= limit and not state["stopping"]:
+                    print(f"[slipstream] rank {rank}: the training process died ({_signal_name(rc)}) after "
+                          f"{heals} heals in place, the limit: the launcher restarts every worker",
+                          file=sys.stderr, flush=True)
+                return rc
+            heals += 1
+            replacement = True
+            how = "a warm spare" if warm is not None else "a new process (no spare left)"
+            print(f"[slipstream] rank {rank}: the training process (pid {child.pid}) died ({_signal_name(rc)}); "
+                  f"replacing it in place with {how}, heal {heals}", file=sys.stderr, flush=True)
+            if warm is None:
+                warm = Spare(child_env)
+    finally:
+        if warm is not None:
+            warm.discard()
+        _remove(armed_file)
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def exit_like(rc: int) -> None:
+    """End this process as the child ended: with its code, or killed by its signal."""
+    if rc < 0:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            signal.signal(-rc, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL and SIGSTOP take no handler: their default stands
+            pass
+        os.kill(os.getpid(), -rc)
+    sys.exit(rc if rc >= 0 else 128 - rc)

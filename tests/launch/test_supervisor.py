@@ -1,0 +1,96 @@
+"""The supervisor of ``slipstream run --heal`` (slipstream.launch.supervisor), on real processes.
+
+The worker entry is started as the elastic agent starts it, with ``SLIPSTREAM_HEAL=1``;
+the script stands for the training process and decides how it ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+SCRIPT = r'''
+import os, signal, sys, time
+out = sys.argv[1]
+mode = sys.argv[2]
+n = len([f for f in os.listdir(out) if f.startswith("run")])
+open(os.path.join(out, f"run{n}"), "w").write(os.environ.get("SLIPSTREAM_HEAL_REPLACEMENT", "0"))
+if mode == "exit3":
+    sys.exit(3)
+if mode in ("armed-kill", "unarmed-kill") and n == 0:
+    if mode == "armed-kill":
+        open(os.environ["SLIPSTREAM_HEAL_ARMED_FILE"], "w").write("1")
+    os.kill(os.getpid(), signal.SIGKILL)
+if mode == "term":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    open(os.path.join(out, "ready"), "w").close()
+    time.sleep(60)
+'''
+
+
+def supervise(tmp_path: Path, mode: str, spares: str = "1", wait: bool = True):
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": spares, "RANK": "0",
+           "SLIPSTREAM_HEAL_PID_DIR": str(tmp_path), "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
+    env.pop("SLIPSTREAM_AGENT_PID", None)
+    proc = subprocess.Popen([sys.executable, "-m", "slipstream.launch.worker", str(script), str(out), mode],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if not wait:
+        return proc, out
+    stdout, stderr = proc.communicate(timeout=120)
+    return proc.returncode, out, stderr
+
+
+def runs(out: Path) -> list[str]:
+    return [(out / f"run{i}").read_text() for i in range(len(list(out.glob("run*"))))]
+
+
+def test_an_exit_code_goes_to_the_agent_unchanged(tmp_path):
+    code, out, err = supervise(tmp_path, "exit3")
+    assert code == 3 and runs(out) == ["0"]
+    assert "replacing" not in err
+
+
+def test_a_death_before_arming_is_passed_on_as_the_signal(tmp_path):
+    code, out, err = supervise(tmp_path, "unarmed-kill")
+    assert code == -signal.SIGKILL and runs(out) == ["0"]
+    assert "replacing" not in err
+
+
+def test_an_armed_process_that_dies_is_replaced_in_place(tmp_path):
+    code, out, err = supervise(tmp_path, "armed-kill")
+    assert code == 0, err
+    assert runs(out) == ["0", "1"]  # the replacement knows it is one
+    assert "replacing it in place with a warm spare, heal 1" in err
+
+
+def test_without_spares_the_replacement_starts_cold(tmp_path):
+    code, out, err = supervise(tmp_path, "armed-kill", spares="0")
+    assert code == 0, err
+    assert runs(out) == ["0", "1"]
+    assert "a new process (no spare left)" in err
+
+
+def test_sigterm_reaches_the_training_process_and_no_spare_stays(tmp_path):
+    proc, out = supervise(tmp_path, "term", wait=False)
+    deadline = time.monotonic() + 60
+    while not (out / "ready").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    child = int((tmp_path / "rank0.pid").read_text())
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert str(child) in children and len(children) == 2  # the training process and a warm spare
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 143
+    for pid in children:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
