@@ -198,6 +198,8 @@ class DataPosition:
 
     def load_state_dict(self, state: dict) -> None:
         self.restored = dict(state)
+        if self.loader is not None:  # a restore while training (slipstream run --heal): the loop rewinds
+            self.loader.load_state_dict(self.restored)
         if self.loader is not None:
             self.loader.load_state_dict(self.restored)
 

@@ -38,6 +38,17 @@ def restart_count(environ: Mapping[str, str] | None = None) -> int:
     return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) + int(env.get(ENV_REJOINS, "0") or 0)
 
 
+ENV_OWNER = "SLIPSTREAM_SNAPSHOT_OWNER_PID"
+"""Set by the supervisor of ``slipstream run --heal`` for its training process: the launcher's pid,
+which is the snapshots' owner (the training process's parent is the supervisor there)."""
+
+
+def owner_pid(environ: Mapping[str, str] | None = None) -> int:
+    """The launcher whose snapshots this worker writes: its parent, or ``$SLIPSTREAM_SNAPSHOT_OWNER_PID``."""
+    env = os.environ if environ is None else environ
+    return int(env.get(ENV_OWNER) or os.getppid())
+
+
 def root_dir(environ: Mapping[str, str] | None = None) -> str:
     """Where snapshots live: ``$SLIPSTREAM_SNAPSHOT_DIR`` or ``/dev/shm``, plus ``slipstream-snapshots``."""
     env = os.environ if environ is None else environ

@@ -120,6 +120,26 @@ def test_resume_after_a_batch_in_flight_in_the_prefetch_queue(ds):
     loader.close()
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_loaded_into_a_running_loop_rewinds_it(ds, num_workers):
+    # Healing in place restores a snapshot while `for batch in loader` runs: the same loop goes on
+    # from the restored position (prefetched batches dropped), as a resumed run would.
+    kw = dict(batch_size=6, seed=5, rank=0, world_size=1, num_workers=num_workers, prefetch_batches=3)
+    ref = _run(SlipstreamLoader(ds, **kw))
+    loader = SlipstreamLoader(ds, **kw)
+    got, state, rewound = [], None, False
+    for batch in loader:
+        got.append(_ids(batch))
+        if len(got) == 5:
+            state = loader.state_dict()
+        if len(got) == 9 and not rewound:
+            rewound = True
+            del got[5:]
+            loader.load_state_dict(state)
+    assert got == ref
+    loader.close()
+
+
 def _ranks_take(ds, world, batches, state=None, batch_size=5, seed=4):
     loaders = [SlipstreamLoader(ds, batch_size=batch_size, seed=seed, rank=r, world_size=world) for r in range(world)]
     if state is not None:

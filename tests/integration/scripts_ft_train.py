@@ -8,7 +8,8 @@ runs (a step redone after a restart appears again; the last line counts); rank 0
 OUT/resumed_<attempt>.pt right after resuming.
 
 Failures are injected on the first attempt only (TORCHELASTIC_RESTART_COUNT=0)
-unless --mode fail-always.
+unless --mode fail-always; --kill-at's once each (a marker file), for replacements
+that heal in place (slipstream run --heal) and restarts alike.
 """
 
 import argparse
@@ -35,6 +36,8 @@ p.add_argument("--mode", default="none",
 p.add_argument("--fail-rank", type=int, default=1)
 p.add_argument("--fail-step", type=int, default=5)
 p.add_argument("--step-sleep-s", type=float, default=0.0)
+p.add_argument("--kill-at", default="", metavar="R:S[,R:S]",
+               help="SIGKILL rank R at the top of step S, once each (a marker file in OUT), whatever the attempt")
 args = p.parse_args()
 
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -80,8 +83,12 @@ def sample(i: int):
 
 
 log = open(os.path.join(args.out, f"ids_rank{rt.rank}.log"), "a")
+kills = set(filter(None, args.kill_at.split(",")))
 while run.step_count < args.steps:
     step = run.step_count
+    if f"{rt.rank}:{step}" in kills and not os.path.exists(os.path.join(args.out, f"killed_{rt.rank}_{step}")):
+        open(os.path.join(args.out, f"killed_{rt.rank}_{step}"), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
     if inject and step == args.fail_step:
         if args.mode == "sigkill":
             os.kill(os.getpid(), signal.SIGKILL)

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .. import runtime
+from .. import heal, runtime
 from ..errors import EXIT_PREEMPTED, ConfigError
 from . import layout, lease, peer, remote, safe_load, snapshots, storage
 from . import verify as integrity  # the name `verify` is the constructor's option
@@ -152,11 +152,9 @@ class CheckpointManager:
         # must never interleave with the main thread's on one group.
         # Both carry the run's collective timeout: a peer lost in a save or a load
         # fails the survivors as soon as a lost training collective would.
+        self.group = self.writer_group = None
         if dist.is_initialized():
-            self.group = dist.new_group(backend="gloo", timeout=runtime.group_timeout())
-            self.writer_group = dist.new_group(backend="gloo", timeout=runtime.group_timeout()) if async_save else None
-        else:
-            self.group = self.writer_group = None
+            self._make_groups(async_save)
         self._shared: dict[str, Stateful] = {}
         self._per_rank: dict[str, Stateful] = {}
         self._pending: Future | None = None
@@ -180,13 +178,42 @@ class CheckpointManager:
         if self.rank == 0 and self.fs is None:
             os.makedirs(directory, exist_ok=True)
         # Before any write, and agreed by all ranks (a refusal raises on every rank).
-        self.lease = lease.take_for_job(directory, rank=self.rank, world_size=self.world_size, group=self.group,
+        healer = heal.current()
+        # A replacement healing in place decides alone (its group is the fake one until it joins).
+        agree_on = None if healer is not None and healer.pending else self.group
+        self.lease = lease.take_for_job(directory, rank=self.rank, world_size=self.world_size, group=agree_on,
                                         interval_s=lease_interval_s, stale_after_s=lease_stale_after_s,
                                         storage_options=storage_options)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self.snapshots = self._open_snapshots(snapshot_every_steps, snapshot_peer_copy)
         self.restored_from: str | None = None  # what restore_latest() loaded: a checkpoint's path or a snapshot
+
+    def _make_groups(self, async_save: bool) -> None:
+        # A replacement healing in place (slipstream.heal) runs on a fake default group until it
+        # joins the survivors: its side groups are fake too until then (see rejoined()).
+        healer = heal.current()
+        backend = healer.side_group_backend() if healer is not None else "gloo"
+        self.group = dist.new_group(backend=backend, timeout=runtime.group_timeout())
+        self.writer_group = dist.new_group(backend=backend, timeout=runtime.group_timeout()) if async_save else None
+
+    def left(self) -> None:
+        """Healing in place, before the broken default group is destroyed: drop every reference to
+        this manager's groups (they are destroyed with it), so their sockets close."""
+        self.group = self.writer_group = None
+
+    def rejoined(self) -> None:
+        """After the default group was formed again (healing in place, :mod:`slipstream.heal`): the
+        old side groups went with it, so new ones are made (a collective, every rank in the same
+        order). An asynchronous save in flight is let go: its collectives failed with the group,
+        so it commits nothing unless every rank's part was written before the failure."""
+        self._pending = self._pending_step = None
+        self._committed.set()
+        # should_save's agreement schedule starts over, as in the replacement's new manager.
+        self._agreed_step, self._next_agreement_step, self._agreed_at = None, 0, time.monotonic()
+        self._make_groups(self.async_save)
+        if self.snapshots is not None:
+            self.snapshots.mark_restarted()
 
     def _open_snapshots(self, every_steps: int | None, peer_copy: bool) -> snapshots.MemorySnapshots | None:
         """This rank's in-memory snapshots (:mod:`.snapshots`), when asked for and an elastic agent

@@ -65,7 +65,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import pids
-from ..snapshot_dirs import ENV_ROOT, SUBDIR, restart_count, root_dir, sweep
+from .. import heal
+from ..snapshot_dirs import ENV_ROOT, SUBDIR, owner_pid, restart_count, root_dir, sweep
 from . import peer as peer_copy
 
 __all__ = ["ENV_ROOT", "SUBDIR", "MemorySnapshots", "Slots", "decode", "root_dir", "sweep"]
@@ -261,7 +262,7 @@ class MemorySnapshots:
         self.from_peers: dict[int, int] = {}  # agreed_newest(): {rank: the rank holding its copy} to fetch
         if restart_count == 0:  # a new job on this checkpoint directory: nothing of an earlier one is loaded
             shutil.rmtree(directory, ignore_errors=True)
-        launcher = os.getppid()
+        launcher = owner_pid()
         try:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             with open(os.path.join(directory, "owner"), "w") as fh:
@@ -278,8 +279,11 @@ class MemorySnapshots:
         key = hashlib.sha256(where.encode()).hexdigest()[:16]
         # The launcher's pid in the path: a worker orphaned by a launcher killed with SIGKILL, still
         # alive for a moment, can never write into the slots of the job relaunched on this directory.
-        directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"launcher{os.getppid()}", f"rank{rank}")
-        return cls(directory, rank, world_size, every_steps, restart_count(env))
+        directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"launcher{owner_pid(env)}", f"rank{rank}")
+        # A process that replaces a dead rank in place (slipstream run --heal) restores its predecessor's
+        # snapshot: for it, the directory is not a new job's even in the first attempt.
+        attempt = restart_count(env) or int(env.get(heal.ENV_REPLACEMENT) == "1")
+        return cls(directory, rank, world_size, every_steps, attempt)
 
     def steps(self) -> list[int]:
         """The steps this rank holds a complete snapshot of, oldest first."""
@@ -348,6 +352,11 @@ class MemorySnapshots:
                 if steps:
                     held[int(name[len("peer"):])] = steps
         return held
+
+    def mark_restarted(self) -> None:
+        """This process's group was formed again around it (healing in place): from now on it offers
+        its snapshots in :meth:`agreed_newest`, as a restarted worker does."""
+        self.restart_count = max(self.restart_count, 1)
 
     def agreed_newest(self, group: Any = None) -> int | None:
         """The newest step whose snapshot every rank holds, itself or through the peer copy on

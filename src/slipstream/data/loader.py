@@ -194,12 +194,15 @@ class SlipstreamLoader:
         self._stop_active()
         if self.sampler.epoch_done:
             self.sampler.set_epoch(self.sampler.epoch + 1)
-        ds = self.dataset
-        if self.fetch_ahead and isinstance(ds, ShardedDataset) and ds.cache is not None and not ds.source.is_local:
-            self._fetcher = _FetchAhead(ds, self.sampler, self.fetch_ahead)
+        self._start_fetcher()
         it = _LoaderIter(self)
         self._active = weakref.ref(it)
         return it
+
+    def _start_fetcher(self) -> None:
+        ds = self.dataset
+        if self.fetch_ahead and isinstance(ds, ShardedDataset) and ds.cache is not None and not ds.source.is_local:
+            self._fetcher = _FetchAhead(ds, self.sampler, self.fetch_ahead)
 
     def _stop_active(self) -> None:
         it = self._active() if self._active is not None else None
@@ -222,9 +225,18 @@ class SlipstreamLoader:
         return self.sampler.state_dict(roll_over=True)
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at a saved (epoch, position); the world size may differ (see ResumableSampler)."""
+        """Resume at a saved (epoch, position); the world size may differ (see ResumableSampler).
+
+        An iterator in use goes on from the loaded position (prefetched batches dropped): a run
+        that healed in place (``slipstream run --heal``) went back to a snapshot while its
+        ``for batch in loader`` loop was running, and that loop rewinds with it."""
+        active = self._active() if self._active is not None else None
         self._stop_active()
         self.sampler.load_state_dict(state)
+        if active is not None:
+            self._start_fetcher()
+            active.reopen()
+            self._active = weakref.ref(active)
 
     def stats(self) -> dict[str, float]:
         """For the metrics recorder: data wait of the last step and in total, skips."""
@@ -339,6 +351,11 @@ _BATCH, _END, _ERROR = 0, 1, 2
 class _LoaderIter:
     def __init__(self, loader: SlipstreamLoader):
         self.loader = loader
+        self.reopen()
+
+    def reopen(self) -> None:
+        """(Re)start from the sampler's position: at creation, and after a load_state_dict while in use."""
+        loader = self.loader
         self._done = False
         self._thread: threading.Thread | None = None
         self._it = iter(loader.dataloader)

@@ -397,6 +397,11 @@ class StepRecorder:
             out["straggler_slowdown"] = self.straggler.last.slowdown
         return out
 
+    def rejoined(self) -> None:
+        """After the default group was formed again (healing in place): the straggler exchange in
+        flight went with the old group; the next log step starts a new one."""
+        self._pending_gather = None
+
     def close(self) -> None:
         self.flush()
         if self._pending_gather is not None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .. import heal
 from ..checkpoint import CheckpointManager
 from ..checkpoint.states import CallbackState, ModelOptimizerState, RNGState
 from ..config import TrainConfig
@@ -27,6 +28,9 @@ def agree_run_dir(config: TrainConfig, runtime: Runtime) -> str:
     chosen = [config.run.dir or os.environ.get("SLIPSTREAM_RUN_DIR")]
     if chosen[0] is None and runtime.is_main:
         chosen[0] = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    healer = heal.current()
+    if healer is not None and healer.pending and chosen[0] is not None:
+        return chosen[0]  # a replacement (slipstream run --heal, which sets the directory): no peer to ask yet
     if runtime.world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
     return chosen[0]  # type: ignore[return-value]

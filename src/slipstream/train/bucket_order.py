@@ -78,3 +78,11 @@ def fix_bucket_order(ddp: DistributedDataParallel) -> bool:
     setattr(ddp, _FIXED, True)
     log.debug("DDP buckets will be rebuilt from reverse declaration order at the first forward")
     return True
+
+
+def fix_bucket_order_again(ddp: DistributedDataParallel) -> bool:
+    """:func:`fix_bucket_order` once more, for a model whose reducer was reset (its process group
+    replaced after healing in place): every rank rebuilds the same layout as at the start.
+    Collective."""
+    setattr(ddp, _FIXED, False)
+    return fix_bucket_order(ddp)

@@ -26,7 +26,9 @@ A Hugging Face model that computes its own loss takes its dict batch as is:
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -37,11 +39,12 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoint import CheckpointManager
 from ..checkpoint.states import CallbackState
 from ..config import TrainConfig, check_parameter_dtype
-from ..errors import EXIT_PREEMPTED, ConfigError
+from ..errors import EXIT_PREEMPTED, ConfigError, TrainingFailed
 from ..fault import progress
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
 from ..metrics import StepRecorder
 from ..metrics.sinks import Sink
+from .. import heal
 from ..runtime import Runtime, current
 from ..sync import SyncHandle
 from . import adopt
@@ -90,6 +93,8 @@ class Accelerated:
         self.last_grad_norm: torch.Tensor | None = None
         self.checkpoints: CheckpointManager | None = None
         self._stop_reported = False
+        self.healer: heal.Healer | None = None  # set by accelerate() when this run heals in place
+        self._dropped = False  # the micro-step in hand was dropped by a heal: backward/step skip it
 
     # --- what the layout decides -----------------------------------------------------
     @property
@@ -220,6 +225,8 @@ class Accelerated:
         self._refuse_after_stop()
         if not isinstance(loss, torch.Tensor):
             raise ConfigError(f"backward takes the loss tensor, got {_describe_loss(loss)}")
+        if self._dropped:
+            return
         if self.layout.pipeline is not None:
             self.model()  # raises the explanation: the schedule runs backward itself
         self.recorder.add_loss(loss)
@@ -236,7 +243,8 @@ class Accelerated:
             else:
                 loss.backward()
         except Exception as exc:  # noqa: BLE001 - re-raised, with a diagnosis when a peer hung or died
-            self._raise_diagnosed(exc)
+            self._heal_or_raise(exc)
+            return
         self.recorder.end("backward", timing)
 
     def step(self) -> StepResult:
@@ -257,6 +265,9 @@ class Accelerated:
                 break
         """
         self._refuse_after_stop()
+        if self._dropped:  # a heal restored the last snapshot: this micro-step never happened
+            self._dropped = False
+            return StepResult(stepped=False, step=self.step_count, healed=True)
         self._micro.total += 1
         if not self._micro.syncs:
             self._micro.index += 1
@@ -279,7 +290,7 @@ class Accelerated:
             try:
                 self.layout.sync.after_optimizer_step()
             except Exception as exc:  # noqa: BLE001 - an outer all-reduce a peer never joined: the hang report
-                self._raise_diagnosed(exc)
+                self._raise_diagnosed(exc)  # (no heal: diloco does not heal in place)
         self.recorder.end("optimizer", timing)
         self.step_count += 1
         saved = stop = False
@@ -289,7 +300,7 @@ class Accelerated:
                 with self.recorder.timed("checkpoint"):
                     saved, stop = self._maybe_save(self.checkpoints)
             except Exception as exc:  # noqa: BLE001
-                self._raise_diagnosed(exc)
+                return self._healed_step(exc)
         if self.last_grad_norm is not None:
             self.recorder.set("grad_norm", self.last_grad_norm)  # a tensor: read back at log time only
         self._mark(progress.METRICS)
@@ -297,7 +308,7 @@ class Accelerated:
             # On log steps this exchanges per-rank timings (straggler detection).
             record = self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
         except Exception as exc:  # noqa: BLE001
-            self._raise_diagnosed(exc)
+            return self._healed_step(exc)
         if stop:
             self._report_stop()
         self._mark(progress.USER, self.step_count)
@@ -362,6 +373,57 @@ class Accelerated:
         if self.progress is not None:
             self.progress.mark(phase, step)
 
+    # --- healing in place (slipstream run --heal; slipstream.heal) -------------------------------
+    def _heal_or_raise(self, exc: BaseException) -> None:
+        """Heal in place after a failed collective, or raise ``exc`` (diagnosed) when this run
+        does not heal or ``exc`` is not a lost peer. After a heal the micro-step in hand is
+        dropped: the state is the last snapshot's, and the loop goes on from there."""
+        if self.healer is None or not is_collective_failure(exc):
+            self._raise_diagnosed(exc)
+        failed_in = self.step_count + 1
+        try:
+            self.healer.leave()
+            self._leave()
+            seconds = self.healer.rejoin()
+            self._rejoined()
+            assert self.checkpoints is not None
+            step = self.checkpoints.restore_latest()
+            if not step:  # nothing to go back to: this state and a replacement's fresh one would differ
+                raise TrainingFailed(f"rank {self.runtime.rank}: the group formed again after a lost peer, but "
+                                     "no snapshot or checkpoint is held by every rank to go back to")
+        except Exception as heal_exc:  # noqa: BLE001 - the heal failed: this process ends, the launcher restarts all
+            self.healer.disarm()
+            raise heal_exc from exc
+        self._dropped = True
+        if self.runtime.is_main:
+            print(f"[slipstream] healed in place: a peer was lost in step {failed_in} ({_first_line(exc)}); "
+                  f"the group formed again in {seconds:.2f} s (generation {self.healer.generation}) and every rank "
+                  f"went back to step {step} ({self.checkpoints.restored_from})", flush=True)
+
+    def _healed_step(self, exc: BaseException) -> StepResult:
+        self._heal_or_raise(exc)
+        self._dropped = False
+        return StepResult(stepped=False, step=self.step_count, healed=True)
+
+    def _leave(self) -> None:
+        """Every holder of the broken group lets go of it (its sockets then close, see heal.placeholder_group)."""
+        self.layout.leave()  # type: ignore[attr-defined]  (only the data-parallel layout heals)
+        self.recorder.rejoined()
+        if self.checkpoints is not None:
+            self.checkpoints.left()
+
+    def _rejoined(self) -> None:
+        """Everything that held the old default group moves to the new one (same order on every rank)."""
+        self.layout.rejoined()  # type: ignore[attr-defined]  (only the data-parallel layout heals)
+        if self.checkpoints is not None:
+            self.checkpoints.rejoined()
+        self.recorder.rejoined()
+        self._micro.index = 0
+
+    def _forward_failed(self, exc: BaseException) -> bool:
+        self._heal_or_raise(exc)
+        return True
+
     def _raise_diagnosed(self, exc: BaseException) -> NoReturn:
         if self.progress is not None and is_collective_failure(exc):
             raise diagnose_hang(self.progress, exc, self.runtime.timeout_s, self.recorder.run_dir) from exc
@@ -386,6 +448,51 @@ class Accelerated:
             self.scaler.load_state_dict(state["scaler"])
         if self.scheduler is not None and state.get("scheduler"):
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    # gloo's messages start with its source location ("[.../pair.cc:537] Read error ..."): not for users.
+    first = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text[0]) if text else ""
+    return f"{type(exc).__name__}: {first[:120]}" if first else type(exc).__name__
+
+
+def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
+    """Why this run cannot heal in place (None: it can). Deterministic, so a replacement decides as
+    its predecessor did."""
+    mgr = run.checkpoints
+    if not plain:
+        return f"the layout {run.describe_layout()} is not plain data parallelism"
+    if not isinstance(run.layout, DataParallelLayout):
+        return "the layout is not plain data parallelism"
+    if run.config.sync.strategy != "allreduce":
+        return f"sync {run.config.sync.strategy!r} keeps process groups of its own (only 'allreduce' heals)"
+    if mgr is None:
+        return "no checkpoint_dir: there is no snapshot to go back to"
+    if mgr.snapshots is None or not mgr.snapshots.enabled:
+        return "in-memory snapshots are off (snapshot_every_steps)"
+    if mgr.snapshots.peer is not None:
+        return "the snapshots' peer copy keeps a process group of its own"
+    return None
+
+
+def _start_healing(run: Accelerated, healer: heal.Healer, plain: bool) -> None:
+    """Arm healing in place for this run, or say in one line why not (the launcher's full restart
+    stays); a replacement joins the survivors here, before the restore every rank then makes."""
+    why = _heal_refusal(run, plain)
+    if why is not None:
+        healer.disarm()
+        if healer.pending:
+            raise ConfigError(f"this process replaces a dead rank but cannot heal in place: {why}")
+        if run.runtime.is_main:
+            print(f"[slipstream] --heal: {why}; a failed rank restarts every worker", flush=True)
+        return
+    if healer.pending:
+        healer.rejoin()
+        run._rejoined()
+    run.healer = healer
+    run.layout.model.sl_on_failure = run._forward_failed  # type: ignore[union-attr]
+    healer.arm()
 
 
 def _model_loss(output: Any) -> torch.Tensor:
@@ -496,6 +603,10 @@ def accelerate(
         raise ConfigError(f"give either config or keyword options, not both (got {', '.join(options)})")
     runtime = current()
     adopt.mark_accelerate_called()  # under `slipstream run`, the options reach this loop
+    ckpt = config.checkpoint
+    if heal.current() is not None and ckpt.dir is not None and ckpt.snapshot_every_steps is None:
+        # Healing in place goes back to the last snapshot: one every step, at most one step redone.
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(ckpt, snapshot_every_steps=1))
     plain = config.is_plain_data_parallel(runtime.world_size)
     _check_inputs(model, optimizer, scheduler, extra_state, config, plain)
 
@@ -531,6 +642,10 @@ def accelerate(
             config, layout.checkpoint_state(built), CallbackState(run.counters_state, run.load_counters_state),
             extra_state or {}, layout.sync,
         )
+    healer = heal.current()
+    if healer is not None:
+        _start_healing(run, healer, plain)
+    if run.checkpoints is not None:
         step = run.checkpoints.restore_latest()
         if step:
             run.resumed_from_step = step

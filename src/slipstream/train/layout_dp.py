@@ -15,20 +15,22 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import sync
+from .. import heal, sync
 from ..checkpoint.states import ModelOptimizerState
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..fault import progress
 from ..parallel.activation_checkpointing import apply_activation_checkpointing
 from ..runtime import Runtime
-from .bucket_order import fix_bucket_order
+from .bucket_order import fix_bucket_order, fix_bucket_order_again
 from .layout import Pipeline
 from .microsteps import ForwardContext, count_inputs
 from .optimizer_build import OptimizerArg, build_optimizer
@@ -46,6 +48,9 @@ class SlipstreamDDP(DistributedDataParallel):
         super().__init__(module, **ddp_options)
         self._sl_context = context
         self._sl_precision = precision
+        # Set by accelerate() under healing in place: takes an exception of the forward (DDP
+        # broadcasts buffers there) and answers True when the group healed; None: raise it.
+        self.sl_on_failure: Callable[[BaseException], bool] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         ctx = self._sl_context
@@ -57,7 +62,15 @@ class SlipstreamDDP(DistributedDataParallel):
         count_inputs(ctx.recorder, args, kwargs)
         timing = ctx.recorder.begin("forward")
         with autocast(self._sl_precision, ctx.device):
-            out = super().forward(*args, **kwargs)
+            try:
+                out = super().forward(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - re-raised unless the run healed in place
+                if self.sl_on_failure is None or not self.sl_on_failure(exc):
+                    raise
+                # Healed: this micro-step is dropped (backward and step do nothing for it), but the
+                # loop still needs an output: the local forward, no collective and no graph.
+                with torch.no_grad():
+                    out = self.module(*args, **kwargs)
         ctx.recorder.end("forward", timing)
         return outputs_to_fp32(out)
 
@@ -93,12 +106,26 @@ class DataParallelLayout:
         # diloco sums no gradient (its hook hands each bucket back): the layout changes
         # nothing, and fixing it would send the model's size over a link chosen for being slow.
         strategy = config.sync.strategy
-        if strategy != "diloco":
+        self._fixes_order = strategy != "diloco"
+        healer = heal.current()
+        if self._fixes_order and (healer is None or not healer.pending):  # a replacement: in rejoined()
             fix_bucket_order(self.model)
         try:
             self.sync: sync.SyncHandle | None = sync.apply(strategy, self.model, **config.sync.options)
         except (TypeError, ValueError) as exc:  # an option the strategy does not take, or a bad value
             raise ConfigError(f"sync_options for {strategy!r}: {exc}") from None
+
+    def leave(self) -> None:
+        """After the broken group was destroyed (healing in place, :meth:`slipstream.heal.Healer.leave`):
+        DDP lets go of it for the fake default group, so its sockets close and no peer waits on them."""
+        self.model._update_process_group(dist.group.WORLD)
+
+    def rejoined(self) -> None:
+        """After the default group was formed again (healing in place, :mod:`slipstream.heal`):
+        DDP moves onto the new group and rebuilds its buckets in the run's order. Collective."""
+        self.model._update_process_group(dist.group.WORLD)  # DDP's own hook for this; no comm hook to move
+        if self._fixes_order:
+            fix_bucket_order_again(self.model)
 
     def describe(self) -> str:
         return f"pp(1) x dp_replicate({self._world_size}) x dp_shard(1) x tp(1)"

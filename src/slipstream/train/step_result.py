@@ -32,5 +32,10 @@ class StepResult:
     attempted: stop the loop. The next ``backward()``/``step()``/``train_step()``
     raises ``SystemExit(EXIT_PREEMPTED)``."""
 
+    healed: bool = False
+    """A rank failed during this micro-step and the group healed in place (``slipstream run
+    --heal``): the state went back to the last snapshot (``step``), the micro-step was
+    dropped, and the data loader restarts at the snapshot's position."""
+
     def __bool__(self) -> bool:
         return self.stepped
