@@ -70,9 +70,10 @@ _CURRENT: "Healer | None" = None
 
 
 def requested(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether the launcher asked for healing in place (``slipstream run --heal``)."""
+    """Whether this process trains under a supervisor of ``slipstream run --heal`` (which replaces
+    it in place when it dies): only then can the group heal."""
     env = os.environ if environ is None else environ
-    return env.get(ENV_HEAL) == "1"
+    return env.get(ENV_HEAL) == "1" and env.get(heal_env.CHILD) == "1"
 
 
 def current() -> "Healer | None":

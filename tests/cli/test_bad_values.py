@@ -78,7 +78,8 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("run", "--device"): [bad("--device", "tpu")],
     ("run", "--emulate"): [bad("--emulate", "2by2")],
     ("run", "--spares"): [Bad(("--heal", "--spares", "2"), ("--spares", "2")),
-                          Bad(("--spares", "1"), ("--spares", "--heal")), bad("--spares", "x")],
+                          Bad(("--spares", "1"), ("--spares", "--heal")), bad("--spares", "x"),
+                          Bad(("--heal", "--no-python", "--spares", "1"), ("--heal", "--no-python"))],
     ("run", "--link"): [bad("--link", "1gbit"), Bad(("--emulate", "2x1", "--link", "1zbit"), ("--link", "1zbit"))]
     + [Bad(("--emulate", "2x1", "--link", v), ("--link", v, why)) for v, why in (
         ("100mbit,-5ms", "round trip"), ("100mbit,3s", "round trip"), ("100mbit,40", "unit"),

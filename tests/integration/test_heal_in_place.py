@@ -118,3 +118,17 @@ def test_four_ranks_heal_kills_of_two_ranks_bitwise(tmp_path):
     healed, ref_out, out = _run_pair(tmp_path, 4, kills)
     _check(healed, ref_out, out, 4, kills)
     _no_leftovers(tmp_path)
+
+
+def test_a_strategy_that_cannot_heal_says_so_and_restarts_every_worker(tmp_path):
+    out = tmp_path / "healed"
+    result = launch("--standalone", "-n", "2", "--heal", "--max-restarts", "1", "--sync", "bf16", SCRIPT,
+                    "--out", str(out), "--ckpt", str(tmp_path / "ckpt"), "--kill-at", "1:3", "--global-batch", "8",
+                    "--steps", "6", "--every", "100", timeout=300)
+    text = result.stdout + result.stderr
+    assert result.returncode == 0, text[-4000:]
+    assert "--heal: sync 'bf16' keeps process groups of its own" in text
+    assert "replacing it in place" not in text  # not armed: the agent's full restart instead
+    assert (out / "killed_1_3").exists()
+    assert "resumed from an in-memory snapshot" in text  # the restart still went back to the snapshot
+    _no_leftovers(tmp_path)

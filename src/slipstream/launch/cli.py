@@ -607,6 +607,9 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
 
         parse_shape(emulate)
         parse_link(link)
+    if getattr(args, "heal", None) and getattr(args, "no_python", False):
+        raise UsageError("--heal runs each rank under a supervisor in the Python worker entry: "
+                         "it cannot go with --no-python")
 
 
 def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:

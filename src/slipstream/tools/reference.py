@@ -197,6 +197,8 @@ ATTRIBUTES = {
     "resumed_from_step": "the checkpoint step this run resumed from, or None",
     "last_grad_norm": "the global gradient norm of the last measured step (a tensor), or None",
     "checkpoints": "the checkpoint manager when `checkpoint_dir` is set, else None",
+    "healer": "under `slipstream run --heal`, when this run heals in place: the rank's "
+              "`slipstream.heal.Healer` (`heals`, `last_heal_s`, `generation`); else None",
 }
 
 
