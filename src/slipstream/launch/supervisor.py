@@ -33,6 +33,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -41,8 +42,11 @@ import tempfile
 from typing import IO
 
 from .. import heal_env
+from ..log import CONSOLE
 from .parent_death import ENV_AGENT_PID, die_with_agent
 from ..snapshot_dirs import ENV_OWNER
+
+log = logging.getLogger("slipstream.launch")
 
 DEFAULT_HEAL_LIMIT = 100
 """Heals per rank before a death goes to the agent (a crash that repeats at one step would loop)."""
@@ -119,15 +123,14 @@ def supervise(argv: list[str]) -> int:
             _remove(armed_file)
             if state["stopping"] or rc >= 0 or not armed or heals >= limit:
                 if rc < 0 and armed and heals >= limit and not state["stopping"]:
-                    print(f"[slipstream] rank {rank}: the training process died ({_signal_name(rc)}) after "
-                          f"{heals} heals in place, the limit: the launcher restarts every worker",
-                          file=sys.stderr, flush=True)
+                    log.info(f"[slipstream] rank {rank}: the training process died ({_signal_name(rc)}) after "
+                             f"{heals} heals in place, the limit: the launcher restarts every worker", extra=CONSOLE)
                 return rc
             heals += 1
             replacement = True
             how = "a warm spare" if warm is not None else "a new process (no spare left)"
-            print(f"[slipstream] rank {rank}: the training process (pid {child.pid}) died ({_signal_name(rc)}); "
-                  f"replacing it in place with {how}, heal {heals}", file=sys.stderr, flush=True)
+            log.info(f"[slipstream] rank {rank}: the training process (pid {child.pid}) died ({_signal_name(rc)}); "
+                     f"replacing it in place with {how}, heal {heals}", extra=CONSOLE)
             if warm is None:
                 warm = Spare(child_env)
     finally:
