@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,19 @@ def reference(tmp_path_factory) -> Path:
                      log=out / "log.txt")
     yield run, out
     run.stop()
+
+
+@pytest.fixture(scope="module")
+def lost_node_runs(tmp_path_factory) -> dict[str, tuple[Path, Future]]:
+    """Both node-loss runs (peer copy on, node 1 then node 0 lost; peer copy off, node 1 lost),
+    started together at the first test and each waited for by its own test: most of either is
+    waiting (steps of 0.3 s, a lost node's rendezvous), so side by side they take little more
+    than one alone."""
+    require_root()
+    peer, disk = tmp_path_factory.mktemp("peer_copy"), tmp_path_factory.mktemp("disk")
+    with ThreadPoolExecutor(2) as pool:
+        yield {"peer_copy": (peer, pool.submit(lose_node_mid_run, peer, every=100, nodes=(1, 0))),  # no disk checkpoint before the end
+               "disk": (disk, pool.submit(lose_node_mid_run, disk, "--no-snapshot-peer-copy", every=4))}
 
 
 def lose_node_mid_run(tmp_path: Path, *flags: str, every: int, nodes: tuple[int, ...] = (1,)) -> tuple[int, str]:
@@ -91,12 +105,13 @@ def check_against(reference, out: Path) -> int:
     return redone
 
 
-def test_a_lost_node_resumes_from_the_peer_copy_bitwise(reference, tmp_path):
+def test_a_lost_node_resumes_from_the_peer_copy_bitwise(reference, lost_node_runs):
     """Node 1 is lost, then (the job resumed) node 0, in one run. Node 0 hosts the rendezvous
     store: losing it, the other node's agent joins the restarted node's new store, and its
     workers still know they are not a new job's (their memory is kept)."""
     require_root()
-    code, output = lose_node_mid_run(tmp_path, every=100, nodes=(1, 0))  # no disk checkpoint before the end
+    tmp_path, run = lost_node_runs["peer_copy"]
+    code, output = run.result()
     assert code == 0, output[-3000:]
     for node in (1, 0):
         assert f"slipstream run: node {node} lost (its agent was killed by SIGKILL); its memory is gone; starting " \
@@ -107,9 +122,10 @@ def test_a_lost_node_resumes_from_the_peer_copy_bitwise(reference, tmp_path):
     assert check_against(reference, tmp_path) <= 2 * 2  # at most the one step each rank was in, per loss
 
 
-def test_without_the_peer_copy_a_lost_node_goes_back_to_disk(reference, tmp_path):
+def test_without_the_peer_copy_a_lost_node_goes_back_to_disk(reference, lost_node_runs):
     require_root()
-    code, output = lose_node_mid_run(tmp_path, "--no-snapshot-peer-copy", every=4)
+    tmp_path, run = lost_node_runs["disk"]
+    code, output = run.result()
     assert code == 0, output[-3000:]
     assert "no step is held for every rank (rank(s) 1 hold none, nor does a peer copy)" in output, output[-3000:]
     assert f"resumed from {tmp_path / 'ckpt'} at step" in output and "resumed from an in-memory" not in output
