@@ -77,14 +77,21 @@ def test_bad_options_are_one_line_errors():
 
 
 @pytest.mark.root
-def test_quick_mode_measures_every_row(tmp_path, monkeypatch):
-    """``--quick``: 10 steps of DDP, DiLoCo H=5 and torchft's DiLoCo H=5 at 2x1, 100mbit,40ms (about 45 s)."""
+def test_quick_mode_measures_every_row(tmp_path, monkeypatch, capsys):
+    """``--quick``: 10 steps of DDP and DiLoCo H=5 at 2x1, 100mbit,40ms (about 30 s), and torchft's
+    row as where torchft cannot run: its error recorded, the run still a success. (A real torchft
+    row costs ~12 s more; ``--quick`` alone, outside the tests, still runs it where torchft is
+    installed.)"""
     require_root()
+    from benchmarks import low_comm
+
     prefix = f"sslc{secrets.token_hex(2)}-"
     monkeypatch.setenv("SLIPSTREAM_EMULATE_NS_PREFIX", prefix)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.low_comm", "--quick", "--out", str(tmp_path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    monkeypatch.setattr(low_comm, "torchft_unavailable", lambda procs: "torchft is hidden by the test")
+    monkeypatch.chdir(ROOT)
+    code = low_comm.main(["--quick", "--out", str(tmp_path)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stdout[-2000:] + stderr[-3000:]
     from slipstream.launch.emulate import list_namespaces
 
     assert list_namespaces(prefix) == []
@@ -105,8 +112,5 @@ def test_quick_mode_measures_every_row(tmp_path, monkeypatch):
     assert 1500 < ddp["bytes_per_token"] < 2500, ddp["bytes_per_token"]
     assert diloco["bytes_per_token"] < ddp["bytes_per_token"] / 2
     ft = systems["torchft:5"]
-    assert ft["error"] or ft["bytes_per_token"] > 0, ft  # a number, or why torchft could not run here
-    if not ft["error"]:
-        # The same model, optimizer, data order and outer step as --sync diloco: the same held-out loss.
-        assert ft["heldout_loss"] == pytest.approx(diloco["heldout_loss"], rel=1e-3)
-    assert "| 2x1 | 100mbit,40ms | diloco:5 |" in proc.stdout
+    assert ft["error"] == "torchft is hidden by the test", ft  # why torchft could not run, and exit 0 all the same
+    assert "| 2x1 | 100mbit,40ms | diloco:5 |" in stdout

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,12 +85,39 @@ def run_example(launcher: str, example: str, tmp_path: Path, extra_flags: tuple[
     return Run(torch.load(out / "model.pt"), json.loads((out / "result.json").read_text()), output)
 
 
-def run_both(example: str, tmp_path: Path, extra_flags: tuple[str, ...] = ()) -> tuple[Run, Run]:
+class PlainRuns:
+    """The runs without extra flags (``run_example(launcher, example, ...)``), each made once per
+    module and shared by the tests that compare against it: the same command gives the same run,
+    so a second one would only cost time (a 2-rank Lightning run is ~10 s on 2 cores)."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._factory = tmp_path_factory
+        self._runs: dict[tuple[str, str], Run] = {}
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def get(self, launcher: str, example: str) -> Run:
+        key = (launcher, example)
+        with self._guard:
+            lock = self._locks.setdefault(key, threading.Lock())
+        with lock:
+            if key not in self._runs:
+                self._runs[key] = run_example(launcher, example, self._factory.mktemp(f"plain-{launcher}-{example}"))
+            return self._runs[key]
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory) -> PlainRuns:
+    return PlainRuns(tmp_path_factory)
+
+
+def run_both(example: str, tmp_path: Path, plain: PlainRuns, extra_flags: tuple[str, ...] = ()) -> tuple[Run, Run]:
     """(plain torchrun's run, ``slipstream run [extra_flags]``'s run) of ``example``, side by side
-    (each launcher picks its own free port)."""
+    (each launcher picks its own free port); a plain run another test made already is reused."""
     with ThreadPoolExecutor(2) as pool:
-        theirs = pool.submit(run_example, "torchrun", example, tmp_path)
-        ours = pool.submit(run_example, "slipstream", example, tmp_path, extra_flags)
+        theirs = pool.submit(plain.get, "torchrun", example)
+        ours = (pool.submit(plain.get, "slipstream", example) if not extra_flags
+                else pool.submit(run_example, "slipstream", example, tmp_path, extra_flags))
         return theirs.result(), ours.result()
 
 
@@ -101,12 +129,12 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("example", EXAMPLES)
-def test_a_framework_script_trains_under_slipstream_run_as_under_torchrun(tmp_path, example):
+def test_a_framework_script_trains_under_slipstream_run_as_under_torchrun(tmp_path, plain_runs, example):
     """The same command words after `slipstream run -n 2` as after `torchrun --standalone
     --nproc_per_node 2`: a 2-rank run (not two 1-rank runs) that trained, bitwise torchrun's."""
     ex = EXAMPLES[example]
     need_module(ex.module, ex.hint)
-    theirs, ours = run_both(example, tmp_path)
+    theirs, ours = run_both(example, tmp_path, plain_runs)
     for run in (theirs, ours):
         assert run.result["world_size"] == NPROC and run.result["steps"] == ex.steps, run.result
         assert math.isfinite(run.result["loss"]) and run.result["loss"] < ex.untrained_loss, run.result
@@ -150,9 +178,10 @@ def test_each_framework_script_also_runs_alone_as_one_process(tmp_path):
 # --- zero-change acceleration (docs/zero-change.md): `slipstream run --sync ...` on the Trainer ---
 
 @pytest.fixture(scope="module")
-def trainer_plain(tmp_path_factory) -> Run:
+def trainer_plain(plain_runs) -> Run:
+    """`slipstream run -n 2 examples/hf_trainer.py`: the run the parametrized test above compares with torchrun's."""
     need_module("transformers", EXAMPLES["hf_trainer"].hint)
-    return run_example("slipstream", "hf_trainer", tmp_path_factory.mktemp("plain"))
+    return plain_runs.get("slipstream", "hf_trainer")
 
 
 def metrics_records(run_dir: Path) -> list[dict]:
@@ -198,11 +227,11 @@ def test_the_trainer_under_auto_decides_on_a_slow_link(tmp_path, trainer_plain):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("example", ["lightning_ddp", "accelerate_ddp"])
-def test_lightning_and_accelerate_scripts_get_the_strategy_unchanged(tmp_path, example):
+def test_lightning_and_accelerate_scripts_get_the_strategy_unchanged(tmp_path, plain_runs, example):
     """Lightning's DDP strategy and Accelerate's prepare() build the DDP model: it is adopted too."""
     ex = EXAMPLES[example]
     need_module(ex.module, ex.hint)
-    theirs, ours = run_both(example, tmp_path, ("--sync", "powersgd"))
+    theirs, ours = run_both(example, tmp_path, plain_runs, ("--sync", "powersgd"))
     assert "adopted the script's DistributedDataParallel" in ours.output and "gradient sync powersgd" in ours.output
     assert ours.result["world_size"] == NPROC and math.isfinite(ours.result["loss"])
     assert ours.result["loss"] < ex.untrained_loss
