@@ -28,7 +28,7 @@ class RecordingHealer(heal.Healer):
     def _init_fake_group(self) -> None:
         pass
 
-    def _drop_fake_group(self) -> None:
+    def _drop_fake_group(self, collect: bool) -> None:
         pass
 
     def leave(self) -> None:

@@ -165,7 +165,7 @@ class Healer:
         started = time.monotonic()
         self.leave()
         was = self._left
-        self._drop_fake_group()
+        self._drop_fake_group(collect=was is not None)
         self.store.add(self._key("gen"), 0)  # exists from here on
         if was is not None:
             # A survivor: move the counter past the generation that failed (the first one wins).
@@ -205,9 +205,10 @@ class Healer:
     def _read_gen(self) -> int:
         return int(self.store.add(self._key("gen"), 0))
 
-    def _drop_fake_group(self) -> None:
+    def _drop_fake_group(self, collect: bool) -> None:
         dist.destroy_process_group()
-        gc.collect()  # the broken group's sockets close when its last reference goes
+        if collect:  # a survivor: the broken group's sockets close when its last reference goes
+            gc.collect()
 
     def _init_fake_group(self) -> None:
         _register_fake_backend()

@@ -25,7 +25,11 @@ def main() -> None:
 
     die_with_agent()
     import torch  # noqa: F401 - the warm part: imported before the failure, not after
+    import torch._dynamo  # noqa: F401 - DistributedDataParallel.__init__ imports it lazily: seconds (measured)
     import torch.distributed  # noqa: F401
+    import torch.distributed.checkpoint  # noqa: F401
+
+    import slipstream.data  # noqa: F401 - the loader and datasets
     import slipstream.train  # noqa: F401 - accelerate() and the checkpoint package
 
     line = sys.stdin.readline()
