@@ -9,8 +9,11 @@ torchft's model: W replica groups (``--replicas``) of one process each, a
 ``torchft.coordination.LighthouseServer`` forming the quorum (started through
 ``benchmarks/torchft_diloco_gpt.py --lighthouse``), and per replica its own TCPStore, a
 ``torchft.Manager`` with torchft's reconfigurable gloo group (``ProcessGroupGloo``),
-``torchft.ddp.DistributedDataParallel`` (gradients all-reduced through ``Manager.allreduce``) and
-``torchft.optim.OptimizerWrapper`` (``zero_grad`` starts the quorum, ``step`` steps AdamW only
+the gradients flattened into one bucket and averaged through ``Manager.allreduce`` (what
+``torchft.ddp.DistributedDataParallel``'s comm hook does per bucket; that wrapper itself is not
+used: in torchft 0.2.0 its hook asserts when the all-reduce fails, ``assert fut._fut`` in
+``ddp.py``, because ``_ManagedWork.wait`` returns before setting the future, so the survivor
+crashes on exactly the failure it should ride out) and ``torchft.optim.OptimizerWrapper`` (``zero_grad`` starts the quorum, ``step`` steps AdamW only
 if ``Manager.should_commit()``). The quorum is synchronous (a replacement heals inside
 ``zero_grad`` and takes part in that very step) and ``min_replica_size`` is ``--min-replicas``,
 by default W: every committed step is a full W-replica batch, as every step of a Slipstream run
@@ -91,7 +94,6 @@ def replica(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(REPO / "examples"))
     from datetime import timedelta
 
-    from torchft.ddp import DistributedDataParallel
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
@@ -134,7 +136,7 @@ def replica(args: argparse.Namespace) -> int:
         replica_id=f"replica_{args.replica}", store_addr=args.addr, store_port=args.store_port, rank=0,
         world_size=1, lighthouse_addr=args.lighthouse_addr, hostname=args.addr, timeout=timeout,
         quorum_timeout=timeout, connect_timeout=timeout)
-    ddp = DistributedDataParallel(manager, model)
+    params = [p for p in model.parameters()]  # tied embeddings appear once
     opt = OptimizerWrapper(manager, inner)
     batches = (b for _epoch in iter(int, 1) for b in loader)
     healed_from = None
@@ -145,8 +147,16 @@ def replica(args: argparse.Namespace) -> int:
         if manager.current_step() != before:
             healed_from = before
         tokens = next(batches)[:, : args.context + 1].long()
-        loss = loss_fn(ddp(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()  # torchft's comm hook: Manager.allreduce per bucket
+        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        # One bucket, averaged over the participants; a failed all-reduce reports to the manager
+        # (wait() returns False) and should_commit() then votes no.
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        manager.allreduce(flat).wait()
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
         at = manager.current_step()
         opt.step()  # steps AdamW only if should_commit()
         committed = manager.current_step() > at
@@ -193,6 +203,7 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
         started = time.monotonic()
         starts = [0] * world  # processes started per replica
         exits: list[tuple[int, int]] = []  # (replica, code) of every process that ended on its own
+        crashes: dict[str, str] = {}  # stderr tails of those that ended nonzero
         failures: list[dict] = []
         logs = [out / f"replica{r}.jsonl" for r in range(world)]
         seen = [0] * world
@@ -215,6 +226,7 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
                 p = subprocess.Popen(replica_argv(args, r, world, address, out), cwd=REPO, env=env,
                                      stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
                 err.close()
+                p.err_path = Path(err.name)
                 return p
 
             procs = [launch(r) for r in range(world)]
@@ -252,6 +264,8 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
                         continue
                     p.reaped = True
                     exits.append((r, code))
+                    if code != 0:  # its stderr's end (torchft logs every step there) says why
+                        crashes[p.err_path.name] = p.err_path.read_text(errors="replace")[-3000:]
                     if code == 0:
                         finishing_since = finishing_since or now
                     elif finishing_since is None:
@@ -297,11 +311,6 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
         counted = arrivals[-1][1] - arrivals[0][1] if arrivals else 0
         own_failures = [code for _r, code in exits if code != 0]
         code = 0 if done and not stalled else (own_failures[-1] if own_failures else 1)
-        errs = {}
-        for f in sorted(out.glob("replica*.err")):
-            text = f.read_text(errors="replace").strip()
-            if text and "Traceback" in text:
-                errs[f.name] = text[-2000:]
         return {
             "world": world, "period_s": period_s, "steps": args.steps, "min_replicas": args.min_replicas or world,
             "exit_code": code, "stalled": stalled, "wall_s": time.monotonic() - started,
@@ -316,7 +325,7 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
             if failures else float("nan"),
             "fault_to_next_step_max_s": max((f["fault_to_next_step_s"] for f in failures), default=float("nan")),
             "checkpoint_phase_median_ms": float("nan"),
-            "failure_list": failures, "replica_tracebacks": errs,
+            "failure_list": failures, "replica_crashes": crashes,
         }
 
 
@@ -325,7 +334,8 @@ def table(rows: list[dict]) -> list[str]:
            "fault to next step (median / max) | checkpoint phase per step (median) | step (median) |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['world']} | {r['period_s']:.0f} s | {RECOVERS_FROM} | {r['exit_code']} | {r['failures']} | "
+        every = f"{r['period_s']:.0f} s" if math.isfinite(r["period_s"]) else "never"
+        out.append(f"| {r['world']} | {every} | {RECOVERS_FROM} | {r['exit_code']} | {r['failures']} | "
                    f"{r['goodput']:.2f} | {r['redone_per_failure']:.1f} | {r['fault_to_next_step_median_s']:.1f} / "
                    f"{r['fault_to_next_step_max_s']:.1f} s | n/a | {r['median_step_s'] * 1000:.0f} ms |")
     return out
@@ -363,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         args.replicas = int(args.replicas)
         return replica(args)
 
+    # A SIGTERM (timeout, CI) unwinds through run_once's finally, which kills the replicas' process groups.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Pack the corpus once here, so the replicas (and their restarts) only read it.
     sys.path.insert(0, str(REPO / "examples"))
     from train_gpt import stdlib_corpus_shards  # noqa: E402
@@ -373,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         for period in [float(t) for t in args.period_s.split(",")]:
             row = run_once(args, world, period if period > 0 else math.inf, args.seed)
             rows.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k not in ("failure_list", "replica_tracebacks")}),
+            print(json.dumps({k: v for k, v in row.items() if k not in ("failure_list", "replica_crashes")}),
                   flush=True)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}\n")
     print("\n".join(table(rows)))
