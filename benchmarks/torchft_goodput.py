@@ -25,7 +25,10 @@ replica runs in a restart loop, a killed replica's process group is SIGKILLed an
 started again at once (a fresh store port, a fresh Manager id); it heals from a live peer over
 torchft's HTTP checkpoint transport (model, AdamW, LR schedule and the loader's global data
 position, all from the peer). The survivors keep their processes: the all-reduce that lost its
-peer fails, ``should_commit`` votes no, and the next quorum re-forms the gloo group.
+peer fails, ``should_commit`` votes no, and the next quorum re-forms the gloo group. A survivor
+that is not the dead replica's neighbour in gloo's ring sees no closed connection: it waits out
+the group's timeout (``--pg-timeout-s``, 5 s as in torchft's ``train_ddp.py``), so from 3
+replicas on that timeout is part of fault-to-next-step.
 
 How it differs from Slipstream's ``--heal`` (survivors keep their processes there too): torchft
 never rolls back. When ``should_commit`` returns False the optimizer step is skipped and the
@@ -76,6 +79,24 @@ sys.path.insert(0, str(HERE.parent))
 from goodput import records  # noqa: E402 - run as a script or a module
 
 RECOVERS_FROM = "torchft (peer heal, survivors keep processes)"
+
+
+def new_lines(path: Path, offset: int) -> tuple[list[dict], int]:
+    """The complete JSON lines written to ``path`` after byte ``offset``, and the offset after them."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1  # a line being written waits for the next call
+    out = []
+    for line in data[:end].splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out, offset + end
 
 
 def free_port() -> int:
@@ -131,7 +152,7 @@ def replica(args: argparse.Namespace) -> int:
     store = torch.distributed.TCPStore(args.addr, args.store_port, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=args.timeout_s)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load_state_dict, state_dict=state_dict,
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout_s)), load_state_dict=load_state_dict, state_dict=state_dict,
         min_replica_size=args.min_replicas, use_async_quorum=False, init_sync=False,
         replica_id=f"replica_{args.replica}", store_addr=args.addr, store_port=args.store_port, rank=0,
         world_size=1, lighthouse_addr=args.lighthouse_addr, hostname=args.addr, timeout=timeout,
@@ -181,7 +202,7 @@ def replica_argv(args: argparse.Namespace, r: int, world: int, lighthouse: str, 
     return [sys.executable, str(HERE), "--replica", str(r), "--replicas", str(world),
             "--min-replicas", str(args.min_replicas or world), "--store-port", str(free_port()),
             "--lighthouse-addr", lighthouse, "--steps", str(args.steps), "--layers", str(args.layers),
-            "--timeout-s", str(args.timeout_s), "--seed", str(args.seed), "--out", str(out)]
+            "--timeout-s", str(args.timeout_s), "--pg-timeout-s", str(args.pg_timeout_s), "--seed", str(args.seed), "--out", str(out)]
 
 
 def killgroup(proc: subprocess.Popen) -> None:
@@ -198,6 +219,9 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
            "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH", "")])}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
+        if args.keep_dir:  # the replicas' logs and stderr, and the lighthouse's, kept for a look
+            out = Path(args.keep_dir) / f"W{world}-period{period_s:g}"
+            out.mkdir(parents=True, exist_ok=True)
         procs: list[subprocess.Popen] = []
         lighthouse = None
         started = time.monotonic()
@@ -206,15 +230,18 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
         crashes: dict[str, str] = {}  # stderr tails of those that ended nonzero
         failures: list[dict] = []
         logs = [out / f"replica{r}.jsonl" for r in range(world)]
-        seen = [0] * world
+        seen = [0] * world  # bytes of each replica's log read so far
         committed: dict[int, float] = {}  # committed step -> earliest wall time any replica logged it
         stalled = False
+
+        def progress(msg: str) -> None:
+            print(f"[W={world} +{time.monotonic() - started:.0f}s] {msg}", file=sys.stderr, flush=True)
         try:
             lighthouse = subprocess.Popen(
                 [sys.executable, str(DILOCO), "--lighthouse", "--replicas", str(args.min_replicas or world),
                  "--port", str(free_port()), "--timeout-s", str(args.timeout_s)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
-                start_new_session=True)
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(out / "lighthouse.err", "w"), text=True,
+                env=env, start_new_session=True)
             line = lighthouse.stdout.readline()
             if not line.startswith("up "):
                 raise RuntimeError(f"the lighthouse did not start: {line!r}")
@@ -237,8 +264,8 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
             while True:
                 now_wall, now = time.time(), time.monotonic()
                 for r in range(world):
-                    recs = records(logs[r])
-                    for rec in recs[seen[r]:]:
+                    recs, seen[r] = new_lines(logs[r], seen[r])
+                    for rec in recs:
                         if rec.get("committed"):
                             step = rec["step"]
                             if step not in committed or rec["time"] < committed[step]:
@@ -249,12 +276,12 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
                                 pending["resumed_from"] = step - 1
                                 pending["redone"] = max(0, pending["last_step"] - pending["resumed_from"])
                                 failures.append(pending)
+                                progress(f"step {step}: committed {pending['fault_to_next_step_s']:.1f} s after the kill")
                                 pending = None
                                 next_kill = rec["time"] + period_s
                         if "healed_from" in rec and failures:
                             failures[-1].setdefault("healed", []).append(
                                 {"replica": r, "from": rec["healed_from"], "to": rec["step"] - int(rec["committed"])})
-                    seen[r] = len(recs)
                 if committed and next_kill is None and pending is None and finishing_since is None:
                     next_kill = min(committed.values()) + period_s
                 # Replicas that ended on their own: done (exit 0) starts the finish; anything else restarts.
@@ -269,11 +296,13 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
                     if code == 0:
                         finishing_since = finishing_since or now
                     elif finishing_since is None:
+                        progress(f"replica {r} exited {code} on its own, started again")
                         procs[r] = launch(r)  # a replica that died by itself (a timeout): the orchestrator restarts it too
                 if finishing_since is not None:
                     if all(getattr(p, "reaped", False) for p in procs) or now - finishing_since > args.finish_grace_s:
                         break
                 elif now - last_progress > args.stall_s:
+                    progress(f"no committed step for {args.stall_s:.0f} s: giving up")
                     stalled = True
                     break
                 elif next_kill is not None and pending is None and now_wall >= next_kill:
@@ -285,6 +314,7 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
                     victim.reaped = True
                     procs[r] = launch(r)  # started again at once, as torchft's orchestrator would
                     pending = {"replica": r, "killed_at": killed_at, "last_step": last}
+                    progress(f"step {last}: SIGKILL replica {r}, started again")
                     next_kill = None
                 time.sleep(0.02)
         finally:
@@ -349,12 +379,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-replicas", type=int, default=None,
                    help="torchft's min_replica_size (default W: every committed step is a full batch)")
     p.add_argument("--layers", type=int, default=2, help="GPT blocks (goodput.py runs the example with 2)")
-    p.add_argument("--timeout-s", type=float, default=60.0, help="torchft's collective, quorum and connect timeouts")
+    p.add_argument("--timeout-s", type=float, default=60.0,
+                   help="the Manager's quorum, should_commit, checkpoint and connect timeouts (a replacement's start must fit)")
+    p.add_argument("--pg-timeout-s", type=float, default=5.0,
+                   help="the gloo group's timeout (torchft's train_ddp.py: 5 s); a survivor that is not the dead "
+                        "replica's ring neighbour waits this long in the failed all-reduce")
     p.add_argument("--stall-s", type=float, default=300.0, help="end a run after this long without a committed step")
     p.add_argument("--finish-grace-s", type=float, default=60.0,
                    help="after the first replica finishes, how long the others get before they are killed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--keep-dir", default=None, help="keep each run's replica logs (and stderr) under this directory")
     # One replica (started by the benchmark):
     p.add_argument("--replica", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--addr", default="127.0.0.1", help=argparse.SUPPRESS)
