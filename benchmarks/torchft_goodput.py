@@ -76,7 +76,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve()
 DILOCO = REPO / "benchmarks" / "torchft_diloco_gpt.py"  # its --lighthouse mode serves the quorum
 sys.path.insert(0, str(HERE.parent))
-from goodput import records  # noqa: E402 - run as a script or a module
+from goodput import records  # run as a script or a module
 
 RECOVERS_FROM = "torchft (peer heal, survivors keep processes)"
 
@@ -118,11 +118,11 @@ def replica(args: argparse.Namespace) -> int:
     from torchft.manager import Manager
     from torchft.optim import OptimizerWrapper
     from torchft.process_group import ProcessGroupGloo
-    from train_gpt import GPT, loss_fn, stdlib_corpus_shards  # noqa: E402
+    from train_gpt import GPT, loss_fn, stdlib_corpus_shards
 
     from slipstream.data import ShardedDataset, SlipstreamLoader
 
-    log = open(Path(args.out) / f"replica{args.replica}.jsonl", "a")
+    log = open(Path(args.out) / f"replica{args.replica}.jsonl", "a")  # noqa: SIM115 - open for the process's life
 
     def write(rec: dict) -> None:
         log.write(json.dumps(rec) + "\n")
@@ -149,7 +149,8 @@ def replica(args: argparse.Namespace) -> int:
         sched.load_state_dict(sd["sched"])
         loader.load_state_dict(sd["data"])  # a running `for b in loader` goes on from there
 
-    store = torch.distributed.TCPStore(args.addr, args.store_port, is_master=True, wait_for_workers=False)
+    _store = torch.distributed.TCPStore(  # the replica group's store: held for the process's life
+        args.addr, args.store_port, is_master=True, wait_for_workers=False)
     timeout = timedelta(seconds=args.timeout_s)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=args.pg_timeout_s)), load_state_dict=load_state_dict, state_dict=state_dict,
@@ -237,11 +238,12 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
         def progress(msg: str) -> None:
             print(f"[W={world} +{time.monotonic() - started:.0f}s] {msg}", file=sys.stderr, flush=True)
         try:
-            lighthouse = subprocess.Popen(
-                [sys.executable, str(DILOCO), "--lighthouse", "--replicas", str(args.min_replicas or world),
-                 "--port", str(free_port()), "--timeout-s", str(args.timeout_s)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(out / "lighthouse.err", "w"), text=True,
-                env=env, start_new_session=True)
+            with open(out / "lighthouse.err", "w") as err:
+                lighthouse = subprocess.Popen(
+                    [sys.executable, str(DILOCO), "--lighthouse", "--replicas", str(args.min_replicas or world),
+                     "--port", str(free_port()), "--timeout-s", str(args.timeout_s)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                    start_new_session=True)
             line = lighthouse.stdout.readline()
             if not line.startswith("up "):
                 raise RuntimeError(f"the lighthouse did not start: {line!r}")
@@ -249,11 +251,11 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
 
             def launch(r: int) -> subprocess.Popen:
                 starts[r] += 1
-                err = open(out / f"replica{r}.{starts[r]}.err", "w")
-                p = subprocess.Popen(replica_argv(args, r, world, address, out), cwd=REPO, env=env,
-                                     stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
-                err.close()
-                p.err_path = Path(err.name)
+                err_path = out / f"replica{r}.{starts[r]}.err"
+                with open(err_path, "w") as err:
+                    p = subprocess.Popen(replica_argv(args, r, world, address, out), cwd=REPO, env=env,
+                                         stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+                p.err_path = err_path
                 return p
 
             procs = [launch(r) for r in range(world)]
@@ -346,7 +348,7 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
             "exit_code": code, "stalled": stalled, "wall_s": time.monotonic() - started,
             "failures": len(failures), "kills_without_recovery": int(pending is not None),
             "last_committed_step": max(committed) if committed else 0,
-            "goodput": counted * median_step / window if window == window and window > 0 else float("nan"),
+            "goodput": counted * median_step / window if math.isfinite(window) and window > 0 else float("nan"),
             "median_step_s": median_step,
             "iterations_not_committed": sum(1 for rec in iters if not rec["committed"]),
             "processes_started": sum(starts), "replica_exits_on_their_own": own_failures,
@@ -360,8 +362,8 @@ def run_once(args: argparse.Namespace, world: int, period_s: float, seed: int) -
 
 
 def table(rows: list[dict]) -> list[str]:
-    out = ["| ranks | kill every | recovers from | exit | failures | goodput | steps redone per failure | "
-           "fault to next step (median / max) | checkpoint phase per step (median) | step (median) |",
+    out = [("| ranks | kill every | recovers from | exit | failures | goodput | steps redone per failure | "
+            "fault to next step (median / max) | checkpoint phase per step (median) | step (median) |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         every = f"{r['period_s']:.0f} s" if math.isfinite(r["period_s"]) else "never"
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     # Pack the corpus once here, so the replicas (and their restarts) only read it.
     sys.path.insert(0, str(REPO / "examples"))
-    from train_gpt import stdlib_corpus_shards  # noqa: E402
+    from train_gpt import stdlib_corpus_shards
 
     stdlib_corpus_shards(args.data_cache, args.corpus_mb, args.context, 0)
     rows = []
