@@ -18,7 +18,9 @@ if ``Manager.should_commit()``). The quorum is synchronous (a replacement heals 
 ``zero_grad`` and takes part in that very step) and ``min_replica_size`` is ``--min-replicas``,
 by default W: every committed step is a full W-replica batch, as every step of a Slipstream run
 is. With ``--min-replicas 1`` survivors go on at a smaller global batch while the replacement
-starts (torchft's headline mode; a counted step is then less data).
+starts (torchft's headline mode; a counted step is then less data). Even then the next quorum
+waits until the lighthouse stops counting the dead replica as heartbeating (about 5 s here with
+the lighthouse's defaults, which ``torchft_diloco_gpt.py --lighthouse`` keeps).
 
 This script is its own orchestrator, as torchft expects one (torchx, Kubernetes) to be: each
 replica runs in a restart loop, a killed replica's process group is SIGKILLed and the replica
