@@ -42,7 +42,9 @@ args = p.parse_args()
 
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 rt = slipstream.init()
-inject = (attempt == 0 or args.mode == "fail-always") and rt.rank == args.fail_rank
+# A process that replaces a dead rank in place (slipstream run --heal) is not a first attempt either.
+replacement = os.environ.get("SLIPSTREAM_HEAL_REPLACEMENT") == "1"
+inject = (attempt == 0 and not replacement or args.mode == "fail-always") and rt.rank == args.fail_rank
 
 if args.mode == "kill-in-save" and inject:
     # Die after this rank's checkpoint data is on disk but before the

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -381,6 +382,14 @@ class Accelerated:
         if self.healer is None or not is_collective_failure(exc):
             self._raise_diagnosed(exc)
         failed_in = self.step_count + 1
+        # The failed call's frames (a checkpoint save's, say) hold the broken groups in their locals:
+        # cleared, so those groups go when the heal drops them and their sockets close.
+        cause: BaseException | None = exc
+        for _ in range(8):
+            if cause is None:
+                break
+            traceback.clear_frames(cause.__traceback__)
+            cause = cause.__cause__ or cause.__context__
         try:
             self.healer.leave()
             self._leave()
@@ -406,7 +415,7 @@ class Accelerated:
         return StepResult(stepped=False, step=self.step_count, healed=True)
 
     def _leave(self) -> None:
-        """Every holder of the broken group lets go of it (its sockets then close, see heal.placeholder_group)."""
+        """Every holder of the broken group lets go of it, so its sockets close (see heal.Healer.leave)."""
         self.layout.leave()  # type: ignore[attr-defined]  (only the data-parallel layout heals)
         self.recorder.rejoined()
         if self.checkpoints is not None:
