@@ -43,6 +43,13 @@ def make(store, rank, world, formed, replacement=False, timeout_s=20.0) -> Recor
     return h
 
 
+@pytest.fixture(autouse=True)
+def no_healer_left(monkeypatch):
+    """form() records the process's healer (heal.current()); these fake ones must not outlive the
+    test, or every later accelerate() in this process takes itself for a replacement."""
+    monkeypatch.setattr(heal, "_CURRENT", None)
+
+
 @pytest.fixture()
 def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
