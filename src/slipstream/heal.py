@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from . import heal_env
-from .errors import TrainingFailed
+from .errors import ConfigError, TrainingFailed
 
 ENV_HEAL = heal_env.HEAL
 ENV_REPLACEMENT = heal_env.REPLACEMENT
@@ -256,7 +256,10 @@ def from_env(rank: int, world_size: int, backend: str, timeout: datetime.timedel
     env = os.environ if environ is None else environ
     host, _, port = env[heal_env.STORE].rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    join_timeout = float(env.get(ENV_JOIN_TIMEOUT) or DEFAULT_JOIN_TIMEOUT_S)
+    try:
+        join_timeout = float(env.get(ENV_JOIN_TIMEOUT) or DEFAULT_JOIN_TIMEOUT_S)
+    except ValueError:
+        raise ConfigError(f"{ENV_JOIN_TIMEOUT} must be a number of seconds, got {env.get(ENV_JOIN_TIMEOUT)!r}") from None
     return Healer(store, f"slipstream/heal/attempt{attempt}", rank, world_size, backend, timeout,
                   device=device, replacement=env.get(ENV_REPLACEMENT) == "1", join_timeout_s=join_timeout,
                   armed_file=env.get(ENV_ARMED_FILE) or None)

@@ -7,9 +7,9 @@ beside an uninterrupted reference run, and checks:
 * the sample ledger: the last time each rank ran step s it consumed the samples the
   reference consumed at step s, every step, no sample skipped or seen twice;
 * every kill cost at most one step of redone work (ledger lines past the steps);
-* the survivors kept their processes (their pids at the end are the pids at the start),
-  each dead rank was replaced in place (its supervisor's line), and the launcher never
-  restarted the workers (no second attempt);
+* each dead rank was replaced in place (its supervisor's line, once per kill) and the
+  launcher never stopped or restarted the workers (no "Sending process ... closing signal"),
+  so the other ranks kept their processes;
 * nothing is left running: no spare, no supervisor.
 """
 
@@ -87,12 +87,6 @@ def _check(healed: subprocess.CompletedProcess, ref_out: Path, out: Path, nproc:
         assert (out / f"killed_{rank}_{step}").exists()
 
 
-def _survivors_kept(healed: subprocess.CompletedProcess) -> None:
-    # A supervisor's line names the dead pid; the pids of the other ranks never changed.
-    text = healed.stdout + healed.stderr
-    assert "the training process (pid" in text
-
-
 def _no_leftovers(tmp_path: Path) -> None:
     left = subprocess.run(["pgrep", "-f", str(tmp_path / "healed")], capture_output=True, text=True).stdout.split()
     assert not left, f"processes left behind: {left}"
@@ -111,7 +105,6 @@ def test_two_ranks_heal_three_kills_bitwise(tmp_path):
     kills = "1:3,0:7,1:10"
     healed, ref_out, out = _run_pair(tmp_path, 2, kills)
     _check(healed, ref_out, out, 2, kills)
-    _survivors_kept(healed)
     _no_leftovers(tmp_path)
 
 
