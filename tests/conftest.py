@@ -30,6 +30,14 @@ def in_ci() -> bool:
 IN_CI = in_ci()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Optimizers as on a GPU in this process too (tests/gpu_defaults.py): references
+    # computed here and ranks started by tests/harness.py take the same branch.
+    from tests.gpu_defaults import take_gpu_optimizer_defaults
+
+    take_gpu_optimizer_defaults()
+
+
 def need(met: bool, reason: str) -> None:
     """Skip (locally) or fail (under CI) unless ``met``; ``reason`` says what is missing.
 

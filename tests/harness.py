@@ -46,7 +46,10 @@ def _entry(fn, rank, world_size, local_world_size, port, extra_env, args, result
     try:
         import torch
 
+        from tests.gpu_defaults import take_gpu_optimizer_defaults
+
         torch.set_num_threads(1)
+        take_gpu_optimizer_defaults()  # optimizers as on a GPU: foreach by default
         value = fn(rank, world_size, *args)
         # Serialised to bytes: a tensor put on the queue directly would be
         # shared through a file descriptor that dies with this process.

@@ -36,13 +36,22 @@ def global_batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def optimizer_factory(params):
-    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+def optimizer_factory(params, **impl):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0, **impl)
 
 
-def sgd_factory(params):
+def sgd_factory(params, **impl):
     # For clipping tests: Adam is nearly blind to a gradient's scale, SGD is not.
-    return torch.optim.SGD(params, lr=0.5)
+    return torch.optim.SGD(params, lr=0.5, **impl)
+
+
+IMPLEMENTATIONS = {
+    None: {},                          # torch's default: foreach on a GPU, and here (tests/gpu_defaults.py)
+    "foreach": {"foreach": True},
+    "fused": {"fused": True},
+    "for-loop": {"foreach": False},    # the CPU's own default, asked for
+}
+"""A layout's ``optimizer_impl``: the optimizer implementation it trains with."""
 
 
 def reference(steps: int, grad_clip_norm: float | None = None,
@@ -75,7 +84,12 @@ def train(layout: dict, steps: int, checkpoint_dir: str | None = None, every: in
 
     ex = example()
     model = make_gpt(ex, heads=layout.pop("heads", HEADS))
-    factory = sgd_factory if layout.get("grad_clip_norm") is not None else optimizer_factory
+    base = sgd_factory if layout.get("grad_clip_norm") is not None else optimizer_factory
+    impl = IMPLEMENTATIONS[layout.pop("optimizer_impl", None)]
+
+    def factory(params):
+        return base(params, **impl)
+
     if layout.pop("optimizer_object", False):
         factory = factory(model.parameters())  # an optimizer, rebuilt by accelerate() over the new parameters
     run = slipstream.accelerate(
@@ -90,10 +104,14 @@ def train(layout: dict, steps: int, checkpoint_dir: str | None = None, every: in
         rows = slice(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)
         losses.append(float(run.train_step(x[rows], y[rows], ex.loss_fn)))
     state = run.unwrapped_state_dict()
+    params = list(run.module.parameters())
+    meshes = {(tuple(p.device_mesh.mesh.flatten().tolist()), p.device_mesh.mesh_dim_names)
+              for p in params if hasattr(p, "device_mesh")}
     run.finish()
     norm = None if run.last_grad_norm is None else float(run.last_grad_norm)  # the metrics' grad_norm, last step
     return {"dp_rank": run.dp_rank, "dp_size": run.dp_size, "losses": losses, "state": state, "start": start,
-            "grad_norm": norm}
+            "grad_norm": norm, "plain_params": sum(not hasattr(p, "device_mesh") for p in params),
+            "meshes": len(meshes)}
 
 
 def layouts_worker(rank: int, world: int, layouts: list[dict], steps: int, run_dir: str) -> list[dict]:
@@ -159,3 +177,42 @@ def errors_worker(rank: int, world: int, run_dir: str) -> list[str]:
         messages.append(str(exc))
     slipstream.shutdown()
     return messages
+
+
+def collectives_worker(rank: int, world: int, layouts: list[dict], root: str) -> list[dict]:
+    """Each layout through a whole life under :class:`CollectiveLog`: 2 steps saving a
+    checkpoint at each, a second ``accelerate()`` resuming there for a 3rd step, and the
+    full state dict gathered. Returns per layout the collectives on the training mesh's
+    groups and the default group (what carries device tensors), and on the others."""
+    import slipstream
+    from tests.parallel.collective_log import CollectiveLog
+
+    os.environ["SLIPSTREAM_RUN_DIR"] = os.path.join(root, "run")
+    slipstream.init()
+    ex = example()
+    out = []
+    for i, layout in enumerate(layouts):
+        ckpt = os.path.join(root, f"ckpt{i}")
+        log = CollectiveLog()
+        groups: set[str] = set()
+        losses = []
+        with log:
+            for until in (2, 3):
+                run = slipstream.accelerate(make_gpt(ex), optimizer_factory, tp_plan=ex.TP_PLAN, progress=False,
+                                            profile=False, checkpoint_dir=ckpt, checkpoint_every_steps=1, **layout)
+                per_rank = GLOBAL_BATCH // run.dp_size
+                rows = slice(run.dp_rank * per_rank, (run.dp_rank + 1) * per_rank)
+                while run.step_count < until:
+                    x, y = global_batch(run.step_count)
+                    losses.append(float(run.train_step(x[rows], y[rows], ex.loss_fn)))
+                state = run.unwrapped_state_dict()
+                mesh = run.layout.dims.mesh
+                groups |= {mesh.get_group(d).group_name for d in mesh.mesh_dim_names}
+                run.finish()
+        import torch.distributed as dist
+
+        groups.add(dist.distributed_c10d._get_default_group().group_name)
+        out.append({"device_groups": log.on(groups), "other_groups": log.on(set(log.calls_groups()) - groups),
+                    "losses": losses, "keys": sorted(state)})
+    slipstream.shutdown()
+    return out

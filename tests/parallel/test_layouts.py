@@ -11,6 +11,7 @@ losses must agree to 1e-4 and final weights to 1e-4 absolute; bf16 computes in
 from __future__ import annotations
 
 import pytest
+import torch
 from tests.harness import run_ranks
 from tests.parallel.parallel_workers import checkpoint_worker, global_losses, layouts_worker, reference
 
@@ -51,6 +52,7 @@ def _check(name, results, ref_losses, ref_state, loss_tol=LOSS_TOL, weight_tol=W
     assert set(state) == set(ref_state), (name, sorted(set(state) ^ set(ref_state)))
     worst = max((state[k].float() - ref_state[k]).abs().max().item() for k in ref_state)
     assert worst < weight_tol, (name, worst)
+    assert torch.equal(state["tok.weight"], state["head.weight"]), f"{name}: the tied weights came apart"
     return seen
 
 
@@ -66,6 +68,14 @@ TWO_RANK_LAYOUTS = {
     # mean of two equal micro-batch gradients is the reference's gradient.
     "fsdp 2 + accumulate_steps 2": {"dp_shard": 2, "accumulate_steps": 2},
     "pp 2 with an optimizer object (rebuilt)": {"pp": 2, "optimizer_object": True},
+    # Every optimizer implementation on the layouts whose parameters are DTensors (each
+    # layout above already takes torch's default, foreach, as on a GPU: tests/gpu_defaults.py).
+    "tp 2 + fused AdamW": {"tp": 2, "optimizer_impl": "fused"},
+    "tp 2 + for-loop AdamW": {"tp": 2, "optimizer_impl": "for-loop"},
+    "tp 2 + a foreach AdamW object (rebuilt)": {"tp": 2, "optimizer_impl": "foreach", "optimizer_object": True},
+    "fsdp 2 + fused AdamW": {"dp_shard": 2, "optimizer_impl": "fused"},
+    # No DTensor rule for aten._fused_sgd_: runs unfused, with one line saying so.
+    "tp 2 + fused SGD + grad clipping": {"tp": 2, "grad_clip_norm": CLIP, "optimizer_impl": "fused"},
 }
 
 
@@ -84,6 +94,9 @@ def _layouts_match_single_process(layouts, world, refs, ref_norms, tmp_path, tim
     for i, name in enumerate(names):
         ref_losses, ref_state = ref_clipped if "clip" in name else ref
         seen = _check(name, [r[i] for r in results], ref_losses, ref_state)
+        if layouts[name].get("tp", 1) > 1:  # every parameter on the mesh, one mesh (clipping, foreach, fused)
+            assert all(r[i]["plain_params"] == 0 and r[i]["meshes"] == 1 for r in results), \
+                (name, [(r[i]["plain_params"], r[i]["meshes"]) for r in results])
         if layouts[name]:  # not plain DDP (there the recorder's own hook measures it)
             _check_grad_norm(name, [r[i] for r in results], ref_norms[1] if "clip" in name else ref_norms[0])
         print(f"{name}: {seen} (reference {ref_losses})")
@@ -98,6 +111,9 @@ FOUR_RANK_LAYOUTS = {
     "pp 2 x dp_shard 2": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2},
     "dp_replicate 2 x dp_shard 2 (HSDP)": {"dp_replicate": 2, "dp_shard": 2},
     "pp 2 x dp_shard 2 + grad clipping": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2, "grad_clip_norm": CLIP},
+    "dp_shard 2 x tp 2 + fused AdamW": {"dp_shard": 2, "tp": 2, "optimizer_impl": "fused"},
+    "dp_shard 2 x tp 2 + for-loop AdamW + grad clipping": {"dp_shard": 2, "tp": 2, "optimizer_impl": "for-loop",
+                                                            "grad_clip_norm": CLIP},
 }
 
 

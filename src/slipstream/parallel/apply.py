@@ -7,8 +7,10 @@ The order, and why:
    First, so every later step works on the smaller stage.
 2. **move to the device**.
 3. **tensor parallel** (tp > 1): the plan's Linear layers become DTensors
-   sharded over the ``tp`` mesh dimension. Before FSDP, which then shards
-   these DTensors once more over ``dp_shard`` (2-D parameters).
+   sharded over the ``tp`` mesh dimension, and every other parameter a
+   DTensor replicated over it (:mod:`.replicate`: foreach and fused optimizers
+   refuse a mix of DTensors and plain tensors). Before FSDP, which then shards
+   these DTensors once more over ``dp_shard`` (2-D parameters, one mesh).
 4. **activation checkpointing** of the configured module types. After TP (the
    plan names the original modules) and before FSDP (whose units are the
    wrapped layers, so recomputation re-gathers nothing twice).
@@ -50,6 +52,7 @@ from .pipeline import (
     stage_units,
     tied_across_stages,
 )
+from .replicate import replicate_unsharded
 from .tensor_parallel import apply_tensor_parallel, check_divisible, resolve_plan
 
 
@@ -128,6 +131,7 @@ def parallelize(
     out.module.to(device)
     if dims.tp > 1:
         apply_tensor_parallel(out.module, dims.tp_mesh, tp_plan or {})
+        replicate_unsharded(out.module, dims.tp_mesh)
     present = {type(m).__name__ for m in out.module.modules()}
     here = tuple(t for t in config.parallel.activation_checkpointing if t in present)  # a stage may hold none
     if here:

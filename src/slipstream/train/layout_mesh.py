@@ -50,12 +50,19 @@ from ..errors import ConfigError, SlipstreamError
 from ..fault import progress
 from ..log import CONSOLE
 from ..parallel import ParallelDims, Parallelized, build_schedule, parallelize
+from ..parallel.host_gather import HostGather
 from ..runtime import Runtime
 from ..sync import SyncHandle
 from .layout import LossFn
 from .mesh_norm import GRAD_DIMS, local_square_sums, sharded_dims
 from .microsteps import ForwardContext, count_inputs
-from .optimizer_build import OptimizerArg, build_optimizer, parameter_names, rebuild_optimizer
+from .optimizer_build import (
+    OptimizerArg,
+    build_optimizer,
+    parameter_names,
+    rebuild_optimizer,
+    without_unsupported_fused,
+)
 from .precision import autocast, outputs_to_fp32
 
 log = logging.getLogger(__name__)
@@ -192,6 +199,7 @@ class MeshLayout:
                                    pipeline=dims.pp > 1)
         self.pipeline = PipelineRunner(parts, config, context, autocast_precision) if dims.pp > 1 else None
         self._selectors: dict[str, torch.Tensor] | None = None  # see global_grad_norm
+        self._gather: HostGather | None = None  # see unwrapped_state_dict
         if replicas:
             self.sync = self._join_replicas(config)
 
@@ -211,8 +219,13 @@ class MeshLayout:
 
     def optimizer_for(self, optimizer: OptimizerArg) -> torch.optim.Optimizer:
         if isinstance(optimizer, torch.optim.Optimizer):
-            return rebuild_optimizer(optimizer, self._names, self.module)
-        return build_optimizer(optimizer, self.module.parameters())
+            built = rebuild_optimizer(optimizer, self._names, self.module)
+        else:
+            built = build_optimizer(optimizer, self.module.parameters())
+        built, note = without_unsupported_fused(built, self.describe())
+        if note and dist.get_rank() == 0:
+            log.warning(note, extra=CONSOLE)
+        return built
 
     def global_grad_norm(self) -> torch.Tensor:
         """The 2-norm of the whole model's gradient, over every shard, TP slice and pipeline
@@ -266,10 +279,15 @@ class MeshLayout:
     def unwrapped_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state_dict, full tensors, original names. A collective:
         call it on every rank (each gets the whole dict)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True))
-        state = {k: v.detach().cpu() for k, v in state.items()}
+        # The sharded dict (no communication), then each tensor whole through
+        # HostGather: under gloo on the host (its functional all-gather crashes on
+        # device tensors), under NCCL on the device.
+        if self._gather is None:
+            self._gather = HostGather(self.dims.mesh)
+        self._gather.prepare()
+        state = {k: self._gather.full(v) for k, v in get_model_state_dict(self.module).items()}
         if self.pipeline is not None:
             parts: list[Any] = [None] * self.dims.pp
             dist.all_gather_object(parts, state, group=self.pipeline.group)

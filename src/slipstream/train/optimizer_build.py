@@ -98,8 +98,73 @@ def rebuild_optimizer(
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
     if not groups:
         raise ConfigError("the optimizer holds none of this rank's parameters")
+    return _same_kind(optimizer, groups)
+
+
+def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict], **changes: Any) -> torch.optim.Optimizer:
     # Constructor arguments from the defaults it accepts (AdamW's defaults hold
     # internal keys such as decoupled_weight_decay that its __init__ does not take).
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    kwargs = {k: v for k, v in {**optimizer.defaults, **changes}.items() if k in accepted and k != "params"}
     return type(optimizer)(groups, **kwargs)
+
+
+def _fused_kernel(optimizer: torch.optim.Optimizer) -> str | None:
+    """The ``aten`` op torch's fused implementation of this optimizer calls, or None when
+    it is not one of torch's (a third-party optimizer decides for itself)."""
+    kinds = {cls.__name__ for cls in type(optimizer).__mro__ if cls.__module__.startswith("torch.optim")}
+    if "AdamW" in kinds or ("Adam" in kinds and any(g.get("decoupled_weight_decay") for g in optimizer.param_groups)):
+        return "_fused_adamw_"
+    for name, op in (("Adam", "_fused_adam_"), ("SGD", "_fused_sgd_"), ("Adagrad", "_fused_adagrad_")):
+        if name in kinds:
+            return op
+    return None
+
+
+def dtensor_lacks_fused_rule(optimizer: torch.optim.Optimizer) -> str | None:
+    """``aten.<op>`` when the optimizer is fused, holds DTensor parameters, and DTensor has
+    no sharding rule for its fused kernel (torch 2.13: ``_fused_sgd_``, ``_fused_adagrad_``;
+    fused Adam and AdamW have one); else None.
+
+    Example::
+
+        dtensor_lacks_fused_rule(torch.optim.SGD(model.parameters(), lr=0.1))   # None: not fused
+    """
+    if not any(g.get("fused") for g in optimizer.param_groups):
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for g in optimizer.param_groups for p in g["params"]):
+        return None
+    name = _fused_kernel(optimizer)
+    packet = getattr(torch.ops.aten, name, None) if name else None
+    propagator = getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None)
+    if packet is None or propagator is None:
+        return None  # nothing to look up: the first step shows what torch does
+    registries = [getattr(propagator, r, {}) for r in ("op_strategy_funcs", "op_single_dim_strategy_funcs",
+                                                         "op_to_rules")]
+    overloads = [getattr(packet, o) for o in packet.overloads()]
+    return None if any(op in r for r in registries for op in overloads) else f"aten.{name}"
+
+
+def without_unsupported_fused(optimizer: torch.optim.Optimizer, where: str) -> tuple[torch.optim.Optimizer, str | None]:
+    """``optimizer`` as is, or, when DTensor cannot run its fused kernel
+    (:func:`dtensor_lacks_fused_rule`), the same optimizer with ``fused=False`` (torch then
+    takes its foreach implementation on a GPU: the same update, one kernel per op instead
+    of one in all) and the one line that says so. Only before its first step.
+
+    Example::
+
+        optimizer, note = without_unsupported_fused(optimizer, "tp(2)")
+    """
+    op = dtensor_lacks_fused_rule(optimizer)
+    if op is None:
+        return optimizer, None
+    if any(optimizer.state.values()):
+        raise ConfigError(f"{type(optimizer).__name__}(fused=True) on {where}: torch has no DTensor rule for {op}, "
+                          "and the optimizer has stepped already: pass a fresh one with fused=False")
+    groups = [{**g, "fused": False, "foreach": None} for g in optimizer.param_groups]
+    rebuilt = _same_kind(optimizer, groups, fused=False, foreach=None)
+    note = (f"optimizer {type(optimizer).__name__}(fused=True) on {where}: torch has no DTensor rule for {op}, "
+            "so it runs unfused (foreach on GPUs): the same update")
+    return rebuilt, note
