@@ -15,6 +15,10 @@ combination. A row is one point of the axes below:
   of the steps under the row's sync (compressed steps after a resume);
 * ``config_via``: keyword arguments to ``accelerate()``, or the ``slipstream run``
   flags turned into the workers' ``SLIPSTREAM_*`` environment (``worker_env_from_args``);
+* ``optimizer``: AdamW's implementation: torch's default as a GPU resolves it (foreach:
+  the harness makes the CPU resolve it so, tests/gpu_defaults.py), the per-tensor loop
+  (the CPU's default, asked for) or fused. Layouts whose parameters are DTensors took
+  another branch on the GPU than on the CPU until this axis existed;
 * ``launch`` (pure, see :mod:`tests.conformance.launch_rows`): how the ranks were started.
 
 "Trains" means every step's loss is finite and the last one ends within a stated
@@ -56,6 +60,11 @@ ACCUM_CLIP: dict[str, tuple[int, float | None]] = {
 }
 CHECKPOINTS = ("off", "blocking", "async")
 CONFIG_VIA = ("keywords", "slipstream run")
+OPTIMIZERS: dict[str, dict[str, bool]] = {
+    "gpu-default": {},             # foreach=None: foreach on a GPU (and in the harness's ranks)
+    "for-loop": {"foreach": False},
+    "fused": {"fused": True},
+}
 WORLD = 2
 STEPS = 6  # optimizer steps per row; with checkpoints: 3 in the first launch, 3 after the resume
 RESUME_AT = 3
@@ -80,6 +89,7 @@ def axes() -> dict[str, tuple[str, ...]]:
         "precision": PRECISIONS,
         "checkpoint": CHECKPOINTS,
         "config_via": CONFIG_VIA,
+        "optimizer": tuple(OPTIMIZERS),
     }
 
 
@@ -92,14 +102,17 @@ class Row:
     precision: str = "fp32"
     checkpoint: str = "off"
     config_via: str = "keywords"
+    optimizer: str = "gpu-default"
 
     @property
     def name(self) -> str:
         return " ".join(f"{k}={v}" for k, v in asdict(self).items())
 
     def reference(self) -> "Row":
-        """The row this one is judged against: fp32 parameters, allreduce, no checkpoints, keywords."""
-        return replace(self, param_dtype="fp32", sync="allreduce", checkpoint="off", config_via="keywords")
+        """The row this one is judged against: fp32 parameters, allreduce, no checkpoints, keywords,
+        and the per-tensor optimizer loop (so foreach and fused are each held to the plain update)."""
+        return replace(self, param_dtype="fp32", sync="allreduce", checkpoint="off", config_via="keywords",
+                       optimizer="for-loop")
 
 
 # --- configuration of a row ------------------------------------------------------------------
@@ -216,8 +229,9 @@ def tolerance(row: Row) -> tuple[float, str]:
 
     The reference (fp32, allreduce) goes from ln(64) = 4.16 to about 3.73 in 6 steps.
 
-    * fp32 parameters and allreduce (only the checkpoint and config_via axes differ):
-      1e-4: a resume is bitwise, the flags path builds the same config;
+    * fp32 parameters and allreduce (only the checkpoint, config_via and optimizer axes
+      differ): 1e-4: a resume is bitwise, the flags path builds the same config, and foreach
+      and fused AdamW compute the per-tensor update up to rounding;
     * 16-bit casts (``bf16``/``fp16`` sync, plain ``hierarchical``) and 16-bit parameters:
       0.08 (a 16-bit rounding of the weights or the gradient moved the 6th step's loss
       by at most 0.04 in the full matrix run);
@@ -283,7 +297,8 @@ def _train(ex, row: Row, until: int, checkpoint_dir: str | None) -> tuple[list[f
         kwargs: dict[str, Any] = {"config": config}
     else:
         kwargs = dict(opts, progress=False, profile=False, log_every_steps=1)
-    run = slipstream.accelerate(model, lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0),
+    impl = OPTIMIZERS[row.optimizer]
+    run = slipstream.accelerate(model, lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, **impl),
                                 tp_plan=ex.TP_PLAN, **kwargs)
     start = run.step_count
     accumulate, _ = ACCUM_CLIP[row.accum_clip]
