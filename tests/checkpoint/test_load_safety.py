@@ -364,7 +364,8 @@ def test_dcp_metadata_with_enums_pickled_by_name_loads(tmp_path, monkeypatch):
 
 
 def _cuda_generator_state(seed: int, offset: int = 0) -> torch.Tensor:
-    """What torch.cuda.get_rng_state() returns on a GPU: a CPU ByteTensor, Philox's seed and offset."""
+    """What torch.cuda.get_rng_state() returns on a GPU: a CPU ByteTensor of 16 bytes, Philox's seed and
+    offset (so read on an H200, torch 2.11)."""
     return torch.tensor(list(seed.to_bytes(8, "little") + offset.to_bytes(8, "little")), dtype=torch.uint8)
 
 

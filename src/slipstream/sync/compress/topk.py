@@ -69,7 +69,7 @@ class TopK(ErrorFeedback):
 
         Both paths pick k distinct indices with the same magnitudes; where several
         values tie with the k-th largest, which of them is picked may differ (as it
-        may between torch.topk on two devices).
+        does between torch.topk on the CPU and on an H200 for bf16 buckets).
 
         NaN ranks with inf, above every finite value: a NaN or inf in ``c`` is always
         selected, so an overflow reaches every rank through the gathered values.
