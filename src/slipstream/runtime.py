@@ -430,19 +430,20 @@ def _join_process_group(launch: LaunchEnv, backend: str, where: torch.device, ti
     ("Connection reset by peer") deep inside torch; it becomes one line naming
     this rank, and exit 1 so that the launcher's restart policy applies.
     """
+    # device_id binds a NCCL group to the rank's GPU under every launcher: NCCL connects
+    # eagerly (a bad binding fails here, not at the first all-reduce) and subgroups can be
+    # split off its communicator. It means nothing to gloo, even when gloo carries CUDA tensors.
+    device_id = where if backend == "nccl" else None
     try:
         if launch.launcher == "single":
             store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
         elif launch.launcher == "torchrun":
-            # device_id binds the group to one GPU and lets NCCL connect eagerly; it
-            # means nothing to gloo, even when gloo carries CUDA tensors.
-            dist.init_process_group(backend, timeout=timeout, device_id=where if backend == "nccl" else None)
+            dist.init_process_group(backend, timeout=timeout, device_id=device_id)
         else:
             init_method = f"tcp://{launch.master_addr}:{launch.master_port}"
-            dist.init_process_group(
-                backend, init_method=init_method, rank=launch.rank, world_size=launch.world_size, timeout=timeout
-            )
+            dist.init_process_group(backend, init_method=init_method, rank=launch.rank,
+                                    world_size=launch.world_size, timeout=timeout, device_id=device_id)
     except RuntimeError as exc:  # DistNetworkError, DistStoreError and gloo's errors are RuntimeErrors
         _install_excepthook()  # init_process_group may have put a hook of its own before failing
         raise TrainingFailed(

@@ -358,3 +358,81 @@ def test_dcp_metadata_with_enums_pickled_by_name_loads(tmp_path, monkeypatch):
         pickle.dump(Sneaky(), f)
     with pytest.raises(safe_load.CheckpointRefused, match="not a checkpoint metadata"):
         safe_load.check_dcp_metadata(path)
+
+
+# --- 6. CUDA RNG state across machines (issue #42: the CPU suite takes the GPU's branches) ---
+
+
+def _cuda_generator_state(seed: int, offset: int = 0) -> torch.Tensor:
+    """What torch.cuda.get_rng_state() returns on a GPU: a CPU ByteTensor of 16 bytes, Philox's seed and
+    offset (so read on an H200, torch 2.11)."""
+    return torch.tensor(list(seed.to_bytes(8, "little") + offset.to_bytes(8, "little")), dtype=torch.uint8)
+
+
+def _checkpoint_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "slipstream.checkpoint" and r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize("entry", ["this-gpu", "every-gpu"], ids=["tensor", "earlier-list"])
+def test_a_gpu_runs_checkpoint_resumes_on_a_machine_without_cuda(tmp_path, monkeypatch, caplog, entry):
+    """The rank file a GPU run writes (its RNG entry holds "cuda") loads here through the manager:
+    every other stream restored bitwise, the CUDA one skipped with one line, no traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine that has one
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    path = _save(tmp_path, {"rng": RNGState()})
+    expected = _draws()
+    rank_file = os.path.join(path, "rank0.pt")
+    saved = torch.load(rank_file, weights_only=True)
+    cuda = _cuda_generator_state(1234, 56)
+    saved["rng"]["cuda"] = cuda if entry == "this-gpu" else [cuda, _cuda_generator_state(99)]
+    torch.save(saved, rank_file)
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+    reader = _manager(tmp_path)
+    reader.register("model", nn.Linear(2, 2))
+    reader.register("rng", RNGState(), per_rank=True)
+    with caplog.at_level("WARNING", logger="slipstream.checkpoint"):
+        assert reader.restore_latest() == 1
+    assert _draws() == expected
+    lines = _checkpoint_lines(caplog)
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "CUDA RNG state" in lines[0] and "no GPU is visible here" in lines[0]
+
+
+def test_a_cpu_checkpoint_resumed_on_a_gpu_says_the_cuda_generator_is_not_restored(fake_cuda, caplog):
+    """The opposite: a checkpoint with no CUDA entry (written on CPUs) loaded by a process that draws on
+    a GPU. The CUDA generator keeps its state: one line says so (GPU draws, dropout say, will not
+    repeat the saving run's), rather than a silent difference."""
+    fake_cuda(count=0, current=0)
+    saved = RNGState().state_dict()
+    assert "cuda" not in saved
+    log = fake_cuda(count=1, current=0)
+    with caplog.at_level("WARNING", logger="slipstream.checkpoint"):
+        RNGState().load_state_dict(saved)
+    assert log["set"] == []
+    lines = _checkpoint_lines(caplog)
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "no CUDA RNG state" in lines[0] and "not restored" in lines[0]
+
+
+def test_a_cpu_rank_on_a_gpu_machine_loads_a_cpu_checkpoint_quietly(fake_cuda, monkeypatch, caplog):
+    """gloo on the CPU of a GPU machine never touched CUDA: no CUDA stream to restore, nothing to say."""
+    fake_cuda(count=0, current=0)
+    saved = RNGState().state_dict()
+    log = fake_cuda(count=2, current=0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    with caplog.at_level("WARNING", logger="slipstream.checkpoint"):
+        RNGState().load_state_dict(saved)
+    assert log["set"] == [] and _checkpoint_lines(caplog) == []
+
+
+def test_tensors_without_a_device_go_to_the_current_gpu_once_cuda_is_in_use(fake_cuda, monkeypatch):
+    """load_rank_file without a device: this rank's GPU when CUDA is in use (before init() as well),
+    the CPU when CUDA is only available (a CPU rank on a GPU machine)."""
+    fake_cuda(count=4, current=2)
+    assert safe_load.default_device() == torch.device("cuda", 2)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert safe_load.default_device() == torch.device("cpu")

@@ -81,6 +81,11 @@ class RNGState:
     fewer GPUs must still restore). States written by the earlier format (numpy's
     tuple, CUDA's list of every visible GPU) load too.
 
+    Across machines: a GPU run's checkpoint resumed without CUDA restores every
+    other stream and skips the CUDA one with one warning line; a checkpoint
+    without a CUDA entry (a CPU run's) resumed by a process that uses CUDA leaves
+    its CUDA generator as it is, also with one line. Neither raises.
+
     Example::
 
         mgr.register("rng", RNGState(), per_rank=True)
@@ -102,7 +107,7 @@ class RNGState:
         }
         # Only when this process uses CUDA: asking for a state would create a CUDA
         # context (hundreds of MB) on a GPU that a CPU rank never touches.
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if _uses_cuda():
             state["cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
         return state
 
@@ -117,6 +122,17 @@ class RNGState:
         torch.set_rng_state(state["torch"])
         if "cuda" in state:
             _load_cuda_state(state["cuda"])
+        elif _uses_cuda():
+            # Written by a process that did not use CUDA (a CPU run resumed on a GPU): the
+            # other streams are restored, this one cannot be. Said, not left as a silent difference.
+            log.warning("checkpoint holds no CUDA RNG state (written without CUDA): this rank's CUDA generator "
+                        "is not restored, so random draws on the GPU (dropout) differ from the saving run's")
+
+
+def _uses_cuda() -> bool:
+    """Whether this process draws from a CUDA generator: CUDA is available and was started
+    (a CPU rank on a GPU machine never starts it)."""
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _python_state(saved: Any) -> tuple:

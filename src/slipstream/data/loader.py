@@ -28,6 +28,9 @@ Example::
 
 from __future__ import annotations
 
+import collections.abc
+import copy
+import dataclasses
 import queue
 import threading
 import time
@@ -54,10 +57,64 @@ class _Collated:
     def __init__(self, data: Any, n: int, skipped: int, errors: list[str]):
         self.data, self.n, self.skipped, self.errors = data, n, skipped, errors
 
-    def pin_memory(self, device: Any = None) -> "_Collated":  # called by DataLoader's pin thread
-        from torch.utils.data._utils.pin_memory import pin_memory
+    def pin_memory(self, device: Any = None) -> "_Collated":  # called by DataLoader's pinning (accelerators only)
+        return _Collated(pin_batch(self.data) if self.data is not None else None, self.n, self.skipped, self.errors)
 
-        return _Collated(pin_memory(self.data, device) if self.data is not None else None, self.n, self.skipped, self.errors)
+
+def pin_batch(data: Any) -> Any:
+    """``data`` with every tensor in page-locked (pinned) memory, each container kept as its own type.
+
+    What ``SlipstreamLoader(pin_memory=True)`` does to each batch when an accelerator
+    is present. torch's own walk (``torch.utils.data._utils.pin_memory``) returns a
+    dataclass untouched, so a batch that a ``collate_fn`` builds as a dataclass kept its
+    tensors in pageable memory, and the training loop's ``.to("cuda", non_blocking=True)``
+    silently became a synchronous copy. This walk is torch's (tensors, an object's own
+    ``pin_memory()``, mappings, namedtuples, tuples, sequences; anything else as it is)
+    plus dataclasses, at any depth: a shallow copy of the same class with every field
+    pinned, ``init=False`` fields included, ``__post_init__`` not run again. Needs an
+    accelerator (pinning is a device feature).
+
+    Example::
+
+        pin_batch({"tokens": Batch(ids=torch.ones(8, 128)), "step": 3})   # same structure, pinned tensors
+    """
+    if isinstance(data, torch.Tensor):
+        return data.pin_memory()
+    if hasattr(data, "pin_memory") and not isinstance(data, type):  # a batch class that pins itself
+        return data.pin_memory()
+    if isinstance(data, (str, bytes)):
+        return data
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        clone = copy.copy(data)
+        for f in dataclasses.fields(data):
+            object.__setattr__(clone, f.name, pin_batch(getattr(data, f.name)))  # frozen ones too
+        return clone
+    if isinstance(data, collections.abc.Mapping):
+        pinned = {k: pin_batch(v) for k, v in data.items()}
+        try:
+            if isinstance(data, collections.abc.MutableMapping):  # keeps the mapping's class and attributes
+                clone = copy.copy(data)
+                clone.update(pinned)
+                return clone
+            return type(data)(pinned)
+        except TypeError:  # a mapping that cannot be copied or built from a dict
+            return pinned
+    if isinstance(data, tuple):
+        if hasattr(data, "_fields"):  # a namedtuple
+            return type(data)(*(pin_batch(v) for v in data))
+        return type(data)(pin_batch(v) for v in data)
+    if isinstance(data, collections.abc.Sequence):
+        items = [pin_batch(v) for v in data]
+        try:
+            if isinstance(data, collections.abc.MutableSequence):
+                clone = copy.copy(data)
+                for i, item in enumerate(items):
+                    clone[i] = item
+                return clone
+            return type(data)(items)
+        except TypeError:  # e.g. a range
+            return items
+    return data
 
 
 class _CountingCollate:

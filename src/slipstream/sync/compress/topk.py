@@ -26,6 +26,25 @@ from ...link import all_gather_bytes
 from .base import ErrorFeedback, Layout, Wire, all_finite
 
 
+# Device types where select() may take the sampled threshold: there the count check reads
+# a value on the host, which stalls nothing. Elsewhere (CUDA) torch.topk is fast, and
+# that read would be a host sync per bucket.
+SAMPLED_SELECT_DEVICES = frozenset({"cpu"})
+SAMPLED_SELECT_MIN_NUMEL = 1 << 16  # below this torch.topk is fast on the CPU too
+
+
+def sampled_select(device: torch.device, numel: int, k: int) -> bool:
+    """Whether :meth:`TopK.select` takes the sampled threshold for ``k`` of ``numel`` values on
+    ``device`` (large buckets on the CPU, at most a quarter kept), rather than torch.topk.
+
+    Example::
+
+        sampled_select(torch.device("cpu"), 1 << 20, 10_000)       # True
+        sampled_select(torch.device("cuda", 0), 1 << 20, 10_000)   # False: torch.topk
+    """
+    return device.type in SAMPLED_SELECT_DEVICES and numel >= SAMPLED_SELECT_MIN_NUMEL and k * 4 <= numel
+
+
 class TopK(ErrorFeedback):
     name = "topk"
     collectives_per_call = 2
@@ -46,14 +65,18 @@ class TopK(ErrorFeedback):
         pass, the top k are all among them and topk runs on that short list only.
         (Full torch.topk with k in the tens of thousands is slow on CPU.) On other
         devices torch.topk is fast, and the sampled path's count check would be a
-        host sync, so they always take torch.topk.
+        host sync, so they always take torch.topk (:func:`sampled_select`).
+
+        Both paths pick k distinct indices with the same magnitudes; where several
+        values tie with the k-th largest, which of them is picked may differ (as it
+        does between torch.topk on the CPU and on an H200 for bf16 buckets).
 
         NaN ranks with inf, above every finite value: a NaN or inf in ``c`` is always
         selected, so an overflow reaches every rank through the gathered values.
         """
         a = c.abs()
         n = a.numel()
-        if a.device.type != "cpu" or n < 1 << 16 or k * 4 > n:
+        if not sampled_select(a.device, n, k):
             return torch.topk(_nan_first(a), k, sorted=False).indices
         sample = a[:: max(1, n // (1 << 15))]
         rank = max(1, min(sample.numel(), int(sample.numel() * (1 - 2.0 * k / n))))
