@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import hashlib
 import json
 import math
@@ -68,7 +69,7 @@ from benchmarks.acceptance.plan import (  # noqa: F401 - re-exported: the kit's 
     ESTIMATES, FAIL, LAYOUTS_2, LAYOUTS_4, PASS, SKIP_BLOCKED, SKIP_BUDGET, SKIP_DEVICE, SKIP_SELECTION, SKIPPED,
     Group, Sizes, Step, conformance_steps, layout_options, pipelined, sizes_for, sync_options,
 )
-from benchmarks.acceptance.report import brief, git_state, markdown
+from benchmarks.acceptance.report import brief, markdown, source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -83,6 +84,7 @@ class Acceptance:
         self.device = args.device
         self.only = re.compile(args.only) if args.only else None
         self.report_lock = threading.Lock()  # --jobs > 1: steps finish in several threads
+        self.source = source_commit(ROOT)  # once: the source does not change under a run
 
     # --- time ---------------------------------------------------------------
     def remaining_s(self) -> float:
@@ -415,7 +417,7 @@ class Acceptance:
             "budget_s": self.args.budget_s,
             "steps_scale": self.args.steps_scale,
             "argv": sys.argv,
-            "git": git_state(),
+            "git": self.source,
             "environment": self.environment,
             "summary": counts,
             "steps": [s.to_json() for s in self.steps],
@@ -500,8 +502,13 @@ def clean_environ() -> dict[str, str]:
     precision left set in the shell must not change what a step tests), and with
     the source tree first on PYTHONPATH: every subprocess of the kit (step programs,
     `slipstream run` and its workers) imports this checkout's slipstream and
-    benchmarks, installed or not (docs/gpu.md: the bare GPU machine)."""
+    benchmarks, installed or not (docs/gpu.md: the bare GPU machine); and with Python's
+    faulthandler on (PYTHONFAULTHANDLER=1, inherited by `slipstream run`'s workers and the
+    examples' forked runs): a segfault in native code then leaves the Python stack that led
+    to it. The first GPU run's FSDP steps died of SIGSEGV with no stack at all; the second,
+    rerun with it by hand, showed the crash inside the full-state-dict gather."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
+    env["PYTHONFAULTHANDLER"] = "1"
     for key in ("SLIPSTREAM_BARE_ALLOWED", "SLIPSTREAM_BARE_SRC", "SLIPSTREAM_BARE_AUDIT"):  # the tests' bare machine
         if key in os.environ:
             env[key] = os.environ[key]
@@ -567,6 +574,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable()  # the orchestrator too: a crash here should also leave its stack
     return Acceptance(parse_args(argv)).run()
 
 

@@ -4,6 +4,8 @@ source came from. No torch (see benchmarks/acceptance/plan.py).
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -13,14 +15,58 @@ from benchmarks.acceptance.plan import FAIL, PASS, SKIPPED
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def git_state() -> dict:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
+COMMIT_FILE = "COMMIT"
+"""A file at the root of a copy made without .git that names the commit it was copied from
+(`git -C CHECKOUT rev-parse HEAD > COPY/COMMIT`; docs/gpu.md, "The acceptance run")."""
 
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+def source_commit(root: Path = ROOT) -> dict:
+    """The commit of the source this run executes, and where that was read:
+
+    * ``git``: ``root`` is itself the top level of a git work tree (a checkout, or a worktree);
+      ``dirty`` says whether tracked files differ from that commit;
+    * ``COMMIT file``: ``root/COMMIT``, written beside the source when it was copied without .git;
+    * ``unknown``: neither. A copy inside some other repository is *not* that repository's
+      commit: the first GPU run reported the enclosing repository's commit as the project's.
+
+    Example::
+
+        source_commit(Path("/work/main"))   # {"commit": "379261e5...", "dirty": False, "source": "git"}
+    """
+    root = Path(root).resolve()
+    # GIT_DIR and friends in the caller's environment would point git elsewhere than ``root``.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+
+    def git(*args: str) -> tuple[int, str]:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10, env=env)
+        except (OSError, subprocess.SubprocessError):
+            return 1, ""
+        return done.returncode, done.stdout.strip()
+
+    rc, top = git("rev-parse", "--show-toplevel")
+    if rc == 0 and top and Path(top).resolve() == root:
+        rc, head = git("rev-parse", "HEAD")
+        if rc == 0 and head:
+            _, status = git("status", "--porcelain", "--untracked-files=no")
+            return {"commit": head, "dirty": bool(status), "source": "git"}
+    written = root / COMMIT_FILE
+    if written.is_file():
+        found = re.match(r"\s*([0-9a-fA-F]{7,40})\b", written.read_text(errors="replace"))
+        if found:
+            return {"commit": found.group(1).lower(), "dirty": None, "source": f"{COMMIT_FILE} file"}
+    return {"commit": "unknown", "dirty": None, "source": "unknown"}
+
+
+def commit_line(git: dict) -> str:
+    """The report's commit line (``git`` is :func:`source_commit`'s answer)."""
+    commit = git.get("commit") or "unknown"
+    if commit == "unknown":
+        return (f"- commit unknown (the kit's root is not the top level of a git work tree and holds no "
+                f"{COMMIT_FILE} file)")
+    where = {"git": "git"}.get(git.get("source", ""), f"from the {COMMIT_FILE} file written with the source")
+    dirty = " (with uncommitted changes)" if git.get("dirty") else ""
+    return f"- commit {commit[:12]} ({where}){dirty}"
 
 
 def brief(figures: dict) -> str:
@@ -40,7 +86,7 @@ def markdown(doc: dict) -> str:
         f"NCCL {env.get('nccl', '-')}; {env.get('cpu_count', '?')} CPUs)",
         f"- started {doc['started_utc']}, wall {doc['wall_s']} s of a {doc['budget_s']:.0f} s budget, "
         f"steps scale {doc['steps_scale']}",
-        f"- commit {doc['git'].get('commit', '?')[:12]}{' (with uncommitted changes)' if doc['git'].get('dirty') else ''}",
+        commit_line(doc["git"]),
         f"- result: {doc['summary'][PASS]} passed, {doc['summary'][FAIL]} failed, {doc['summary'][SKIPPED]} skipped",
         f"- command: `{' '.join(['python -m benchmarks.gpu_acceptance', *doc['argv'][1:]])}`",
         "",
