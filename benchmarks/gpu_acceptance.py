@@ -69,9 +69,11 @@ from benchmarks.acceptance.plan import (  # noqa: F401 - re-exported: the kit's 
     ESTIMATES, FAIL, LAYOUTS_2, LAYOUTS_4, PASS, SKIP_BLOCKED, SKIP_BUDGET, SKIP_DEVICE, SKIP_SELECTION, SKIPPED,
     Group, Sizes, Step, conformance_steps, layout_options, pipelined, sizes_for, sync_options,
 )
+from benchmarks.acceptance.failures import find_stack, first_failed_rank, rank_lines, rank_log_files, rerun_command
 from benchmarks.acceptance.report import brief, markdown, source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
+RANK_LOGS = "rank-logs"  # under a launch's folder: `slipstream run --log-dir`, one folder per rank
 
 class Acceptance:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -145,6 +147,30 @@ class Acceptance:
                     f"{failed[0]['name']}: {failed[0].get('detail', '')}" if failed else f"exit code {rc}")
         if step.status == FAIL:
             step.output_tail = ((result or {}).get("output_tail") or "") + "\n--- step output ---\n" + tail(folder / "output.log")
+            # The result's own traceback names the failing call; a run the step started keeps its
+            # own log (failed_log); a crash of the step program itself is only in its output.
+            result = result or {}
+            failed_log = Path(result["failed_log"]) if result.get("failed_log") else None
+            self.attach_stack(step, [(self.shown(result_path), result.get("traceback")),
+                                     (self.shown(result_path), result.get("output_tail")),
+                                     *([(self.shown(failed_log), tail(failed_log, 200_000))] if failed_log else []),
+                                     (self.shown(folder / "output.log"), tail(folder / "output.log", 200_000))])
+
+    def shown(self, path: Path) -> str:
+        """A path as the report shows it: under the run's folder when it is there."""
+        try:
+            return str(path.relative_to(self.out))
+        except ValueError:
+            return str(path)
+
+    def attach_stack(self, step: Step, candidates: list[tuple[str, str | None]]) -> None:
+        """The first stack found in ``candidates`` ((where, text), most telling first) becomes the
+        step's: the report shows its last lines, the console its one-line summary."""
+        for source, text in candidates:
+            found = find_stack(text or "")
+            if found is not None:
+                step.stack, step.stack_summary, step.stack_source = found.text, f"{found.kind}: {found.summary}", source
+                return
 
     # --- the plan ---------------------------------------------------------------
     def run(self) -> int:
@@ -309,8 +335,10 @@ class Acceptance:
             plan = {"steps": sizes.ranks_steps, "model": sizes.ranks_model,
                     "configs": [{"name": s.name, "options": s.options, "case": s.case} for s in fitting]}
             (launch_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+            # Each rank's own log (--log-dir, --tee 3: also in the launch output, prefixed by rank):
+            # the report shows the failing rank's stack, not an interleaving of every rank's.
             cmd = [sys.executable, "-m", "slipstream", "run", "-n", str(group.nproc),
-                   "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"),
+                   "--log-dir", str(launch_dir / RANK_LOGS), "--tee", "3", "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"),
                    "--out", str(launch_dir)]
             timeout = self.timeout_for(planned)
             print(f"        launching {len(fitting)} configuration(s) on {group.nproc} ranks "
@@ -341,7 +369,24 @@ class Acceptance:
                     if step.status == "pending":
                         step.status, step.reason = FAIL, f"the launch failed before this configuration started ({state})"
                         step.output_tail = tail(launch_dir / "output.log")
+                        self.attach_stack(step, self.rank_stack_candidates(launch_dir, group.nproc))
                 return
+
+    def rank_stack_candidates(self, launch_dir: Path, nproc: int, suspects: list[int] | None = None) -> list[tuple[str, str]]:
+        """Where a launch's ranks left their stacks, the likeliest first: the rank `slipstream run`
+        names as the first to fail, then ``suspects``, then the others; for each, its own log
+        (--log-dir), else its lines of the launch's tee'd output; last, the launch output whole."""
+        launch_text = tail(launch_dir / "output.log", 400_000)
+        first = first_failed_rank(launch_text)
+        order = [r for r in [first, *(suspects or []), *range(nproc)] if r is not None and 0 <= r < nproc]
+        out: list[tuple[str, str]] = []
+        for r in dict.fromkeys(order):
+            files = rank_log_files(launch_dir / RANK_LOGS, r)
+            out += [(f"rank {r}: {self.shown(f)}", tail(f, 200_000)) for f in files]
+            if not files:
+                out.append((f"rank {r}: its lines of {self.shown(launch_dir / 'output.log')}", rank_lines(launch_text, r)))
+        out.append((self.shown(launch_dir / "output.log"), launch_text))
+        return out
 
     def rank_records(self, step: Step, group: Group, launch_dir: Path) -> list[dict | None]:
         folder = launch_dir / step.name.replace("/", "__")
@@ -356,11 +401,17 @@ class Acceptance:
         if errors:
             r, rec = errors[0]
             step.status, step.reason = FAIL, f"rank {r}: {rec.get('message', 'error')}"
-            step.output_tail = rec.get("traceback", "") + "\n--- launch output ---\n" + tail(launch_dir / "output.log")
+            step.output_tail = "--- launch output ---\n" + tail(launch_dir / "output.log")  # the traceback: step.stack
+            folder = launch_dir / step.name.replace("/", "__")
+            self.attach_stack(step, [(self.shown(folder / f"rank{e}.json"), rec_e.get("traceback"))
+                                     for e, rec_e in errors] + self.rank_stack_candidates(launch_dir, group.nproc))
             return
         if missing:
             state = f"exit code {rc}" if rc is not None else "timed out"
             step.status, step.reason = FAIL, f"rank(s) {missing} never finished this configuration (launch {state})"
+            # The configuration a rank never finished is the last it started: its launch ended
+            # there, so the end of that rank's own log is this configuration's.
+            self.attach_stack(step, self.rank_stack_candidates(launch_dir, group.nproc, missing))
             return
         checks = ranks_checks(records, group.env)
         step.checks = checks
@@ -401,11 +452,19 @@ class Acceptance:
 
     # --- reporting ----------------------------------------------------------------
     def report_progress(self, step: Step) -> None:
+        """The step's console line; a failed one gets a second line that points at its stack in
+        acceptance.md and gives the command that reruns just this step."""
+        if step.status == FAIL and not step.rerun:
+            step.rerun = rerun_command(step.name, self.out, self.device or "cpu", self.args.steps_scale,
+                                       self.args.no_fork)
         index = self.steps.index(step) + 1
         total = len(self.steps) if len(self.steps) > 1 else "?"  # the plan exists once the environment is known
         detail = step.reason if step.status != PASS else brief(step.figures)
         print(f"[{index:2d}/{total:>2}] {step.status:7s} {step.name:34s} {step.seconds:6.1f} s  {detail}"[:220],
               flush=True)
+        if step.status == FAIL:
+            found = step.stack_summary or "no stack: see its checks and output"
+            print(f"        -> {found} [{self.out / 'acceptance.md'}, ### {step.name}]; rerun: {step.rerun}", flush=True)
 
     def write_reports(self) -> None:
         counts = {k: sum(1 for s in self.steps if s.status == k) for k in (PASS, FAIL, SKIPPED)}

@@ -29,6 +29,12 @@ class Step:
     output_tail: str = ""
     options: dict = field(default_factory=dict)  # ranks steps: accelerate() options
     case: dict = field(default_factory=dict)  # ranks steps: what benchmarks/acceptance/ranks.py adds (train_one)
+    # A failed step: the failing process's stack (benchmarks/acceptance/failures.py) and the command
+    # that reruns just this step.
+    stack: str = ""
+    stack_summary: str = ""
+    stack_source: str = ""
+    rerun: str = ""
 
     def skip(self, kind: str, reason: str) -> None:
         self.status, self.skip_kind, self.reason = SKIPPED, kind, reason
@@ -39,7 +45,8 @@ class Step:
         out.pop("case")
         out.pop("estimate_s")
         if self.status != FAIL:
-            out.pop("output_tail")
+            for key in ("output_tail", "stack", "stack_summary", "stack_source", "rerun"):
+                out.pop(key)
         out["command"] = self.commands[0] if len(self.commands) == 1 else self.commands
         out.pop("commands")
         return out

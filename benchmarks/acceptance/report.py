@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from benchmarks.acceptance.failures import STACK_LINES
 from benchmarks.acceptance.plan import FAIL, PASS, SKIPPED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,13 +111,31 @@ def markdown(doc: dict) -> str:
                   f"- peak memory MiB ({f.get('peak_memory_source')}): {f.get('peak_memory_mib')}"]
     failures = [s for s in doc["steps"] if s["status"] == FAIL]
     if failures:
-        lines += ["", "## Failures", ""]
+        lines += ["", "## Failures", "",
+                  "Each failed step: why, the command that reruns just that step (from the checkout's root), "
+                  f"the last lines of the failing process's stack (at most {STACK_LINES}; a native crash shows "
+                  "faulthandler's header and the crashing thread's innermost frames), then the end of its output.", ""]
         for s in failures:
-            command = s["command"] if isinstance(s["command"], str) else (s["command"] or [""])[0]
-            lines += [f"### {s['name']}", "", s["reason"], "", f"command: `{command}`", "", "```",
-                      s.get("output_tail", "").strip()[-3000:], "```", ""]
+            lines += failure_section(s)
     return "\n".join(lines) + "\n"
 
 
 def md_cell(text: Any) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")[:300]
+
+
+def failure_section(step: dict) -> list[str]:
+    """One failed step of acceptance.md: reason, rerun command, the step's command, its stack."""
+    command = step["command"] if isinstance(step["command"], str) else (step["command"] or [""])[0]
+    out = [f"### {step['name']}", "", step["reason"], "", f"- rerun: `{step.get('rerun', '')}`",
+           f"- command: `{command}`"]
+    if step.get("stack"):
+        out += [f"- {step['stack_summary']}", "", f"Stack, from {step['stack_source']}:", "", "```",
+                step["stack"].strip(), "```"]
+    else:
+        out += ["- no Python traceback or faulthandler block in the step's results and logs"
+                + (": a check failed (above)" if any(not c.get("ok") for c in step.get("checks", [])) else "")]
+    output = step.get("output_tail", "").strip()
+    if output:
+        out += ["", "End of the output:", "", "```", output[-1500:], "```"]
+    return out + [""]
