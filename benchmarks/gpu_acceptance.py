@@ -70,9 +70,11 @@ from benchmarks.acceptance.plan import (  # noqa: F401 - re-exported: the kit's 
     Group, Sizes, Step, conformance_steps, layout_options, pipelined, sizes_for, sync_options,
 )
 from benchmarks.acceptance.failures import find_stack, first_failed_rank, rank_lines, rank_log_files, rerun_command
+from benchmarks.acceptance.losses import brief_gap, reference_checks, reference_spec, tolerance_for
 from benchmarks.acceptance.report import brief, markdown, source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_BUDGET_S = 420.0
 RANK_LOGS = "rank-logs"  # under a launch's folder: `slipstream run --log-dir`, one folder per rank
 
 class Acceptance:
@@ -87,6 +89,13 @@ class Acceptance:
         self.only = re.compile(args.only) if args.only else None
         self.report_lock = threading.Lock()  # --jobs > 1: steps finish in several threads
         self.source = source_commit(ROOT)  # once: the source does not change under a run
+        self.groups: list[Group] = []  # the ranks groups of the plan
+        self.sizes: Sizes | None = None
+        self.plan_total_s: float | None = None
+        # One-rank references (benchmarks/acceptance/reference.py) by key, or why there are none.
+        self.references: dict[str, dict] = {}  # key -> losses, grad_norms
+        self.reference_problems: dict[str, str] = {}
+        self.reference_runs: list[dict] = []
 
     # --- time ---------------------------------------------------------------
     def remaining_s(self) -> float:
@@ -187,6 +196,8 @@ class Acceptance:
         est = ESTIMATES[self.device]
         env_step.estimate_s = est["environment"]
 
+        self.sizes = sizes
+
         # A unit: its steps, what runs them, and whether it is one process (--jobs may run it beside others).
         def example(name: str, precision: str) -> tuple[list[Step], Any, bool]:
             step = Step(f"example/{name}/{precision}", est["example"])
@@ -194,9 +205,11 @@ class Acceptance:
 
         def ranks(nproc: int, backend: str, steps: list[Step], nccl_refusal: bool = False) -> tuple[list[Step], Any, bool]:
             group = Group(nproc, self.ranks_env(backend), steps, nccl_refusal=nccl_refusal)
+            self.groups.append(group)
             return steps, lambda: self.ranks_group(group, sizes), False
 
         perf = Step("perf", est["perf"])
+        overhead = Step("overhead", est["overhead"])
         binding = Step("binding/per-rank-gpu", est["binding"])
         if self.environment.get("sync_available"):
             syncs = [Step(f"sync/{s}", est["config2"], options=sync_options(s, sizes.ranks_steps))
@@ -212,6 +225,7 @@ class Acceptance:
         units = [
             example("gpt", "fp32"), example("resnet", "fp32"),
             ([perf], lambda: self.perf_step(perf, sizes), True),
+            ([overhead], lambda: self.overhead_step(overhead, sizes), True),
             ranks(2, "nccl", [Step("nccl/2-ranks-1-gpu", est["nccl"])], nccl_refusal=True),
             ([binding], lambda: self.binding_step(binding), True),
             ranks(2, "gloo", syncs + layouts2 + conformance),
@@ -220,10 +234,11 @@ class Acceptance:
         ]
         for unit_steps, _, _ in units:
             self.steps.extend(unit_steps)
+        for step in self.steps[1:]:  # known now: what this device cannot run and what --only leaves out
+            self.apply_device_and_selection(step, placement_ok, env_step)
+        self.print_plan(env_step)
 
         def run_unit(unit_steps: list[Step], action: Any) -> None:
-            for step in unit_steps:
-                self.apply_device_and_selection(step, placement_ok, env_step)
             if any(step.status == "pending" for step in unit_steps):
                 action()
             with self.report_lock:
@@ -254,6 +269,39 @@ class Acceptance:
         print(f"acceptance: {len(self.steps) - len(failed)} of {len(self.steps)} steps passed or skipped, "
               f"{len(failed)} failed, {total} s; report: {self.out / 'acceptance.md'}", flush=True)
         return 1 if failed else 0
+
+    def planned_s(self) -> dict[str, float]:
+        """Planned seconds of what is left to run, by part: each pending one-process step's
+        estimate; per ranks group, a launch and its pending configurations; the loss references."""
+        est = ESTIMATES[self.device]
+        in_groups = {id(s) for g in self.groups for s in g.steps}
+        parts: dict[str, float] = {}
+        for step in self.steps[1:]:
+            if step.status == "pending" and id(step) not in in_groups:
+                kind = step.name.split("/", 1)[0]
+                parts[kind] = parts.get(kind, 0.0) + step.estimate_s
+        for group in self.groups:
+            pending = [s for s in group.steps if s.status == "pending"]
+            if pending:
+                key = f"{group.nproc}-rank {group.env['SLIPSTREAM_BACKEND']}"
+                parts[key] = est["launch"] + sum(s.estimate_s for s in pending)
+        keys = self.reference_specs()
+        if keys:
+            parts["loss references"] = est["reference"] + est["reference_key"] * len(keys)
+        return parts
+
+    def print_plan(self, env_step: Step) -> None:
+        """The plan's total at the start, against the budget: the kit must fit its window."""
+        parts = self.planned_s()
+        total = env_step.seconds + sum(parts.values())
+        self.plan_total_s = round(total, 1)
+        runs = sum(1 for s in self.steps[1:] if s.status == "pending")
+        print(f"        plan: {runs} of {len(self.steps) - 1} steps to run on {self.device}, planned {total:.0f} s "
+              f"with the environment step's {env_step.seconds:.0f} s, of --budget-s {self.args.budget_s:.0f} ("
+              + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) + ")", flush=True)
+        if total > self.args.budget_s:
+            print(f"        the plan exceeds the budget by {total - self.args.budget_s:.0f} s: the last steps "
+                  "will be skipped (kind budget)", flush=True)
 
     def apply_device_and_selection(self, step: Step, placement_ok: bool, env_step: Step) -> None:
         if self.only and not self.only.search(step.name):
@@ -289,6 +337,13 @@ class Acceptance:
         args = ["--device", self.device, "--out", str(folder / "runs"), *sizes.perf_args]
         self.program_step(step, "benchmarks.acceptance.perf", args, {}, self.timeout_for(step.estimate_s))
 
+    def overhead_step(self, step: Step, sizes: Sizes) -> None:
+        if not self.fits(step):
+            return
+        folder = self.out / "steps" / "overhead"
+        args = ["--device", self.device, "--out", str(folder / "runs"), *sizes.overhead_args]
+        self.program_step(step, "benchmarks.acceptance.overhead", args, {}, self.timeout_for(step.estimate_s))
+
     def binding_step(self, step: Step) -> None:
         if not self.fits(step):
             return
@@ -307,6 +362,62 @@ class Acceptance:
             env["CUDA_VISIBLE_DEVICES"] = visible
         return env
 
+    def reference_specs(self) -> dict[str, dict]:
+        """The loss references the pending ranks steps need and nobody has computed yet, by key:
+        those of every group at once, so one process computes all of them (start-up costs more
+        than training them)."""
+        assert self.sizes is not None
+        specs: dict[str, dict] = {}
+        for group in self.groups:
+            if group.nccl_refusal:
+                continue
+            for step in group.steps:
+                if step.status == "pending":
+                    spec = reference_spec(step.options, step.case, group.nproc, self.sizes.ranks_steps)
+                    if spec["key"] not in self.references and spec["key"] not in self.reference_problems:
+                        specs[spec["key"]] = spec
+        return specs
+
+    def ensure_references(self, group: Group) -> None:
+        """Compute the missing loss references (one process, world size 1, the ranks' device)."""
+        specs = self.reference_specs()
+        if not specs:
+            return
+        assert self.sizes is not None
+        est = ESTIMATES[self.device]
+        folder = self.out / "steps" / "reference"
+        run_dir = folder / f"run{len(self.reference_runs) + 1}"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        plan = {"model": self.sizes.ranks_model, "steps": self.sizes.ranks_steps, "references": list(specs.values())}
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+        env = {k: v for k, v in group.env.items() if k == "CUDA_VISIBLE_DEVICES"}  # the ranks' GPU, nothing else
+        cmd = [sys.executable, "-m", "benchmarks.acceptance.reference", "--device", self.device,
+               "--plan", str(run_dir / "plan.json"), "--result", str(run_dir / "result.json")]
+        timeout = self.timeout_for(est["reference"] + est["reference_key"] * len(specs))
+        print(f"        computing {len(specs)} loss reference(s) at world size 1 ({self.device}), "
+              f"up to {timeout:.0f} s ...", flush=True)
+        rc, seconds = self.run_process(cmd, env, timeout, run_dir / "output.log")
+        result = read_json(run_dir / "result.json") or {}
+        found = result.get("figures", {}).get("references", {})
+        for key in specs:
+            if key in found and result.get("status") == PASS and rc == 0:
+                self.references[key] = {"losses": found[key]["losses"], "grad_norms": found[key]["grad_norms"]}
+            else:
+                state = "timed out" if rc is None else f"exit code {rc}"
+                why = result.get("message") or next((c["detail"] for c in result.get("checks", []) if not c["ok"]), "")
+                self.reference_problems[key] = (f"the reference run failed ({state}{': ' + why if why else ''}; "
+                                                f"{self.shown(run_dir / 'output.log')})")
+        record = {"command": command_text(cmd, env), "seconds": seconds, "exit_code": rc,
+                  "device": result.get("figures", {}).get("device"), "keys": sorted(specs)}
+        if any(key in self.reference_problems for key in specs):
+            probe = Step("reference", 0)
+            self.attach_stack(probe, [(self.shown(run_dir / "result.json"), result.get("traceback")),
+                                      (self.shown(run_dir / "output.log"), tail(run_dir / "output.log", 200_000))])
+            record.update(message=result.get("message", ""), stack=probe.stack, stack_source=probe.stack_source)
+        self.reference_runs.append(record)
+
     def ranks_group(self, group: Group, sizes: Sizes) -> None:
         """Launch the group's pending steps, again and again while a failure leaves some unstarted."""
         est = ESTIMATES[self.device]
@@ -318,6 +429,9 @@ class Acceptance:
                 return
             # Keep what fits the budget, in order; the rest is skipped now.
             fitting, planned = [], est["launch"]
+            missing = self.reference_specs() if not group.nccl_refusal else {}
+            if missing:
+                planned += est["reference"] + est["reference_key"] * len(missing)
             for step in todo:
                 if planned + step.estimate_s <= self.remaining_s():
                     fitting.append(step)
@@ -327,6 +441,8 @@ class Acceptance:
                                            f"{self.args.budget_s:.0f}, this launch planned at {planned + step.estimate_s:.0f} s")
             if not fitting:
                 return
+            if not group.nccl_refusal:
+                self.ensure_references(group)
             attempt += 1
             launch_dir = folder / f"launch{attempt}"
             if launch_dir.exists():
@@ -414,6 +530,16 @@ class Acceptance:
             self.attach_stack(step, self.rank_stack_candidates(launch_dir, group.nproc, missing))
             return
         checks = ranks_checks(records, group.env)
+        if not group.nccl_refusal:  # the NCCL step is about its refusal; should it ever train, bits decide
+            assert self.sizes is not None
+            spec = reference_spec(step.options, step.case, group.nproc, self.sizes.ranks_steps)
+            tolerance = tolerance_for(step.options, step.case, [r.get("sync_decision") for r in records])
+            found, figures = reference_checks(records, self.references.get(spec["key"]), spec, tolerance,
+                                              self.reference_problems.get(spec["key"], ""))
+            checks += found
+            step.figures["loss_reference"] = figures
+            step.figures["loss_vs_reference"] = brief_gap(figures)
+            step.commands += [r["command"] for r in self.reference_runs if spec["key"] in r["keys"]]
         step.checks = checks
         first = records[0]
         step.figures.update({
@@ -479,6 +605,8 @@ class Acceptance:
             "git": self.source,
             "environment": self.environment,
             "summary": counts,
+            "plan_total_s": self.plan_total_s,
+            "references": {"runs": self.reference_runs, "values": self.references, "problems": self.reference_problems},
             "steps": [s.to_json() for s in self.steps],
         }
         tmp = self.out / "acceptance.json.tmp"
@@ -608,8 +736,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: cuda if torch sees a GPU, else cpu")
     p.add_argument("--only", default=None, metavar="REGEX",
                    help="run only steps whose name matches (re.search); the environment step always runs")
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="wall-clock budget for the whole run; steps that no longer fit are skipped (default 480)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="wall-clock budget for the whole run; steps that no longer fit are skipped "
+                        f"(default {DEFAULT_BUDGET_S:.0f}: 7 minutes, so the failed steps can be rerun in the same "
+                        "short loan of a GPU)")
     p.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every step's training steps (e.g. 0.5 on a slow CPU); each keeps a minimum")
     p.add_argument("--jobs", type=int, default=1, metavar="N",

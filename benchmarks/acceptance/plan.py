@@ -61,6 +61,7 @@ class Sizes:
     ranks_model: dict
     ranks_steps: int
     perf_args: list[str]
+    overhead_args: list[str]
 
 
 def sizes_for(device: str, scale: float) -> Sizes:
@@ -72,6 +73,9 @@ def sizes_for(device: str, scale: float) -> Sizes:
         resnet = ["--batch-size", "16", "--width", "16"]
         model = {"dim": 128, "layers": 2, "heads": 4, "context": 64, "batch": 8}
         perf = ["--warmup", str(steps(3, 1)), "--steps", str(steps(10, 2)), "--rounds", "3"]
+        # The overhead step's own defaults are the GPU's model (benchmarks/acceptance/overhead.py).
+        # 10 warm-up and 40 timed steps per run, four runs: about 4 x 50 x 48 ms of training on an H200.
+        overhead = ["--warmup", str(steps(10, 2)), "--steps", str(steps(40, 5))]
     else:
         # Tiny, and k = 1 (3 steps a run): on 2 busy cores the examples' fixed costs
         # (start-up, checkpoints) already take most of CI's few minutes, and a bf16
@@ -84,8 +88,10 @@ def sizes_for(device: str, scale: float) -> Sizes:
         # proves is that the measurement runs; the figures that matter come from a GPU.
         perf = ["--dim", "64", "--layers", "1", "--context", "32", "--batch", "4",
                 "--warmup", str(steps(1, 1)), "--steps", str(steps(3, 2)), "--rounds", "2"]
+        overhead = ["--dim", "64", "--layers", "2", "--heads", "4", "--seq", "32", "--batch", "4", "--vocab", "512",
+                    "--warmup", str(steps(2, 1)), "--steps", str(steps(5, 2))]
     every = steps(2, 1) if device == "cuda" else steps(1, 1)
-    return Sizes({"gpt": gpt, "resnet": resnet}, every, model, steps(4 if device == "cuda" else 3, 2), perf)
+    return Sizes({"gpt": gpt, "resnet": resnet}, every, model, steps(4 if device == "cuda" else 3, 2), perf, overhead)
 
 
 # 2-rank layouts (docs/parallel.md); DDP itself is sync/allreduce. Options go to accelerate().
@@ -152,13 +158,23 @@ def pipelined(step_name: str) -> bool:
     return {**LAYOUTS_2, **LAYOUTS_4}.get(name, {}).get("pp", 1) > 1
 
 
-# Planned seconds per device: (process start-up, per unit of work). Rough, from
-# the 2-core CPU machine; the GPU host has 16 cores and starts processes faster.
+# Planned seconds per step kind and device. "launch" is a ranks launch's start-up (processes,
+# torch, the first configuration's CUDA and cuBLAS start), "config2"/"config4" each configuration
+# after it, "reference"/"reference_key" the loss references' process and each reference in it.
+#
+# cuda: from the H200 runs of 2026-12-04 (console.log of run 2, same commit 379261e): environment
+# 5.8 s; examples 15.0-18.1 s each; perf 44.3 s; nccl 10.0 s; binding 4.1 s; a 2-rank launch
+# 17.4 s for 17 configurations of which the first took 4.8 s (CUDA start) and the rest 0.1-1.1 s;
+# 4-rank launches 12.3-13.7 s to their first (crashing) configuration. Each figure is the
+# measurement rounded up with some room, never several times it: the sum must say whether the
+# kit fits its 7 minutes (the default --budget-s), and it prints that sum before it starts.
+# overhead is new: 4 runs x 50 steps x ~48 ms of a 167M-parameter model plus start-ups (~20 s).
+# cpu: from the 2-core CI machine, where timings swing by several times.
 ESTIMATES = {
-    "cuda": {"environment": 15, "example": 30, "perf": 60, "launch": 20, "config2": 4, "config4": 6, "nccl": 25,
-             "binding": 20},
-    "cpu": {"environment": 15, "example": 25, "perf": 30, "launch": 20, "config2": 3, "config4": 8, "nccl": 0,
-            "binding": 20},
+    "cuda": {"environment": 10, "example": 20, "perf": 50, "overhead": 35, "launch": 15, "config2": 1,
+             "config4": 3, "nccl": 12, "binding": 8, "reference": 10, "reference_key": 0.5},
+    "cpu": {"environment": 15, "example": 25, "perf": 30, "overhead": 20, "launch": 20, "config2": 3, "config4": 8,
+            "nccl": 0, "binding": 20, "reference": 15, "reference_key": 1},
 }
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.acceptance.failures import STACK_LINES
+from benchmarks.acceptance.losses import TOLERANCES
 from benchmarks.acceptance.plan import FAIL, PASS, SKIPPED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +74,8 @@ def commit_line(git: dict) -> str:
 def brief(figures: dict) -> str:
     """The few figures worth a progress line."""
     keys = ("bitwise_equal", "final_loss", "bf16_speedup_vs_fp32", "bf16_speedup_vs_tf32", "profiler_overhead_pct",
-            "peak_memory_mib", "outcome", "layout", "final_loss_rank0", "device", "torch")
+            "peak_memory_mib", "overhead_pct", "max_memory_allocated_mib", "outcome", "layout", "final_loss_rank0",
+            "loss_vs_reference", "device", "torch")
     return ", ".join(f"{k} {figures[k]}" for k in keys if k in figures)
 
 
@@ -85,8 +87,8 @@ def markdown(doc: dict) -> str:
         "",
         f"- device: **{doc['device']}** (GPU: {gpu}; torch {env.get('torch', '?')}, CUDA {env.get('cuda_runtime', '-')}, "
         f"NCCL {env.get('nccl', '-')}; {env.get('cpu_count', '?')} CPUs)",
-        f"- started {doc['started_utc']}, wall {doc['wall_s']} s of a {doc['budget_s']:.0f} s budget, "
-        f"steps scale {doc['steps_scale']}",
+        f"- started {doc['started_utc']}, wall {doc['wall_s']} s of a {doc['budget_s']:.0f} s budget "
+        f"(planned {doc.get('plan_total_s')} s), steps scale {doc['steps_scale']}",
         commit_line(doc["git"]),
         f"- result: {doc['summary'][PASS]} passed, {doc['summary'][FAIL]} failed, {doc['summary'][SKIPPED]} skipped",
         f"- command: `{' '.join(['python -m benchmarks.gpu_acceptance', *doc['argv'][1:]])}`",
@@ -109,6 +111,8 @@ def markdown(doc: dict) -> str:
                   + " (vendors claim 1.5-2x)",
                   f"- profiler on vs off, overhead %: {f.get('profiler_overhead_pct')}",
                   f"- peak memory MiB ({f.get('peak_memory_source')}): {f.get('peak_memory_mib')}"]
+    lines += overhead_section(doc)
+    lines += references_section(doc)
     failures = [s for s in doc["steps"] if s["status"] == FAIL]
     if failures:
         lines += ["", "## Failures", "",
@@ -120,8 +124,59 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def md_cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")[:300]
+def overhead_section(doc: dict) -> list[str]:
+    """Slipstream's own cost at world size 1 (benchmarks/acceptance/overhead.py), per run."""
+    step = next((s for s in doc["steps"] if s["name"] == "overhead" and s["figures"].get("runs")), None)
+    if step is None:
+        return []
+    f = step["figures"]
+    m = f["model"]
+    lines = ["", "## Slipstream's overhead (world size 1)", "",
+             f"A decoder-only transformer from torch.nn ({m['parameters_m']}M parameters, d {m['dim']}, {m['layers']} "
+             f"layers, sequence {m['seq']}, batch {m['batch']}, vocabulary {m['vocab']}), {m['precision']}, "
+             f"{m['optimizer']}; {m['steps']} timed steps after {m['warmup']} per run, runs alternating; timing: "
+             f"{f['timing']}. Memory: `torch.cuda.max_memory_allocated()` in the user's process after each run, "
+             "its peak reset before each run.", "",
+             "| run | step ms (median) | final loss | loss rel gap vs plain | max_memory_allocated MiB |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['kind']} | {r['step_ms_median']} | {r['final_loss']} | {r['loss_max_rel_gap_vs_first_plain']} | "
+              f"{r['max_memory_allocated_mib'] if r['max_memory_allocated_mib'] is not None else 'n/a'} |" for r in f["runs"]]
+    lines += ["", f"- Slipstream over plain PyTorch: **{f['overhead_pct']}%** per step (median "
+                  f"{f['step_ms_median']['slipstream']} against {f['step_ms_median']['plain']} ms; a figure, not a "
+                  "criterion)"]
+    if f.get("peak_memory_reset_suspected"):
+        lines.append("- **the Slipstream runs read a far lower peak than the plain ones: something reset the process's "
+                     "CUDA peak-memory statistics during them**")
+    return lines
+
+
+def references_section(doc: dict) -> list[str]:
+    """The loss references and the tolerance of each kind of configuration."""
+    refs = doc.get("references") or {}
+    if not refs.get("runs"):
+        return []
+    lines = ["", "## One-rank references", "",
+             "Each 2- and 4-rank configuration against one process training the same model from the same weights "
+             "on all its data-parallel ranks' rows at once (a plain PyTorch loop, the same device), computed once "
+             "per precision, parameter dtype, data-parallel size and steps: the ranks' mean loss at every step, "
+             "and the global gradient norm Slipstream measured at its log steps. The norm is there because AdamW "
+             "hides a gradient scaled by a constant (a sum where a mean was meant) from the losses. A step fails "
+             "outside its kind's bound.", "",
+             "| kind | bound | why |", "|---|---|---|"]
+    lines += [f"| {t.kind} | {t.describe()} | {md_cell(t.why, limit=None)} |" for t in TOLERANCES.values()]
+    lines += ["", "| reference | losses | gradient norms |", "|---|---|---|"]
+    lines += [f"| {k} | {v['losses']} | {v['grad_norms']} |" for k, v in refs.get("values", {}).items()]
+    lines += [f"| {k} | **none**: {md_cell(v)} | |" for k, v in refs.get("problems", {}).items()]
+    for run in refs["runs"]:
+        lines += ["", f"- {len(run['keys'])} reference(s) in {run['seconds']} s on {run.get('device')}: `{run['command']}`"]
+        if run.get("stack"):
+            lines += ["", f"Stack, from {run['stack_source']}:", "", "```", run["stack"].strip(), "```"]
+    return lines
+
+
+def md_cell(text: Any, limit: int | None = 300) -> str:
+    """``text`` as one table cell: pipes escaped, one line, cut at ``limit`` characters."""
+    return str(text).replace("|", "\\|").replace("\n", " ")[:limit]
 
 
 def failure_section(step: dict) -> list[str]:
