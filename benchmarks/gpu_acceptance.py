@@ -3,7 +3,7 @@ machine with a GPU runs once, and that CI runs on the CPU so that run is not
 spent on bugs in this script.
 
     python -m benchmarks.gpu_acceptance --out DIR [--device cuda|cpu] [--only REGEX]
-                                        [--budget-s 480] [--steps-scale X] [--jobs 1]
+                                        [--budget-s 420] [--steps-scale X] [--jobs 1]
 
 Steps (each a subprocess with its own timeout; a failure does not stop the
 others; a step that cannot apply on this device is "skipped" with the reason):
@@ -15,11 +15,16 @@ others; a step that cannot apply on this device is "skipped" with the reason):
   and resumed, bitwise equal to an uninterrupted run (benchmarks/acceptance/resume.py).
 * perf: bf16 against fp32 step time (CUDA events on a GPU), the step profiler
   on against off, peak memory (benchmarks/acceptance/perf.py).
+* overhead: Slipstream at world size 1 against a plain PyTorch loop on the same
+  torch.nn decoder, runs alternated: step times, identical losses, the user's
+  max_memory_allocated after each run (benchmarks/acceptance/overhead.py).
 * sync/<strategy> for every name in slipstream.sync.available(), and
   layout/<name> (FSDP2, ZeRO-2, TP, PP, 4-rank combinations, DiLoCo over FSDP2 replicas): 2 or 4 ranks
   through `slipstream run`, sharing one GPU with gloo + CUDA tensors
   (SLIPSTREAM_BACKEND=gloo SLIPSTREAM_DEVICE=cuda); every rank's model must
-  end with the same bits (benchmarks/acceptance/ranks.py).
+  end with the same bits (benchmarks/acceptance/ranks.py), and the ranks' mean
+  losses and gradient norms must follow one process training the same model on
+  the whole global batch (benchmarks/acceptance/reference.py, losses.py).
 * conformance/*: issue #32's cases at 2 ranks (conformance_steps): bf16 parameters under
   every strategy, an asynchronous save on the final step then a resume followed by
   compressed steps, fp16 error feedback across a forced loss-scale change.
@@ -39,9 +44,11 @@ alone. The default, 1, runs every step after the one before (what the GPU run
 does: its timings are not shared with a neighbour). CI's CPU run uses 2: an
 example is one process, and the second core would otherwise sit idle.
 
-Writes DIR/acceptance.json and DIR/acceptance.md after every step (a killed run
-still leaves a report), prints a line per step, exits 1 if any step failed.
-See docs/gpu.md.
+Every subprocess runs with Python's faulthandler on. Prints the plan's total
+against --budget-s at the start, then a line per step (a failed one: its stack's
+summary and the command that reruns just it); writes DIR/acceptance.json and
+DIR/acceptance.md after every step (a killed run still leaves a report), with each
+failed step's stack; exits 1 if any step failed. See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -54,9 +61,7 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -71,6 +76,7 @@ from benchmarks.acceptance.plan import (  # noqa: F401 - re-exported: the kit's 
 )
 from benchmarks.acceptance.failures import find_stack, first_failed_rank, rank_lines, rank_log_files, rerun_command
 from benchmarks.acceptance.losses import brief_gap, reference_checks, reference_spec, tolerance_for
+from benchmarks.acceptance.processes import clean_environ, command_text, read_json, stop_tree, tail
 from benchmarks.acceptance.report import brief, markdown, source_commit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -651,82 +657,6 @@ def ranks_checks(records: list[dict], env: dict[str, str]) -> list[dict]:
 
 def combined_digest(digests: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{k}={digests[k]};" for k in sorted(digests)).encode()).hexdigest()
-
-
-def stop_tree(proc: subprocess.Popen) -> None:
-    """Stop a timed-out step and everything it started.
-
-    The elastic agent starts each worker in a session of its own, so the step's
-    process group does not reach them: the tree is read first (while it is whole),
-    the step gets SIGTERM (`slipstream run` then stops its workers), and whatever
-    of the tree is left after a grace period is killed.
-    """
-    try:
-        from slipstream.launch.proc import descendants  # imports torch; only ever needed here
-
-        tree = descendants(proc.pid)
-    except Exception:  # noqa: BLE001 - without the tree, the process group is still reached below
-        tree = [proc.pid]
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def clean_environ() -> dict[str, str]:
-    """This process's environment without SLIPSTREAM_* variables (a strategy or
-    precision left set in the shell must not change what a step tests), and with
-    the source tree first on PYTHONPATH: every subprocess of the kit (step programs,
-    `slipstream run` and its workers) imports this checkout's slipstream and
-    benchmarks, installed or not (docs/gpu.md: the bare GPU machine); and with Python's
-    faulthandler on (PYTHONFAULTHANDLER=1, inherited by `slipstream run`'s workers and the
-    examples' forked runs): a segfault in native code then leaves the Python stack that led
-    to it. The first GPU run's FSDP steps died of SIGSEGV with no stack at all; the second,
-    rerun with it by hand, showed the crash inside the full-state-dict gather."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
-    env["PYTHONFAULTHANDLER"] = "1"
-    for key in ("SLIPSTREAM_BARE_ALLOWED", "SLIPSTREAM_BARE_SRC", "SLIPSTREAM_BARE_AUDIT"):  # the tests' bare machine
-        if key in os.environ:
-            env[key] = os.environ[key]
-    env["PYTHONPATH"] = source_path(os.environ.get("PYTHONPATH", ""))
-    return env
-
-
-def source_path(existing: str) -> str:
-    """PYTHONPATH with ROOT/src and ROOT first (once), then what was there."""
-    first = [str(ROOT / "src"), str(ROOT)]
-    rest = [p for p in existing.split(os.pathsep) if p and os.path.realpath(p) not in map(os.path.realpath, first)]
-    return os.pathsep.join(first + rest)
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def command_text(cmd: list[str], env: dict[str, str]) -> str:
-    shown = [f"{k}={v}" for k, v in sorted(env.items())]
-    return " ".join(shown + [shlex.quote(c) for c in ["python" if c == sys.executable else c for c in cmd]])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
