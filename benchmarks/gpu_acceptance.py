@@ -197,11 +197,49 @@ class Acceptance:
         self.report_progress(env_step)
         if not self.device:
             self.device = self.environment.get("device_chosen") or "cpu"
+        units = self.plan(env_step)
+        self.print_plan(env_step)
+
+        def run_unit(unit_steps: list[Step], action: Any) -> None:
+            if any(step.status == "pending" for step in unit_steps):
+                action()
+            with self.report_lock:
+                for step in unit_steps:
+                    if step.status == "pending":  # a group member the action left (should not happen)
+                        step.status, step.reason = FAIL, "not run: internal error in the acceptance script"
+                    self.report_progress(step)
+                self.write_reports()
+
+        # Consecutive one-process units form a batch that --jobs > 1 runs side by side, in order.
+        batches: list[list[tuple[list[Step], Any, bool]]] = []
+        for unit in units:
+            if batches and unit[2] and batches[-1][-1][2]:
+                batches[-1].append(unit)
+            else:
+                batches.append([unit])
+        for batch in batches:
+            if self.args.jobs > 1 and len(batch) > 1:
+                with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
+                    for future in [pool.submit(run_unit, unit_steps, action) for unit_steps, action, _ in batch]:
+                        future.result()
+            else:
+                for unit_steps, action, _ in batch:
+                    run_unit(unit_steps, action)
+        self.write_reports()
+        failed = [s for s in self.steps if s.status == FAIL]
+        total = round(time.monotonic() - self.started, 1)
+        print(f"acceptance: {len(self.steps) - len(failed)} of {len(self.steps)} steps passed or skipped, "
+              f"{len(failed)} failed, {total} s; report: {self.out / 'acceptance.md'}", flush=True)
+        return 1 if failed else 0
+
+    def plan(self, env_step: Step) -> list[tuple[list[Step], Any, bool]]:
+        """Every step after the environment step, in the order they run, as units (its steps, what
+        runs them, whether it is one process that --jobs may run beside others); what this device
+        cannot run and what --only leaves out are skipped here, before anything runs."""
         placement_ok = env_step.status == PASS
         sizes = sizes_for(self.device, self.args.steps_scale)
         est = ESTIMATES[self.device]
         env_step.estimate_s = est["environment"]
-
         self.sizes = sizes
 
         # A unit: its steps, what runs them, and whether it is one process (--jobs may run it beside others).
@@ -240,41 +278,9 @@ class Acceptance:
         ]
         for unit_steps, _, _ in units:
             self.steps.extend(unit_steps)
-        for step in self.steps[1:]:  # known now: what this device cannot run and what --only leaves out
+        for step in self.steps[1:]:
             self.apply_device_and_selection(step, placement_ok, env_step)
-        self.print_plan(env_step)
-
-        def run_unit(unit_steps: list[Step], action: Any) -> None:
-            if any(step.status == "pending" for step in unit_steps):
-                action()
-            with self.report_lock:
-                for step in unit_steps:
-                    if step.status == "pending":  # a group member the action left (should not happen)
-                        step.status, step.reason = FAIL, "not run: internal error in the acceptance script"
-                    self.report_progress(step)
-                self.write_reports()
-
-        # Consecutive one-process units form a batch that --jobs > 1 runs side by side, in order.
-        batches: list[list[tuple[list[Step], Any, bool]]] = []
-        for unit in units:
-            if batches and unit[2] and batches[-1][-1][2]:
-                batches[-1].append(unit)
-            else:
-                batches.append([unit])
-        for batch in batches:
-            if self.args.jobs > 1 and len(batch) > 1:
-                with ThreadPoolExecutor(max_workers=self.args.jobs) as pool:
-                    for future in [pool.submit(run_unit, unit_steps, action) for unit_steps, action, _ in batch]:
-                        future.result()
-            else:
-                for unit_steps, action, _ in batch:
-                    run_unit(unit_steps, action)
-        self.write_reports()
-        failed = [s for s in self.steps if s.status == FAIL]
-        total = round(time.monotonic() - self.started, 1)
-        print(f"acceptance: {len(self.steps) - len(failed)} of {len(self.steps)} steps passed or skipped, "
-              f"{len(failed)} failed, {total} s; report: {self.out / 'acceptance.md'}", flush=True)
-        return 1 if failed else 0
+        return units
 
     def planned_s(self) -> dict[str, float]:
         """Planned seconds of what is left to run, by part: each pending one-process step's
