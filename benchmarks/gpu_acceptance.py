@@ -466,8 +466,8 @@ class Acceptance:
             # Each rank's own log (--log-dir, --tee 3: also in the launch output, prefixed by rank):
             # the report shows the failing rank's stack, not an interleaving of every rank's.
             cmd = [sys.executable, "-m", "slipstream", "run", "-n", str(group.nproc),
-                   "--log-dir", str(launch_dir / RANK_LOGS), "--tee", "3", "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"),
-                   "--out", str(launch_dir)]
+                   "--log-dir", str(launch_dir / RANK_LOGS), "--tee", "3",
+                   "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"), "--out", str(launch_dir)]
             timeout = self.timeout_for(planned)
             print(f"        launching {len(fitting)} configuration(s) on {group.nproc} ranks "
                   f"({group.env['SLIPSTREAM_BACKEND']}, {self.device}), up to {timeout:.0f} s ...", flush=True)
