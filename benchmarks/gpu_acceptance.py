@@ -3,7 +3,7 @@ machine with a GPU runs once, and that CI runs on the CPU so that run is not
 spent on bugs in this script.
 
     python -m benchmarks.gpu_acceptance --out DIR [--device cuda|cpu] [--only REGEX]
-                                        [--budget-s 480] [--steps-scale X] [--jobs 1]
+                                        [--budget-s 420] [--steps-scale X] [--jobs 1]
 
 Steps (each a subprocess with its own timeout; a failure does not stop the
 others; a step that cannot apply on this device is "skipped" with the reason):
@@ -15,11 +15,16 @@ others; a step that cannot apply on this device is "skipped" with the reason):
   and resumed, bitwise equal to an uninterrupted run (benchmarks/acceptance/resume.py).
 * perf: bf16 against fp32 step time (CUDA events on a GPU), the step profiler
   on against off, peak memory (benchmarks/acceptance/perf.py).
+* overhead: Slipstream at world size 1 against a plain PyTorch loop on the same
+  torch.nn decoder, runs alternated: step times, identical losses, the user's
+  max_memory_allocated after each run (benchmarks/acceptance/overhead.py).
 * sync/<strategy> for every name in slipstream.sync.available(), and
   layout/<name> (FSDP2, ZeRO-2, TP, PP, 4-rank combinations, DiLoCo over FSDP2 replicas): 2 or 4 ranks
   through `slipstream run`, sharing one GPU with gloo + CUDA tensors
   (SLIPSTREAM_BACKEND=gloo SLIPSTREAM_DEVICE=cuda); every rank's model must
-  end with the same bits (benchmarks/acceptance/ranks.py).
+  end with the same bits (benchmarks/acceptance/ranks.py), and the ranks' mean
+  losses and gradient norms must follow one process training the same model on
+  the whole global batch (benchmarks/acceptance/reference.py, losses.py).
 * conformance/*: issue #32's cases at 2 ranks (conformance_steps): bf16 parameters under
   every strategy, an asynchronous save on the final step then a resume followed by
   compressed steps, fp16 error feedback across a forced loss-scale change.
@@ -39,190 +44,44 @@ alone. The default, 1, runs every step after the one before (what the GPU run
 does: its timings are not shared with a neighbour). CI's CPU run uses 2: an
 example is one process, and the second core would otherwise sit idle.
 
-Writes DIR/acceptance.json and DIR/acceptance.md after every step (a killed run
-still leaves a report), prints a line per step, exits 1 if any step failed.
-See docs/gpu.md.
+Every subprocess runs with Python's faulthandler on. Prints the plan's total
+against --budget-s at the start, then a line per step (a failed one: its stack's
+summary and the command that reruns just it); writes DIR/acceptance.json and
+DIR/acceptance.md after every step (a killed run still leaves a report), with each
+failed step's stack; exits 1 if any step failed. See docs/gpu.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import hashlib
 import json
 import math
 import os
 import re
-import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from benchmarks.acceptance.plan import (  # noqa: F401 - re-exported: the kit's tests and callers read them here
+    ESTIMATES, FAIL, LAYOUTS_2, LAYOUTS_4, PASS, SKIP_BLOCKED, SKIP_BUDGET, SKIP_DEVICE, SKIP_SELECTION, SKIPPED,
+    Group, Sizes, Step, conformance_steps, layout_options, pipelined, sizes_for, sync_options,
+)
+from benchmarks.acceptance.failures import find_stack, first_failed_rank, rank_lines, rank_log_files, rerun_command
+from benchmarks.acceptance.losses import brief_gap, reference_checks, reference_spec, tolerance_for
+from benchmarks.acceptance.processes import clean_environ, command_text, read_json, stop_tree, tail
+from benchmarks.acceptance.report import brief, markdown, source_commit
+
 ROOT = Path(__file__).resolve().parent.parent
-
-# Fixed so the JSON is checkable: pass, fail, skipped; a skip says which kind.
-PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
-SKIP_DEVICE, SKIP_BUDGET, SKIP_SELECTION, SKIP_BLOCKED = "device", "budget", "selection", "blocked"
-
-
-@dataclass
-class Step:
-    """One line of the report."""
-
-    name: str
-    estimate_s: float  # planned cost on this device, for the budget
-    status: str = "pending"
-    seconds: float = 0.0
-    reason: str = ""  # why skipped or failed, one line
-    skip_kind: str = ""
-    figures: dict = field(default_factory=dict)
-    checks: list = field(default_factory=list)
-    commands: list = field(default_factory=list)
-    output_tail: str = ""
-    options: dict = field(default_factory=dict)  # ranks steps: accelerate() options
-    case: dict = field(default_factory=dict)  # ranks steps: what benchmarks/acceptance/ranks.py adds (train_one)
-
-    def skip(self, kind: str, reason: str) -> None:
-        self.status, self.skip_kind, self.reason = SKIPPED, kind, reason
-
-    def to_json(self) -> dict:
-        out = asdict(self)
-        out.pop("options")
-        out.pop("case")
-        out.pop("estimate_s")
-        if self.status != FAIL:
-            out.pop("output_tail")
-        out["command"] = self.commands[0] if len(self.commands) == 1 else self.commands
-        out.pop("commands")
-        return out
-
-
-@dataclass
-class Sizes:
-    """What each step trains, per device (scaled by --steps-scale)."""
-
-    example_args: dict[str, list[str]]
-    every: int  # checkpoint interval k of the resume steps (they run 3k steps)
-    ranks_model: dict
-    ranks_steps: int
-    perf_args: list[str]
-
-
-def sizes_for(device: str, scale: float) -> Sizes:
-    def steps(n: int, least: int) -> int:
-        return max(least, int(round(n * scale)))
-
-    if device == "cuda":
-        gpt = ["--batch-size", "8", "--layers", "2", "--dim", "128", "--context", "64", "--corpus-mb", "0.5"]
-        resnet = ["--batch-size", "16", "--width", "16"]
-        model = {"dim": 128, "layers": 2, "heads": 4, "context": 64, "batch": 8}
-        perf = ["--warmup", str(steps(3, 1)), "--steps", str(steps(10, 2)), "--rounds", "3"]
-    else:
-        # Tiny, and k = 1 (3 steps a run): on 2 busy cores the examples' fixed costs
-        # (start-up, checkpoints) already take most of CI's few minutes, and a bf16
-        # convolution on a CPU without native bf16 costs about 1 s per step at width 8.
-        gpt = ["--batch-size", "4", "--layers", "2", "--dim", "64", "--context", "32", "--corpus-mb", "0.2"]
-        resnet = ["--batch-size", "4", "--width", "4"]
-        model = {"dim": 64, "layers": 2, "heads": 4, "context": 32, "batch": 8}
-        # Small: CPU timings on a shared machine are noise, and bf16 matmuls have no
-        # native support on most CPUs (about 10x slower than fp32 here). What CI
-        # proves is that the measurement runs; the figures that matter come from a GPU.
-        perf = ["--dim", "64", "--layers", "1", "--context", "32", "--batch", "4",
-                "--warmup", str(steps(1, 1)), "--steps", str(steps(3, 2)), "--rounds", "2"]
-    every = steps(2, 1) if device == "cuda" else steps(1, 1)
-    return Sizes({"gpt": gpt, "resnet": resnet}, every, model, steps(4 if device == "cuda" else 3, 2), perf)
-
-
-# 2-rank layouts (docs/parallel.md); DDP itself is sync/allreduce. Options go to accelerate().
-LAYOUTS_2 = {
-    "ddp-bf16": {"precision": "bf16"},
-    "ddp-fp16": {"precision": "fp16"},  # the gradient scaler's inf check crosses ranks
-    "fsdp": {"dp_shard": 2},
-    "fsdp-zero2": {"dp_shard": 2, "zero_stage": 2},
-    "fsdp-bf16": {"dp_shard": 2, "precision": "bf16"},
-    "fsdp-activation-ckpt": {"dp_shard": 2, "activation_checkpointing": ["Block"]},
-    "tp": {"tp": 2},
-    "tp-bf16": {"tp": 2, "precision": "bf16"},
-    "pp-gpipe": {"pp": 2, "pp_schedule": "gpipe"},
-    "pp-1f1b": {"pp": 2, "pp_schedule": "1f1b", "pp_microbatches": 4},
-}
-LAYOUTS_4 = {
-    "fsdp2xtp2": {"dp_shard": 2, "tp": 2},
-    "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
-    "pp2xfsdp2": {"pp": 2, "dp_shard": 2},
-    "tp2xpp2": {"tp": 2, "pp": 2},
-    # DiLoCo across 2 replicas, FSDP2 over dp_shard inside each (issue #35): its inner_steps
-    # comes from sync_options, so the run ends on an outer step (equal digests everywhere)
-    "diloco-2x2": {"dp_replicate": 2, "dp_shard": 2, "sync": "diloco"},
-}
-
-def sync_options(strategy: str, steps: int) -> dict:
-    """A step's options for ``strategy``: diloco's replicas differ between outer steps by design, so
-    its period divides the run's steps and the run ends on an outer step (where the ranks' parameter
-    digests must be equal, as every other strategy's)."""
-    options: dict = {"sync": strategy}
-    if strategy == "diloco":
-        options["sync_options"] = {"inner_steps": steps // 2 if steps >= 2 and steps % 2 == 0 else max(1, steps)}
-    return options
-
-
-def layout_options(options: dict, steps: int) -> dict:
-    """A layout step's options: one that names a sync strategy gets that strategy's (diloco: an
-    inner_steps dividing the run's steps)."""
-    return {**options, **sync_options(options["sync"], steps)} if "sync" in options else options
-
-
-def conformance_steps(strategies: list[str], steps: int, estimate_s: float) -> list[Step]:
-    """Issue #32's cases, 2 ranks (benchmarks/acceptance/ranks.py's ``case``):
-
-    * bf16-params/<strategy>: the model's parameters in bf16 under every sync strategy;
-    * resume/async-final-save+<codec>: an asynchronous save on the first launch's final step,
-      a resume there, then compressed steps (powersgd, topk);
-    * fp16-ef/scale-change/<codec>: fp16 with error feedback across a forced loss-scale change
-      (scale x 2**-8 after step 1), against the same run without the change.
-    """
-    at = max(1, steps // 2)
-    out = [Step(f"conformance/bf16-params/{s}", estimate_s, options=sync_options(s, steps), case={"param_dtype": "bf16"})
-           for s in strategies]
-    out += [Step(f"conformance/resume/async-final-save+{c}", 2 * estimate_s, options={"sync": c},
-                 case={"resume_at": at}) for c in ("powersgd", "topk")]
-    out += [Step(f"conformance/fp16-ef/scale-change/{c}", 2 * estimate_s, options={"sync": c, "precision": "fp16"},
-                 case={"force_scale": {"at": 1, "factor": 2.0 ** -8}}) for c in ("allreduce", "powersgd", "topk")]
-    return out
-
-
-def _pipelined(step_name: str) -> bool:
-    """Whether a ``layout/<name>`` step has pipeline stages (pp > 1)."""
-    name = step_name.split("/", 1)[1] if step_name.startswith("layout/") else ""
-    return {**LAYOUTS_2, **LAYOUTS_4}.get(name, {}).get("pp", 1) > 1
-
-
-# Planned seconds per device: (process start-up, per unit of work). Rough, from
-# the 2-core CPU machine; the GPU host has 16 cores and starts processes faster.
-ESTIMATES = {
-    "cuda": {"environment": 15, "example": 30, "perf": 60, "launch": 20, "config2": 4, "config4": 6, "nccl": 25,
-             "binding": 20},
-    "cpu": {"environment": 15, "example": 25, "perf": 30, "launch": 20, "config2": 3, "config4": 8, "nccl": 0,
-            "binding": 20},
-}
-
-
-@dataclass
-class Group:
-    """Ranks steps that share launches: same number of ranks, same environment."""
-
-    nproc: int
-    env: dict[str, str]
-    steps: list[Step]
-    nccl_refusal: bool = False  # the step passes if the launch is refused with a clear error
-
+DEFAULT_BUDGET_S = 420.0
+RANK_LOGS = "rank-logs"  # under a launch's folder: `slipstream run --log-dir`, one folder per rank
 
 class Acceptance:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -235,6 +94,14 @@ class Acceptance:
         self.device = args.device
         self.only = re.compile(args.only) if args.only else None
         self.report_lock = threading.Lock()  # --jobs > 1: steps finish in several threads
+        self.source = source_commit(ROOT)  # once: the source does not change under a run
+        self.groups: list[Group] = []  # the ranks groups of the plan
+        self.sizes: Sizes | None = None
+        self.plan_total_s: float | None = None
+        # One-rank references (benchmarks/acceptance/reference.py) by key, or why there are none.
+        self.references: dict[str, dict] = {}  # key -> losses, grad_norms
+        self.reference_problems: dict[str, str] = {}
+        self.reference_runs: list[dict] = []
 
     # --- time ---------------------------------------------------------------
     def remaining_s(self) -> float:
@@ -295,6 +162,30 @@ class Acceptance:
                     f"{failed[0]['name']}: {failed[0].get('detail', '')}" if failed else f"exit code {rc}")
         if step.status == FAIL:
             step.output_tail = ((result or {}).get("output_tail") or "") + "\n--- step output ---\n" + tail(folder / "output.log")
+            # The result's own traceback names the failing call; a run the step started keeps its
+            # own log (failed_log); a crash of the step program itself is only in its output.
+            result = result or {}
+            failed_log = Path(result["failed_log"]) if result.get("failed_log") else None
+            self.attach_stack(step, [(self.shown(result_path), result.get("traceback")),
+                                     (self.shown(result_path), result.get("output_tail")),
+                                     *([(self.shown(failed_log), tail(failed_log, 200_000))] if failed_log else []),
+                                     (self.shown(folder / "output.log"), tail(folder / "output.log", 200_000))])
+
+    def shown(self, path: Path) -> str:
+        """A path as the report shows it: under the run's folder when it is there."""
+        try:
+            return str(path.relative_to(self.out))
+        except ValueError:
+            return str(path)
+
+    def attach_stack(self, step: Step, candidates: list[tuple[str, str | None]]) -> None:
+        """The first stack found in ``candidates`` ((where, text), most telling first) becomes the
+        step's: the report shows its last lines, the console its one-line summary."""
+        for source, text in candidates:
+            found = find_stack(text or "")
+            if found is not None:
+                step.stack, step.stack_summary, step.stack_source = found.text, f"{found.kind}: {found.summary}", source
+                return
 
     # --- the plan ---------------------------------------------------------------
     def run(self) -> int:
@@ -306,48 +197,10 @@ class Acceptance:
         self.report_progress(env_step)
         if not self.device:
             self.device = self.environment.get("device_chosen") or "cpu"
-        placement_ok = env_step.status == PASS
-        sizes = sizes_for(self.device, self.args.steps_scale)
-        est = ESTIMATES[self.device]
-        env_step.estimate_s = est["environment"]
-
-        # A unit: its steps, what runs them, and whether it is one process (--jobs may run it beside others).
-        def example(name: str, precision: str) -> tuple[list[Step], Any, bool]:
-            step = Step(f"example/{name}/{precision}", est["example"])
-            return [step], lambda: self.example_step(step, name, precision, sizes), True
-
-        def ranks(nproc: int, backend: str, steps: list[Step], nccl_refusal: bool = False) -> tuple[list[Step], Any, bool]:
-            group = Group(nproc, self.ranks_env(backend), steps, nccl_refusal=nccl_refusal)
-            return steps, lambda: self.ranks_group(group, sizes), False
-
-        perf = Step("perf", est["perf"])
-        binding = Step("binding/per-rank-gpu", est["binding"])
-        if self.environment.get("sync_available"):
-            syncs = [Step(f"sync/{s}", est["config2"], options=sync_options(s, sizes.ranks_steps))
-                     for s in self.environment["sync_available"]]
-        else:  # nothing to plan from: one line says so
-            syncs = [Step("sync/*", 0)]
-        layouts2 = [Step(f"layout/{n}", est["config2"], options=o) for n, o in LAYOUTS_2.items()]
-        conformance = conformance_steps(self.environment.get("sync_available") or [], sizes.ranks_steps, est["config2"])
-        layouts4 = [Step(f"layout/{n}", est["config4"], options=layout_options(o, sizes.ranks_steps))
-                    for n, o in LAYOUTS_4.items()]
-        # Most telling first, so a budget that runs out takes the least: each precision's
-        # examples, then the profile figures, the NCCL refusal, the 2-rank matrix, the rest.
-        units = [
-            example("gpt", "fp32"), example("resnet", "fp32"),
-            ([perf], lambda: self.perf_step(perf, sizes), True),
-            ranks(2, "nccl", [Step("nccl/2-ranks-1-gpu", est["nccl"])], nccl_refusal=True),
-            ([binding], lambda: self.binding_step(binding), True),
-            ranks(2, "gloo", syncs + layouts2 + conformance),
-            example("gpt", "bf16"), example("resnet", "bf16"), example("gpt", "fp16"), example("resnet", "fp16"),
-            ranks(4, "gloo", layouts4),
-        ]
-        for unit_steps, _, _ in units:
-            self.steps.extend(unit_steps)
+        units = self.plan(env_step)
+        self.print_plan(env_step)
 
         def run_unit(unit_steps: list[Step], action: Any) -> None:
-            for step in unit_steps:
-                self.apply_device_and_selection(step, placement_ok, env_step)
             if any(step.status == "pending" for step in unit_steps):
                 action()
             with self.report_lock:
@@ -379,6 +232,89 @@ class Acceptance:
               f"{len(failed)} failed, {total} s; report: {self.out / 'acceptance.md'}", flush=True)
         return 1 if failed else 0
 
+    def plan(self, env_step: Step) -> list[tuple[list[Step], Any, bool]]:
+        """Every step after the environment step, in the order they run, as units (its steps, what
+        runs them, whether it is one process that --jobs may run beside others); what this device
+        cannot run and what --only leaves out are skipped here, before anything runs."""
+        placement_ok = env_step.status == PASS
+        sizes = sizes_for(self.device, self.args.steps_scale)
+        est = ESTIMATES[self.device]
+        env_step.estimate_s = est["environment"]
+        self.sizes = sizes
+
+        # A unit: its steps, what runs them, and whether it is one process (--jobs may run it beside others).
+        def example(name: str, precision: str) -> tuple[list[Step], Any, bool]:
+            step = Step(f"example/{name}/{precision}", est["example"])
+            return [step], lambda: self.example_step(step, name, precision, sizes), True
+
+        def ranks(nproc: int, backend: str, steps: list[Step], nccl_refusal: bool = False) -> tuple[list[Step], Any, bool]:
+            group = Group(nproc, self.ranks_env(backend), steps, nccl_refusal=nccl_refusal)
+            self.groups.append(group)
+            return steps, lambda: self.ranks_group(group, sizes), False
+
+        perf = Step("perf", est["perf"])
+        overhead = Step("overhead", est["overhead"])
+        binding = Step("binding/per-rank-gpu", est["binding"])
+        if self.environment.get("sync_available"):
+            syncs = [Step(f"sync/{s}", est["config2"], options=sync_options(s, sizes.ranks_steps))
+                     for s in self.environment["sync_available"]]
+        else:  # nothing to plan from: one line says so
+            syncs = [Step("sync/*", 0)]
+        layouts2 = [Step(f"layout/{n}", est["config2"], options=o) for n, o in LAYOUTS_2.items()]
+        conformance = conformance_steps(self.environment.get("sync_available") or [], sizes.ranks_steps, est["config2"])
+        layouts4 = [Step(f"layout/{n}", est["config4"], options=layout_options(o, sizes.ranks_steps))
+                    for n, o in LAYOUTS_4.items()]
+        # Most telling first, so a budget that runs out takes the least: each precision's
+        # examples, then the profile figures, the NCCL refusal, the 2-rank matrix, the rest.
+        units = [
+            example("gpt", "fp32"), example("resnet", "fp32"),
+            ([perf], lambda: self.perf_step(perf, sizes), True),
+            ([overhead], lambda: self.overhead_step(overhead, sizes), True),
+            ranks(2, "nccl", [Step("nccl/2-ranks-1-gpu", est["nccl"])], nccl_refusal=True),
+            ([binding], lambda: self.binding_step(binding), True),
+            ranks(2, "gloo", syncs + layouts2 + conformance),
+            example("gpt", "bf16"), example("resnet", "bf16"), example("gpt", "fp16"), example("resnet", "fp16"),
+            ranks(4, "gloo", layouts4),
+        ]
+        for unit_steps, _, _ in units:
+            self.steps.extend(unit_steps)
+        for step in self.steps[1:]:
+            self.apply_device_and_selection(step, placement_ok, env_step)
+        return units
+
+    def planned_s(self) -> dict[str, float]:
+        """Planned seconds of what is left to run, by part: each pending one-process step's
+        estimate; per ranks group, a launch and its pending configurations; the loss references."""
+        est = ESTIMATES[self.device]
+        in_groups = {id(s) for g in self.groups for s in g.steps}
+        parts: dict[str, float] = {}
+        for step in self.steps[1:]:
+            if step.status == "pending" and id(step) not in in_groups:
+                kind = step.name.split("/", 1)[0]
+                parts[kind] = parts.get(kind, 0.0) + step.estimate_s
+        for group in self.groups:
+            pending = [s for s in group.steps if s.status == "pending"]
+            if pending:
+                key = f"{group.nproc}-rank {group.env['SLIPSTREAM_BACKEND']}"
+                parts[key] = est["launch"] + sum(s.estimate_s for s in pending)
+        keys = self.reference_specs()
+        if keys:
+            parts["loss references"] = est["reference"] + est["reference_key"] * len(keys)
+        return parts
+
+    def print_plan(self, env_step: Step) -> None:
+        """The plan's total at the start, against the budget: the kit must fit its window."""
+        parts = self.planned_s()
+        total = env_step.seconds + sum(parts.values())
+        self.plan_total_s = round(total, 1)
+        runs = sum(1 for s in self.steps[1:] if s.status == "pending")
+        print(f"        plan: {runs} of {len(self.steps) - 1} steps to run on {self.device}, planned {total:.0f} s "
+              f"with the environment step's {env_step.seconds:.0f} s, of --budget-s {self.args.budget_s:.0f} ("
+              + ", ".join(f"{k} {v:.0f}" for k, v in parts.items()) + ")", flush=True)
+        if total > self.args.budget_s:
+            print(f"        the plan exceeds the budget by {total - self.args.budget_s:.0f} s: the last steps "
+                  "will be skipped (kind budget)", flush=True)
+
     def apply_device_and_selection(self, step: Step, placement_ok: bool, env_step: Step) -> None:
         if self.only and not self.only.search(step.name):
             step.skip(SKIP_SELECTION, f"not selected by --only {self.args.only!r}")
@@ -389,7 +325,7 @@ class Acceptance:
         elif not placement_ok and (step.name.startswith(("sync/", "layout/"))):
             step.skip(SKIP_BLOCKED, f"blocked: a gloo group with {self.device} tensors did not start "
                                     f"in the environment step ({env_step.reason})")
-        elif self.device == "cuda" and _pipelined(step.name):
+        elif self.device == "cuda" and pipelined(step.name):
             # Ranks share the GPU over gloo here, and gloo's send/recv cannot carry GPU
             # memory (Slipstream refuses it): a GPU pipeline needs NCCL and a GPU per stage.
             step.skip(SKIP_DEVICE, "device: pp over gloo cannot carry CUDA tensors (send/recv), and one GPU "
@@ -413,6 +349,13 @@ class Acceptance:
         args = ["--device", self.device, "--out", str(folder / "runs"), *sizes.perf_args]
         self.program_step(step, "benchmarks.acceptance.perf", args, {}, self.timeout_for(step.estimate_s))
 
+    def overhead_step(self, step: Step, sizes: Sizes) -> None:
+        if not self.fits(step):
+            return
+        folder = self.out / "steps" / "overhead"
+        args = ["--device", self.device, "--out", str(folder / "runs"), *sizes.overhead_args]
+        self.program_step(step, "benchmarks.acceptance.overhead", args, {}, self.timeout_for(step.estimate_s))
+
     def binding_step(self, step: Step) -> None:
         if not self.fits(step):
             return
@@ -431,6 +374,62 @@ class Acceptance:
             env["CUDA_VISIBLE_DEVICES"] = visible
         return env
 
+    def reference_specs(self) -> dict[str, dict]:
+        """The loss references the pending ranks steps need and nobody has computed yet, by key:
+        those of every group at once, so one process computes all of them (start-up costs more
+        than training them)."""
+        assert self.sizes is not None
+        specs: dict[str, dict] = {}
+        for group in self.groups:
+            if group.nccl_refusal:
+                continue
+            for step in group.steps:
+                if step.status == "pending":
+                    spec = reference_spec(step.options, step.case, group.nproc, self.sizes.ranks_steps)
+                    if spec["key"] not in self.references and spec["key"] not in self.reference_problems:
+                        specs[spec["key"]] = spec
+        return specs
+
+    def ensure_references(self, group: Group) -> None:
+        """Compute the missing loss references (one process, world size 1, the ranks' device)."""
+        specs = self.reference_specs()
+        if not specs:
+            return
+        assert self.sizes is not None
+        est = ESTIMATES[self.device]
+        folder = self.out / "steps" / "reference"
+        run_dir = folder / f"run{len(self.reference_runs) + 1}"
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+        run_dir.mkdir(parents=True)
+        plan = {"model": self.sizes.ranks_model, "steps": self.sizes.ranks_steps, "references": list(specs.values())}
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+        env = {k: v for k, v in group.env.items() if k == "CUDA_VISIBLE_DEVICES"}  # the ranks' GPU, nothing else
+        cmd = [sys.executable, "-m", "benchmarks.acceptance.reference", "--device", self.device,
+               "--plan", str(run_dir / "plan.json"), "--result", str(run_dir / "result.json")]
+        timeout = self.timeout_for(est["reference"] + est["reference_key"] * len(specs))
+        print(f"        computing {len(specs)} loss reference(s) at world size 1 ({self.device}), "
+              f"up to {timeout:.0f} s ...", flush=True)
+        rc, seconds = self.run_process(cmd, env, timeout, run_dir / "output.log")
+        result = read_json(run_dir / "result.json") or {}
+        found = result.get("figures", {}).get("references", {})
+        for key in specs:
+            if key in found and result.get("status") == PASS and rc == 0:
+                self.references[key] = {"losses": found[key]["losses"], "grad_norms": found[key]["grad_norms"]}
+            else:
+                state = "timed out" if rc is None else f"exit code {rc}"
+                why = result.get("message") or next((c["detail"] for c in result.get("checks", []) if not c["ok"]), "")
+                self.reference_problems[key] = (f"the reference run failed ({state}{': ' + why if why else ''}; "
+                                                f"{self.shown(run_dir / 'output.log')})")
+        record = {"command": command_text(cmd, env), "seconds": seconds, "exit_code": rc,
+                  "device": result.get("figures", {}).get("device"), "keys": sorted(specs)}
+        if any(key in self.reference_problems for key in specs):
+            probe = Step("reference", 0)
+            self.attach_stack(probe, [(self.shown(run_dir / "result.json"), result.get("traceback")),
+                                      (self.shown(run_dir / "output.log"), tail(run_dir / "output.log", 200_000))])
+            record.update(message=result.get("message", ""), stack=probe.stack, stack_source=probe.stack_source)
+        self.reference_runs.append(record)
+
     def ranks_group(self, group: Group, sizes: Sizes) -> None:
         """Launch the group's pending steps, again and again while a failure leaves some unstarted."""
         est = ESTIMATES[self.device]
@@ -442,6 +441,9 @@ class Acceptance:
                 return
             # Keep what fits the budget, in order; the rest is skipped now.
             fitting, planned = [], est["launch"]
+            missing = self.reference_specs() if not group.nccl_refusal else {}
+            if missing:
+                planned += est["reference"] + est["reference_key"] * len(missing)
             for step in todo:
                 if planned + step.estimate_s <= self.remaining_s():
                     fitting.append(step)
@@ -451,6 +453,8 @@ class Acceptance:
                                            f"{self.args.budget_s:.0f}, this launch planned at {planned + step.estimate_s:.0f} s")
             if not fitting:
                 return
+            if not group.nccl_refusal:
+                self.ensure_references(group)
             attempt += 1
             launch_dir = folder / f"launch{attempt}"
             if launch_dir.exists():
@@ -459,9 +463,11 @@ class Acceptance:
             plan = {"steps": sizes.ranks_steps, "model": sizes.ranks_model,
                     "configs": [{"name": s.name, "options": s.options, "case": s.case} for s in fitting]}
             (launch_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+            # Each rank's own log (--log-dir, --tee 3: also in the launch output, prefixed by rank):
+            # the report shows the failing rank's stack, not an interleaving of every rank's.
             cmd = [sys.executable, "-m", "slipstream", "run", "-n", str(group.nproc),
-                   "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"),
-                   "--out", str(launch_dir)]
+                   "--log-dir", str(launch_dir / RANK_LOGS), "--tee", "3",
+                   "-m", "benchmarks.acceptance.ranks", "--plan", str(launch_dir / "plan.json"), "--out", str(launch_dir)]
             timeout = self.timeout_for(planned)
             print(f"        launching {len(fitting)} configuration(s) on {group.nproc} ranks "
                   f"({group.env['SLIPSTREAM_BACKEND']}, {self.device}), up to {timeout:.0f} s ...", flush=True)
@@ -491,7 +497,24 @@ class Acceptance:
                     if step.status == "pending":
                         step.status, step.reason = FAIL, f"the launch failed before this configuration started ({state})"
                         step.output_tail = tail(launch_dir / "output.log")
+                        self.attach_stack(step, self.rank_stack_candidates(launch_dir, group.nproc))
                 return
+
+    def rank_stack_candidates(self, launch_dir: Path, nproc: int, suspects: list[int] | None = None) -> list[tuple[str, str]]:
+        """Where a launch's ranks left their stacks, the likeliest first: the rank `slipstream run`
+        names as the first to fail, then ``suspects``, then the others; for each, its own log
+        (--log-dir), else its lines of the launch's tee'd output; last, the launch output whole."""
+        launch_text = tail(launch_dir / "output.log", 400_000)
+        first = first_failed_rank(launch_text)
+        order = [r for r in [first, *(suspects or []), *range(nproc)] if r is not None and 0 <= r < nproc]
+        out: list[tuple[str, str]] = []
+        for r in dict.fromkeys(order):
+            files = rank_log_files(launch_dir / RANK_LOGS, r)
+            out += [(f"rank {r}: {self.shown(f)}", tail(f, 200_000)) for f in files]
+            if not files:
+                out.append((f"rank {r}: its lines of {self.shown(launch_dir / 'output.log')}", rank_lines(launch_text, r)))
+        out.append((self.shown(launch_dir / "output.log"), launch_text))
+        return out
 
     def rank_records(self, step: Step, group: Group, launch_dir: Path) -> list[dict | None]:
         folder = launch_dir / step.name.replace("/", "__")
@@ -506,13 +529,29 @@ class Acceptance:
         if errors:
             r, rec = errors[0]
             step.status, step.reason = FAIL, f"rank {r}: {rec.get('message', 'error')}"
-            step.output_tail = rec.get("traceback", "") + "\n--- launch output ---\n" + tail(launch_dir / "output.log")
+            step.output_tail = "--- launch output ---\n" + tail(launch_dir / "output.log")  # the traceback: step.stack
+            folder = launch_dir / step.name.replace("/", "__")
+            self.attach_stack(step, [(self.shown(folder / f"rank{e}.json"), rec_e.get("traceback"))
+                                     for e, rec_e in errors] + self.rank_stack_candidates(launch_dir, group.nproc))
             return
         if missing:
             state = f"exit code {rc}" if rc is not None else "timed out"
             step.status, step.reason = FAIL, f"rank(s) {missing} never finished this configuration (launch {state})"
+            # The configuration a rank never finished is the last it started: its launch ended
+            # there, so the end of that rank's own log is this configuration's.
+            self.attach_stack(step, self.rank_stack_candidates(launch_dir, group.nproc, missing))
             return
         checks = ranks_checks(records, group.env)
+        if not group.nccl_refusal:  # the NCCL step is about its refusal; should it ever train, bits decide
+            assert self.sizes is not None
+            spec = reference_spec(step.options, step.case, group.nproc, self.sizes.ranks_steps)
+            tolerance = tolerance_for(step.options, step.case, [r.get("sync_decision") for r in records])
+            found, figures = reference_checks(records, self.references.get(spec["key"]), spec, tolerance,
+                                              self.reference_problems.get(spec["key"], ""))
+            checks += found
+            step.figures["loss_reference"] = figures
+            step.figures["loss_vs_reference"] = brief_gap(figures)
+            step.commands += [r["command"] for r in self.reference_runs if spec["key"] in r["keys"]]
         step.checks = checks
         first = records[0]
         step.figures.update({
@@ -551,11 +590,19 @@ class Acceptance:
 
     # --- reporting ----------------------------------------------------------------
     def report_progress(self, step: Step) -> None:
+        """The step's console line; a failed one gets a second line that points at its stack in
+        acceptance.md and gives the command that reruns just this step."""
+        if step.status == FAIL and not step.rerun:
+            step.rerun = rerun_command(step.name, self.out, self.device or "cpu", self.args.steps_scale,
+                                       self.args.no_fork)
         index = self.steps.index(step) + 1
         total = len(self.steps) if len(self.steps) > 1 else "?"  # the plan exists once the environment is known
         detail = step.reason if step.status != PASS else brief(step.figures)
         print(f"[{index:2d}/{total:>2}] {step.status:7s} {step.name:34s} {step.seconds:6.1f} s  {detail}"[:220],
               flush=True)
+        if step.status == FAIL:
+            found = step.stack_summary or "no stack: see its checks and output"
+            print(f"        -> {found} [{self.out / 'acceptance.md'}, ### {step.name}]; rerun: {step.rerun}", flush=True)
 
     def write_reports(self) -> None:
         counts = {k: sum(1 for s in self.steps if s.status == k) for k in (PASS, FAIL, SKIPPED)}
@@ -567,9 +614,11 @@ class Acceptance:
             "budget_s": self.args.budget_s,
             "steps_scale": self.args.steps_scale,
             "argv": sys.argv,
-            "git": git_state(),
+            "git": self.source,
             "environment": self.environment,
             "summary": counts,
+            "plan_total_s": self.plan_total_s,
+            "references": {"runs": self.reference_runs, "values": self.references, "problems": self.reference_problems},
             "steps": [s.to_json() for s in self.steps],
         }
         tmp = self.out / "acceptance.json.tmp"
@@ -616,140 +665,6 @@ def combined_digest(digests: dict[str, str]) -> str:
     return hashlib.sha256("".join(f"{k}={digests[k]};" for k in sorted(digests)).encode()).hexdigest()
 
 
-def stop_tree(proc: subprocess.Popen) -> None:
-    """Stop a timed-out step and everything it started.
-
-    The elastic agent starts each worker in a session of its own, so the step's
-    process group does not reach them: the tree is read first (while it is whole),
-    the step gets SIGTERM (`slipstream run` then stops its workers), and whatever
-    of the tree is left after a grace period is killed.
-    """
-    try:
-        from slipstream.launch.proc import descendants  # imports torch; only ever needed here
-
-        tree = descendants(proc.pid)
-    except Exception:  # noqa: BLE001 - without the tree, the process group is still reached below
-        tree = [proc.pid]
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        pass
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
-
-
-def clean_environ() -> dict[str, str]:
-    """This process's environment without SLIPSTREAM_* variables (a strategy or
-    precision left set in the shell must not change what a step tests), and with
-    the source tree first on PYTHONPATH: every subprocess of the kit (step programs,
-    `slipstream run` and its workers) imports this checkout's slipstream and
-    benchmarks, installed or not (docs/gpu.md: the bare GPU machine)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM_")}
-    for key in ("SLIPSTREAM_BARE_ALLOWED", "SLIPSTREAM_BARE_SRC", "SLIPSTREAM_BARE_AUDIT"):  # the tests' bare machine
-        if key in os.environ:
-            env[key] = os.environ[key]
-    env["PYTHONPATH"] = source_path(os.environ.get("PYTHONPATH", ""))
-    return env
-
-
-def source_path(existing: str) -> str:
-    """PYTHONPATH with ROOT/src and ROOT first (once), then what was there."""
-    first = [str(ROOT / "src"), str(ROOT)]
-    rest = [p for p in existing.split(os.pathsep) if p and os.path.realpath(p) not in map(os.path.realpath, first)]
-    return os.pathsep.join(first + rest)
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-def command_text(cmd: list[str], env: dict[str, str]) -> str:
-    shown = [f"{k}={v}" for k, v in sorted(env.items())]
-    return " ".join(shown + [shlex.quote(c) for c in ["python" if c == sys.executable else c for c in cmd]])
-
-
-def git_state() -> dict:
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
-
-
-def brief(figures: dict) -> str:
-    """The few figures worth a progress line."""
-    keys = ("bitwise_equal", "final_loss", "bf16_speedup_vs_fp32", "bf16_speedup_vs_tf32", "profiler_overhead_pct",
-            "peak_memory_mib", "outcome", "layout", "final_loss_rank0", "device", "torch")
-    return ", ".join(f"{k} {figures[k]}" for k in keys if k in figures)
-
-
-def markdown(doc: dict) -> str:
-    env = doc["environment"] or {}
-    gpu = env.get("device_name") or "none"
-    lines = [
-        "# Slipstream GPU acceptance run",
-        "",
-        f"- device: **{doc['device']}** (GPU: {gpu}; torch {env.get('torch', '?')}, CUDA {env.get('cuda_runtime', '-')}, "
-        f"NCCL {env.get('nccl', '-')}; {env.get('cpu_count', '?')} CPUs)",
-        f"- started {doc['started_utc']}, wall {doc['wall_s']} s of a {doc['budget_s']:.0f} s budget, "
-        f"steps scale {doc['steps_scale']}",
-        f"- commit {doc['git'].get('commit', '?')[:12]}{' (with uncommitted changes)' if doc['git'].get('dirty') else ''}",
-        f"- result: {doc['summary'][PASS]} passed, {doc['summary'][FAIL]} failed, {doc['summary'][SKIPPED]} skipped",
-        f"- command: `{' '.join(['python -m benchmarks.gpu_acceptance', *doc['argv'][1:]])}`",
-        "",
-        "| step | status | s | figures or reason |",
-        "|---|---|---:|---|",
-    ]
-    for s in doc["steps"]:
-        text = s["reason"] if s["status"] != PASS else brief(s["figures"])
-        lines.append(f"| {s['name']} | {s['status']} | {s['seconds']:.1f} | {md_cell(text)} |")
-    perf = next((s for s in doc["steps"] if s["name"] == "perf" and s["status"] == PASS), None)
-    if perf:
-        f = perf["figures"]
-        lines += ["", "## Performance (world size 1)", "",
-                  f"Model {f.get('model')}; timing: {f.get('timing')}; medians of every timed step.", "",
-                  "| configuration | step ms (median) |", "|---|---:|"]
-        lines += [f"| {k} | {v} |" for k, v in f.get("step_ms_median", {}).items()]
-        lines += ["", f"- bf16 speed-up over fp32: **{f.get('bf16_speedup_vs_fp32')}x**"
-                  + (f"; over fp32 with TF32 matmuls: **{f['bf16_speedup_vs_tf32']}x**" if "bf16_speedup_vs_tf32" in f else "")
-                  + " (vendors claim 1.5-2x)",
-                  f"- profiler on vs off, overhead %: {f.get('profiler_overhead_pct')}",
-                  f"- peak memory MiB ({f.get('peak_memory_source')}): {f.get('peak_memory_mib')}"]
-    failures = [s for s in doc["steps"] if s["status"] == FAIL]
-    if failures:
-        lines += ["", "## Failures", ""]
-        for s in failures:
-            command = s["command"] if isinstance(s["command"], str) else (s["command"] or [""])[0]
-            lines += [f"### {s['name']}", "", s["reason"], "", f"command: `{command}`", "", "```",
-                      s.get("output_tail", "").strip()[-3000:], "```", ""]
-    return "\n".join(lines) + "\n"
-
-
-def md_cell(text: Any) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")[:300]
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_acceptance", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="directory for acceptance.json, acceptance.md and every step's files")
@@ -757,8 +672,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="default: cuda if torch sees a GPU, else cpu")
     p.add_argument("--only", default=None, metavar="REGEX",
                    help="run only steps whose name matches (re.search); the environment step always runs")
-    p.add_argument("--budget-s", type=float, default=480.0,
-                   help="wall-clock budget for the whole run; steps that no longer fit are skipped (default 480)")
+    p.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                   help="wall-clock budget for the whole run; steps that no longer fit are skipped "
+                        f"(default {DEFAULT_BUDGET_S:.0f}: 7 minutes, so the failed steps can be rerun in the same "
+                        "short loan of a GPU)")
     p.add_argument("--steps-scale", type=float, default=1.0,
                    help="multiply every step's training steps (e.g. 0.5 on a slow CPU); each keeps a minimum")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
@@ -782,6 +699,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable()  # the orchestrator too: a crash here should also leave its stack
     return Acceptance(parse_args(argv)).run()
 
 

@@ -44,6 +44,7 @@ import torch
 
 import slipstream
 from benchmarks.acceptance.common import load_example, tensor_digest, write_result
+from benchmarks.acceptance.workload import CORPUS_BYTES, build_model, make_optimizer, rank_batch
 
 
 def config_dir(out: Path, name: str) -> Path:
@@ -63,7 +64,6 @@ def effective_mismatches(config, options: dict) -> list[str]:
     return wrong
 
 
-PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCALE_GAP_BOUND = 0.02
 """Largest |loss difference| allowed between an fp16 run whose loss scale is forced down
 mid-run and the same run without: a scale change is exact in binary (a power of two),
@@ -72,12 +72,10 @@ factor after the change and moves the loss far more."""
 
 
 def _accelerate(ex, model_cfg: dict, steps: int, options: dict, run_dir: Path, param_dtype: str):
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = ex.GPT(dim=model_cfg["dim"], layers=model_cfg["layers"], heads=model_cfg["heads"],
-                   context=model_cfg["context"]).to(PARAM_DTYPES[param_dtype])
+    model = build_model(ex, model_cfg, param_dtype)  # the same initial weights on every rank
     run = slipstream.accelerate(
         model,
-        lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
+        make_optimizer,
         tp_plan=ex.TP_PLAN,
         run_dir=str(run_dir),
         total_steps=steps,
@@ -91,12 +89,20 @@ def _accelerate(ex, model_cfg: dict, steps: int, options: dict, run_dir: Path, p
     return run, model
 
 
-def _train_to(ex, rt, run, model_cfg: dict, until: int, corpus, force_scale: dict | None = None) -> list:
+def _train_to(ex, rt, run, model_cfg: dict, until: int, corpus, force_scale: dict | None = None,
+              norms: dict | None = None) -> list:
+    """Train to step ``until``; the losses (device tensors), and into ``norms`` the global gradient
+    norm Slipstream measured at each log step (``run.last_grad_norm``, the synchronised gradient's,
+    in true units), by step."""
     losses = []
+    seen = run.last_grad_norm
     while run.step_count < until:
         # Ranks of one tensor-parallel group or pipeline read the same rows: index by dp_rank.
-        x, y = ex.batch_for(run.micro_step_count, run.dp_rank, corpus, model_cfg["batch"], model_cfg["context"], 0)
+        x, y = rank_batch(ex, run.micro_step_count, run.dp_rank, corpus, model_cfg)
         losses.append(run.train_step(x.to(rt.device), y.to(rt.device), ex.loss_fn))
+        if norms is not None and run.last_grad_norm is not None and run.last_grad_norm is not seen:
+            seen = run.last_grad_norm  # this object until the next log step replaces it
+            norms[run.step_count] = seen.detach()
         if force_scale and run.step_count == force_scale["at"]:
             # Every rank the same new scale (a power of two), between two steps, as a skipped step would.
             run.scaler.update(new_scale=float(run.scaler.get_scale() * force_scale["factor"]))
@@ -117,8 +123,9 @@ def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path,
     """
     case = case or {}
     dtype = case.get("param_dtype", "fp32")
-    corpus = ex.load_corpus(int(0.25 * 2**20))
+    corpus = ex.load_corpus(CORPUS_BYTES)
     extra: dict = {}
+    norms: dict[int, torch.Tensor] = {}  # step -> the global gradient norm of that step (log steps)
     if case.get("force_scale"):
         ref, _ = _accelerate(ex, model_cfg, steps, options, run_dir / "unforced", dtype)
         ref_losses = torch.stack(_train_to(ex, rt, ref, model_cfg, steps, corpus)).float().cpu().tolist()
@@ -128,7 +135,7 @@ def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path,
         at = case["resume_at"]
         ckpt = {"checkpoint_dir": str(run_dir / "ckpt"), "checkpoint_every_steps": at, "checkpoint_async": True}
         first, _ = _accelerate(ex, model_cfg, at, {**options, **ckpt}, run_dir / "first", dtype)
-        losses = _train_to(ex, rt, first, model_cfg, at, corpus)
+        losses = _train_to(ex, rt, first, model_cfg, at, corpus, norms=norms)
         first.finish()  # the save of step `at` was started asynchronously by the step itself
         del first
         run, model = _accelerate(ex, model_cfg, steps, {**options, **ckpt}, run_dir, dtype)
@@ -136,12 +143,16 @@ def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path,
         if run.resumed_from_step != at:
             raise RuntimeError(f"the second launch resumed from step {run.resumed_from_step}, expected {at} "
                                "(the asynchronous save of the first launch's final step)")
-        losses += _train_to(ex, rt, run, model_cfg, steps, corpus)
+        losses += _train_to(ex, rt, run, model_cfg, steps, corpus, norms=norms)
     else:
         run, model = _accelerate(ex, model_cfg, steps, options, run_dir, dtype)
-        losses = _train_to(ex, rt, run, model_cfg, steps, corpus, case.get("force_scale"))
+        losses = _train_to(ex, rt, run, model_cfg, steps, corpus, case.get("force_scale"), norms=norms)
         if case.get("force_scale"):
             extra["scale_after"] = float(run.scaler.get_scale())
+    # What the loss check against the one-rank reference needs: which slice of the global batch
+    # this rank's losses are of, and what a sync that decides for itself (auto) ended up doing.
+    extra.update(dp_rank=run.dp_rank, dp_size=run.dp_size,
+                 sync_decision=run.sync_state.decision_summary() if run.sync_state is not None else None)
     run.finish()
     state = run.unwrapped_state_dict()  # a collective on sharded layouts: every rank calls it
     digests = {name: tensor_digest(t) for name, t in state.items() if isinstance(t, torch.Tensor)}
@@ -149,6 +160,7 @@ def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path,
     if "tok.weight" in state and "head.weight" in state:
         tied = bool(torch.equal(state["tok.weight"].cpu(), state["head.weight"].cpu()))
     loss_values = torch.stack(losses).float().cpu().tolist()  # one host sync, after training
+    norm_values = dict(zip(norms, torch.stack(list(norms.values())).float().cpu().tolist())) if norms else {}
     layout = run.describe_layout()
     del run, model, state
     if rt.device.type == "cuda":
@@ -162,6 +174,7 @@ def train_one(ex, rt, model_cfg: dict, steps: int, options: dict, run_dir: Path,
         "tied_equal": tied,
         "losses": [round(v, 6) for v in loss_values],
         "losses_finite": all(math.isfinite(v) for v in loss_values),
+        "grad_norms": {str(k): round(v, 6) for k, v in norm_values.items()},  # JSON keys: the step, as text
         "layout": layout,
         **extra,
     }

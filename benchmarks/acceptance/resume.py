@@ -329,6 +329,7 @@ def main() -> None:
         result["message"] = f"{failed[0]['name']}: {failed[0]['detail']}"
         if bad is not None:
             result["output_tail"] = f"--- {bad.name} ---\n{bad.tail()}"
+            result["failed_log"] = str(bad.log)  # whole: the orchestrator looks for its stack there
     write_result(args.result, result)
     raise SystemExit(0 if not failed else 1)
 

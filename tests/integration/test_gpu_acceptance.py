@@ -4,7 +4,7 @@ Every run here is on an imitation of the bare GPU machine (bare_machine_env): th
 source tree on PYTHONPATH, the installed package hidden, nothing importable beyond
 the standard library, torch, numpy, pyyaml and rich.
 
-The first machine with a GPU runs that script once, under an 8-minute budget;
+The first machine with a GPU runs that script once, under a 7-minute budget;
 running it here first means that run is not spent on bugs in the script. Real
 runs throughout: the examples train, checkpoint and resume, `slipstream run`
 launches 2 and 4 ranks under every sync strategy and layout, the profiler is
@@ -90,7 +90,7 @@ def test_whole_run_passes_on_cpu(tmp_path):
     names = [s["name"] for s in doc["steps"]]
     expected = (["environment"]
                 + [f"example/{e}/{p}" for p in ("fp32", "bf16", "fp16") for e in ("gpt", "resnet")]
-                + ["perf", "nccl/2-ranks-1-gpu", "binding/per-rank-gpu"]
+                + ["perf", "overhead", "nccl/2-ranks-1-gpu", "binding/per-rank-gpu"]
                 + [f"sync/{s}" for s in sync.available()]
                 + [f"layout/{n}" for n in (*gpu_acceptance.LAYOUTS_2, *gpu_acceptance.LAYOUTS_4)]
                 + [s.name for s in gpu_acceptance.conformance_steps(list(sync.available()), 3, 0)])
@@ -115,10 +115,24 @@ def test_whole_run_passes_on_cpu(tmp_path):
             step = by_name[name]
             assert any(c["name"].startswith("parameter digests equal") and c["ok"] for c in step["checks"]), step
             assert step["figures"]["backend"] == "gloo" and step["figures"]["device"] == "cpu"
+            # Against the one-rank reference of its own precision, dtype and data-parallel size.
+            ref = step["figures"]["loss_reference"]
+            assert ref["reference"] in doc["references"]["values"], (name, ref)
+            assert any(c["name"].startswith("losses match the one-rank reference") and c["ok"]
+                       for c in step["checks"]), step
+            if ref["kind"] != "lossy":
+                assert any(c["name"].startswith("gradient norms match") and c["ok"] for c in step["checks"]), step
     assert by_name["layout/hsdp2x2"]["figures"]["ranks"] == 4
+    assert by_name["layout/fsdp"]["figures"]["loss_reference"]["kind"] == "exact"
+    assert by_name["sync/topk"]["figures"]["loss_reference"]["kind"] == "lossy"
+    assert not doc["references"]["problems"] and len(doc["references"]["runs"]) == 1  # one process, every key
     perf = by_name["perf"]["figures"]
     assert perf["bf16_speedup_vs_fp32"] > 0 and set(perf["profiler_overhead_pct"]) == {"fp32", "bf16", "fp32_tf32"}
     assert perf["peak_memory_mib"] > 0 and perf["timing"].startswith("perf_counter")
+    overhead = by_name["overhead"]["figures"]
+    assert [r["kind"] for r in overhead["runs"]] == ["plain", "slipstream", "plain", "slipstream"]
+    assert overhead["loss_max_rel_gap"] <= 1e-3 and isinstance(overhead["overhead_pct"], float)
+    assert doc["git"]["source"] in ("git", "COMMIT file", "unknown")
 
     # The markdown summary: a header, one table row per step, the performance figures.
     assert md.startswith("# Slipstream GPU acceptance run")
@@ -126,6 +140,8 @@ def test_whole_run_passes_on_cpu(tmp_path):
     for name in names:
         assert f"| {name} | " in md
     assert "bf16 speed-up over fp32" in md and "## Failures" not in md
+    assert "## Slipstream's overhead (world size 1)" in md and "## One-rank references" in md
+    assert "plan: " in proc.stdout and "planned" in proc.stdout  # the plan's total, printed before the steps
     for name in names:  # progress: a line per step as it went
         assert name in proc.stdout
 
