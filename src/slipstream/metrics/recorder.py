@@ -43,6 +43,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError, UsageError
 from ..extras import pip_install_hint
 from ..log import CONSOLE
+from .memory import CudaMemory
 from .profiler import (
     CudaClock,
     HostClock,
@@ -110,6 +111,7 @@ class StepRecorder:
         self.straggler: StragglerDetector | None = None
         self._pending_gather: PendingGather | None = None  # this window's busy times, in flight
         self.device = torch.device("cpu")
+        self.memory: CudaMemory | None = None  # set by attach() on a CUDA device; reads, never resets
         self.n_params = 0
         self.flops_per_sample: float | None = None
         self.peak_flops: float | None = None
@@ -191,6 +193,7 @@ class StepRecorder:
         if not cfg.metrics.profile:
             self.profiler = None
         self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.memory = CudaMemory(self.device) if self.device.type == "cuda" else None
         if self.profiler is not None and self.device.type == "cuda" and isinstance(self.profiler.clock, HostClock):
             self.profiler.clock = CudaClock(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -312,10 +315,9 @@ class StepRecorder:
         rss = process_rss_bytes()
         if rss is not None:
             record["mem_rss_bytes"] = rss
-        if self.device.type == "cuda":
-            record["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            record["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.memory is not None:
+            # The process's peaks so far: the counters are the user's too, so never reset (memory.py).
+            record.update(self.memory.fields())
         record.update(self._sums)
         record.update(self._last)
         for source in self.sources:
