@@ -123,10 +123,16 @@ class StepRecorder:
 
     # --- what components report ----------------------------------------------------
     def add_loss(self, loss: torch.Tensor) -> None:
-        # A copy (on the device, no sync): ``.float()`` of an fp32 loss is the caller's tensor
-        # itself, which a loop may change in place after handing it over.
-        loss = loss.detach().to(torch.float32, copy=True)
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        # One op on the device per step for an fp32 loss, no sync: the window's first loss is
+        # copied (``.float()`` of an fp32 loss would be the caller's tensor itself, which a loop
+        # may change in place after handing it over), the others are added into that copy in
+        # place (``.to`` is no op for fp32; the same fp32 sums as before, without a new tensor
+        # per step).
+        loss = loss.detach()
+        if self._loss_sum is None:
+            self._loss_sum = loss.to(torch.float32, copy=True)
+        else:
+            self._loss_sum.add_(loss.to(torch.float32))
         self._loss_count += 1
 
     def add_samples(self, n: int) -> None:

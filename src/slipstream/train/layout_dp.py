@@ -97,6 +97,10 @@ class DataParallelLayout:
         self._world_size = runtime.world_size
         self.dp_rank = runtime.rank
         self.dp_size = runtime.world_size
+        # Norms and clipping: torch takes the foreach kernels on CUDA by itself, but on the CPU it
+        # loops over the tensors in Python (101 norms on the 167M decoder's 101 tensors). The
+        # foreach path gives the same bits there (checked in fp32 and bf16), in one call.
+        self._foreach: bool | None = True if runtime.device.type == "cpu" else None
         apply_activation_checkpointing(model, config.parallel.activation_checkpointing)
         model.to(runtime.device)
         self.model = SlipstreamDDP(
@@ -143,10 +147,11 @@ class DataParallelLayout:
         return build_optimizer(optimizer, self.module.parameters())
 
     def global_grad_norm(self) -> torch.Tensor:
-        return torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None])
+        return torch.nn.utils.get_total_norm([p.grad for p in self.module.parameters() if p.grad is not None],
+                                             foreach=self._foreach)
 
     def clip_gradients(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, foreach=self._foreach)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> ModelOptimizerState:
         return ModelOptimizerState(self.model, optimizer)  # DDP: the state-dict API strips ``module.``
