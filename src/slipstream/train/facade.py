@@ -174,7 +174,9 @@ class Accelerated:
         (where forward and backward run interleaved in a schedule; there only the
         first form, with a tensor ``x``: a stage cannot take the whole model's
         keywords, and refuses the second with a ConfigError). Returns the loss
-        (detached; on every rank); read ``run.stop_requested`` after it.
+        (on every rank) as a detached tensor on the training device, never a float:
+        reading it (``.item()``, ``float()``) waits for the device to finish, so on a GPU
+        read it on the steps you log only. Read ``run.stop_requested`` after it.
 
         Example::
 
