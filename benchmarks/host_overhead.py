@@ -3,6 +3,8 @@
     PYTHONPATH=src python benchmarks/host_overhead.py                 # CPU, gloo group of 1
     PYTHONPATH=src python benchmarks/host_overhead.py --no-breakdown --rounds 9
     PYTHONPATH=src python benchmarks/host_overhead.py --device cuda   # a GPU: the same, on the host side
+    PYTHONPATH=src python benchmarks/host_overhead.py --device cuda --shape gpt167m --steps 20 --rounds 3 \
+        --warmup 5 --no-breakdown      # the H200 run's 167M decoder: step time by CUDA events, last losses, peak memory
 
 Why host work matters: on a GPU the step is asynchronous, so host work the
 wrapper adds either hides behind the GPU's queue or, once the host falls behind
@@ -23,7 +25,10 @@ the CUDA default, which the CPU does not take by itself), bf16 autocast:
 
 Each round runs ``--steps`` steps of each loop, in an order that rotates from
 round to round; the figure of a loop is the median over rounds of its mean
-step time (wall clock). It prints::
+step time, by the training thread's CPU time (the host work itself, robust on a
+shared machine) and by the wall clock (on a GPU: CUDA events around each block).
+Every loop sees the same batches in the same order, so their last losses agree
+when the arithmetic does. It prints::
 
     host work per step: X us (plain loop Y us, Slipstream Z us)
 
@@ -135,6 +140,7 @@ def plain_step(model: nn.Module, opt: torch.optim.Optimizer, device: torch.devic
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    step.model = model  # type: ignore[attr-defined]
     return step
 
 
@@ -162,16 +168,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class _Clock:
+    """A block's duration: on a GPU from CUDA events around it (the device's time: the host only
+    enqueues), on the CPU from the host clock; and the training thread's CPU time either way."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> tuple[Any, float, float]:
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return event, time.perf_counter(), time.thread_time()
+
+    def stop(self, started: tuple[Any, float, float]) -> tuple[float, float]:
+        """(wall or device seconds, CPU seconds) since ``started``."""
+        event, w0, c0 = started
+        cpu = time.thread_time() - c0
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()  # between blocks, outside the timed steps
+            return event.elapsed_time(end) / 1e3, cpu
+        return time.perf_counter() - w0, cpu
+
+
 def timed_rounds(steps_of: dict[str, Step], data: list, device: torch.device, steps: int,
-                 rounds: int, warmup: int) -> dict[str, dict[str, list[float]]]:
+                 rounds: int, warmup: int) -> tuple[dict[str, dict[str, list[float]]], dict[str, float]]:
     """Mean seconds per step of each loop in each round, by two clocks: ``cpu``, this (the
     training) thread's CPU time, which is the host work itself and robust on a shared
-    machine; ``wall``, with the device drained at the end of each block, so queued GPU work
-    is counted where the host did not hide it."""
+    machine; ``wall``, the block's wall clock on the CPU, its device time (CUDA events) on a
+    GPU. Also each loop's last loss (every loop sees the same batches in the same order)."""
     names = list(steps_of)
+    clock = _Clock(device)
+    last: dict[str, Any] = {}
     for name in names:
         for i in range(warmup):
-            steps_of[name](*data[i % len(data)])
+            last[name] = steps_of[name](*data[i % len(data)])
     _sync(device)
     per_round: dict[str, dict[str, list[float]]] = {name: {"cpu": [], "wall": []} for name in names}
     for r in range(rounds):
@@ -179,13 +213,13 @@ def timed_rounds(steps_of: dict[str, Step], data: list, device: torch.device, st
         for name in order:
             fn = steps_of[name]
             _sync(device)
-            w0, c0 = time.perf_counter(), time.thread_time()
+            started = clock.start()
             for i in range(steps):
-                fn(*data[i % len(data)])
-            _sync(device)
-            per_round[name]["cpu"].append((time.thread_time() - c0) / steps)
-            per_round[name]["wall"].append((time.perf_counter() - w0) / steps)
-    return per_round
+                last[name] = fn(*data[i % len(data)])
+            wall, cpu = clock.stop(started)
+            per_round[name]["cpu"].append(cpu / steps)
+            per_round[name]["wall"].append(wall / steps)
+    return per_round, {name: float(loss) for name, loss in last.items()}
 
 
 def op_counts(fn: Step, data: list, steps: int) -> collections.Counter[str]:
@@ -222,6 +256,8 @@ def python_breakdown(fn: Step, data: list, steps: int, top: int) -> list[tuple[s
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--shape", default="tiny", choices=["tiny", "gpt167m"],
+                   help="tiny: compute negligible, a step is host work; gpt167m: the H200 run's model (a GPU)")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--steps", type=int, default=200, help="steps of each loop per round")
     p.add_argument("--rounds", type=int, default=7, help="rounds; each loop's figure is the median over them")
@@ -239,16 +275,18 @@ def main(argv: list[str] | None = None) -> int:
     if rt.world_size != 1:
         raise SystemExit("host_overhead measures world size 1: run it as one process")
     device = rt.device
-    data = batches(TINY, device)
+    shape = GPT167M if args.shape == "gpt167m" else TINY
+    data = batches(shape, device)
     with tempfile.TemporaryDirectory(prefix="slipstream-host-") as run_dir:
-        steps_of = loops(TINY, device, args.precision, run_dir)
-        per_round = timed_rounds(steps_of, data, device, args.steps, args.rounds, args.warmup)
-        tensors = sum(1 for _ in Decoder(TINY).parameters())
-        print(f"world size 1, {rt.backend} on {device}, {args.precision}, tiny decoder ({tensors} parameter tensors), "
-              f"{args.rounds} rounds x {args.steps} steps, medians of per-round means, microseconds per step")
+        steps_of = loops(shape, device, args.precision, run_dir)
+        per_round, last_loss = timed_rounds(steps_of, data, device, args.steps, args.rounds, args.warmup)
+        tensors = sum(1 for _ in steps_of["plain"].model.parameters())  # type: ignore[attr-defined]
+        print(f"world size 1, {rt.backend} on {device}, {args.precision}, {args.shape} decoder ({tensors} parameter "
+              f"tensors), {args.rounds} rounds x {args.steps} steps, medians of per-round means, microseconds per step")
         med = {clock: {name: statistics.median(v[clock]) * 1e6 for name, v in per_round.items()}
                for clock in ("cpu", "wall")}
-        for clock, label in (("cpu", "training thread's CPU time"), ("wall", "wall clock")):
+        wall_label = "device time (CUDA events)" if device.type == "cuda" else "wall clock"
+        for clock, label in (("cpu", "training thread's CPU time"), ("wall", wall_label)):
             print(f"  {label}:")
             for name, values in per_round.items():
                 print(f"    {name:<10} {med[clock][name]:8.1f}   rounds: "
@@ -256,9 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         cpu, wall = med["cpu"], med["wall"]
         print(f"host work per step: {cpu['slipstream'] - cpu['plain']:.1f} us "
               f"(plain loop {cpu['plain']:.1f} us, Slipstream {cpu['slipstream']:.1f} us)")
-        print(f"  wall clock: {wall['slipstream'] - wall['plain']:+.1f} us "
+        print(f"  {wall_label}: {wall['slipstream'] - wall['plain']:+.1f} us "
               f"({(wall['slipstream'] / wall['plain'] - 1) * 100:+.1f} %); for reference, torch's own DDP loop "
               f"(which reduces even at world size 1): {cpu['ddp'] - cpu['plain']:+.1f} us over the plain loop")
+        print("  last loss: " + ", ".join(f"{name} {loss:.6f}" for name, loss in last_loss.items()))
+        if device.type == "cuda":
+            print(f"  torch.cuda.max_memory_allocated() after the run: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB "
+                  "(the process's peak: Slipstream never resets it)")
         if args.breakdown:
             n = args.profile_steps
             plain = op_counts(steps_of["plain"], data, n)
