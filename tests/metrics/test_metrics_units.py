@@ -177,3 +177,19 @@ def test_model_flops_formulas():
 def test_rss_is_plausible():
     rss = process_rss_bytes()
     assert rss is not None and 10 * 2**20 < rss < 64 * 2**30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_window_loss_is_the_fp32_mean_and_owns_its_sum(dtype):
+    from slipstream.metrics import StepRecorder
+
+    rec = StepRecorder(rank=0, world_size=1, run_dir=None, log_every_steps=3, progress=False, profile=False)
+    losses = [torch.tensor(v, dtype=dtype) for v in (2.5, 1.0 / 3.0, 7.125)]
+    expected = sum(loss.to(torch.float32) for loss in losses) / 3  # fp32 copies, summed: the record's definition
+    for loss in losses[:2]:
+        rec.add_loss(loss)
+        assert rec.end_step() is None
+    rec.add_loss(losses[2])
+    losses[0].add_(100.0)  # a loop reusing the tensor it handed over changes nothing recorded
+    record = rec.end_step()
+    assert record["loss"] == expected.item()

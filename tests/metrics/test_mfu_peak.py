@@ -21,7 +21,6 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H100)
     for name in ("max_memory_allocated", "max_memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
     saved = (torch.backends.cuda.matmul.fp32_precision, torch.backends.fp32_precision)
     yield torch.device("cuda", 0)
     torch.backends.fp32_precision = saved[1]

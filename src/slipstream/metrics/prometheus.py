@@ -54,8 +54,8 @@ _GAUGES = {
     "mfu": ("slipstream_mfu_ratio", "Model FLOPs utilisation (achieved / peak), 0..1."),
     "sync_compression_ratio": ("slipstream_comm_compression_ratio", "Uncompressed / sent gradient bytes."),
     "mem_rss_bytes": ("slipstream_memory_rss_bytes", "Process resident set size."),
-    "cuda_peak_allocated_bytes": ("slipstream_cuda_memory_peak_allocated_bytes", "Peak CUDA memory allocated in the window."),
-    "cuda_peak_reserved_bytes": ("slipstream_cuda_memory_peak_reserved_bytes", "Peak CUDA memory reserved in the window."),
+    "cuda_peak_allocated_bytes": ("slipstream_cuda_memory_peak_allocated_bytes", "Peak CUDA memory allocated by the process so far (never reset)."),
+    "cuda_peak_reserved_bytes": ("slipstream_cuda_memory_peak_reserved_bytes", "Peak CUDA memory reserved by the process so far (never reset)."),
     "straggler_slowdown": ("slipstream_straggler_slowdown_ratio", "Slowdown of the named straggler vs the median rank."),
 }
 _PHASES = ("data_wait", "forward", "backward", "comm_exposed", "optimizer", "checkpoint", "other")

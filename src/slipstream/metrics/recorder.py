@@ -43,6 +43,7 @@ from ..config import TrainConfig
 from ..errors import ConfigError, UsageError
 from ..extras import pip_install_hint
 from ..log import CONSOLE
+from .memory import CudaMemory
 from .profiler import (
     CudaClock,
     HostClock,
@@ -110,6 +111,7 @@ class StepRecorder:
         self.straggler: StragglerDetector | None = None
         self._pending_gather: PendingGather | None = None  # this window's busy times, in flight
         self.device = torch.device("cpu")
+        self.memory: CudaMemory | None = None  # set by attach() on a CUDA device; reads, never resets
         self.n_params = 0
         self.flops_per_sample: float | None = None
         self.peak_flops: float | None = None
@@ -121,10 +123,16 @@ class StepRecorder:
 
     # --- what components report ----------------------------------------------------
     def add_loss(self, loss: torch.Tensor) -> None:
-        # A copy (on the device, no sync): ``.float()`` of an fp32 loss is the caller's tensor
-        # itself, which a loop may change in place after handing it over.
-        loss = loss.detach().to(torch.float32, copy=True)
-        self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+        # One op on the device per step for an fp32 loss, no sync: the window's first loss is
+        # copied (``.float()`` of an fp32 loss would be the caller's tensor itself, which a loop
+        # may change in place after handing it over), the others are added into that copy in
+        # place (``.to`` is no op for fp32; the same fp32 sums as before, without a new tensor
+        # per step).
+        loss = loss.detach()
+        if self._loss_sum is None:
+            self._loss_sum = loss.to(torch.float32, copy=True)
+        else:
+            self._loss_sum.add_(loss.to(torch.float32))
         self._loss_count += 1
 
     def add_samples(self, n: int) -> None:
@@ -191,6 +199,7 @@ class StepRecorder:
         if not cfg.metrics.profile:
             self.profiler = None
         self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.memory = CudaMemory(self.device) if self.device.type == "cuda" else None
         if self.profiler is not None and self.device.type == "cuda" and isinstance(self.profiler.clock, HostClock):
             self.profiler.clock = CudaClock(self.device)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -312,10 +321,9 @@ class StepRecorder:
         rss = process_rss_bytes()
         if rss is not None:
             record["mem_rss_bytes"] = rss
-        if self.device.type == "cuda":
-            record["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
-            record["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.memory is not None:
+            # The process's peaks so far: the counters are the user's too, so never reset (memory.py).
+            record.update(self.memory.fields())
         record.update(self._sums)
         record.update(self._last)
         for source in self.sources:

@@ -89,6 +89,7 @@ class Accelerated:
             scaler = self.scaler  # fp16: error feedback kept in true-gradient units (scale stays on the device)
             layout.sync.use_loss_scale(lambda: loss_scale(scaler))
         self._micro = micro
+        self._clip_norm = config.numerics.grad_clip_norm  # read at every step; the config is frozen
         self.step_count = 0
         self.resumed_from_step: int | None = None
         self.last_grad_norm: torch.Tensor | None = None
@@ -173,7 +174,9 @@ class Accelerated:
         (where forward and backward run interleaved in a schedule; there only the
         first form, with a tensor ``x``: a stage cannot take the whole model's
         keywords, and refuses the second with a ConfigError). Returns the loss
-        (detached; on every rank); read ``run.stop_requested`` after it.
+        (on every rank) as a detached tensor on the training device, never a float:
+        reading it (``.item()``, ``float()``) waits for the device to finish, so on a GPU
+        read it on the steps you log only. Read ``run.stop_requested`` after it.
 
         Example::
 
@@ -231,12 +234,15 @@ class Accelerated:
         if self.layout.pipeline is not None:
             self.model()  # raises the explanation: the schedule runs backward itself
         self.recorder.add_loss(loss)
-        if self._micro.accumulate_steps > 1:
-            loss = loss / self._micro.accumulate_steps
-        self._mark(progress.BACKWARD if self._micro.syncs else progress.BACKWARD_LOCAL)
+        micro = self._micro
+        if micro.accumulate_steps > 1:
+            loss = loss / micro.accumulate_steps
+        syncs = micro.syncs
+        if self.progress is not None:
+            self.progress.mark(progress.BACKWARD if syncs else progress.BACKWARD_LOCAL)
         sync = self.layout.sync
-        if self._micro.syncs and sync is not None:
-            sync.observe_loss(loss.detach())  # the convergence guard's loss trend (read only at its checks)
+        if syncs and sync is not None:
+            sync.observe_loss(loss)  # the convergence guard's loss trend (it detaches; read only at its checks)
         timing = self.recorder.begin("backward")
         try:
             if self.scaler is not None:
@@ -274,7 +280,8 @@ class Accelerated:
             self._micro.index += 1
             return StepResult(stepped=False, step=self.step_count)
         self._micro.index = 0
-        self._mark(progress.OPTIMIZER)
+        if self.progress is not None:
+            self.progress.mark(progress.OPTIMIZER)
         timing = self.recorder.begin("optimizer")
         self._clip_and_measure()
         if self.scaler is not None:
@@ -304,15 +311,21 @@ class Accelerated:
                 return self._healed_step(exc)
         if self.last_grad_norm is not None:
             self.recorder.set("grad_norm", self.last_grad_norm)  # a tensor: read back at log time only
-        self._mark(progress.METRICS)
+        if self.progress is not None:
+            self.progress.mark(progress.METRICS)
         try:
-            # On log steps this exchanges per-rank timings (straggler detection).
-            record = self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
+            # On log steps this exchanges per-rank timings (straggler detection). The record's
+            # fields are read there only.
+            if self.recorder.next_step_logs:
+                record = self.recorder.end_step(lr=self.optimizer.param_groups[0]["lr"])
+            else:
+                record = self.recorder.end_step()
         except Exception as exc:  # noqa: BLE001
             return self._healed_step(exc)
         if stop:
             self._report_stop()
-        self._mark(progress.USER, self.step_count)
+        if self.progress is not None:
+            self.progress.mark(progress.USER, self.step_count)
         return StepResult(stepped=True, step=self.step_count, saved=saved, logged=record is not None,
                           stop_requested=stop)
 
@@ -336,7 +349,7 @@ class Accelerated:
     def _clip_and_measure(self) -> None:
         """Clip when configured (the norm is the clipped one), else measure the norm on log
         steps only (same step on every rank: on sharded layouts a collective)."""
-        clip = self.config.numerics.grad_clip_norm
+        clip = self._clip_norm
         if clip is None and not self.recorder.next_step_logs:
             return
         if self.scaler is not None:
