@@ -24,8 +24,10 @@ in this (the user's) process after each run. The peak is reset before each run, 
 measuring one would; a Slipstream run that then reads far lower than the plain one has had
 its peak reset by Slipstream, which a user reading it would not expect.
 
-The step passes when every run trains and the losses agree (rel 1e-3): Slipstream adds no
-arithmetic at world size 1. The overhead is a figure, not a criterion: it depends on the GPU,
+The step passes when every run trains and each Slipstream run's losses stay as close to the
+first plain run's as the second plain run's do (3x that spread, at least rel 1e-3):
+Slipstream adds no arithmetic at world size 1, but bf16 kernels on a GPU are not bitwise
+reproducible, so two plain runs already differ. The overhead is a figure, not a criterion: it depends on the GPU,
 the model and the load of the machine.
 """
 
@@ -45,12 +47,16 @@ from torch import nn
 
 from benchmarks.acceptance.common import write_result
 
-LOSS_REL_TOLERANCE = 1e-3
-"""Largest relative gap between any run's per-step loss and the first plain run's. Slipstream at
-world size 1 runs the same kernels on the same data; bf16 kernels are not all bitwise
-reproducible from run to run on a GPU (atomics in some backward reductions), and their drift
-over 50 steps stays orders of magnitude below this, while a step that differs (a lost update,
-another learning rate, a cast in another place) moves the loss by more than this at once."""
+LOSS_REL_FLOOR = 1e-3
+SPREAD_FACTOR = 3.0
+"""A Slipstream run's largest relative loss gap to the first plain run may be SPREAD_FACTOR
+times the second plain run's own gap, and at least LOSS_REL_FLOOR. Slipstream at world size 1
+runs the same kernels on the same data, but bf16 kernels are not all bitwise reproducible from
+run to run on a GPU (atomics in some backward reductions, SDPA's flash backward): on the H200
+(2026-12-04, 50 steps of the 167M decoder) two plain runs ended 1.7e-3 apart and the Slipstream
+runs 0.8e-3 and 1.9e-3 from the first plain one, so a fixed 1e-3 failed plain against plain.
+A run that differs in what it computes (a lost update, another learning rate, a cast in
+another place) drifts by far more than the plain runs' own spread."""
 
 
 class Decoder(nn.Module):
@@ -185,6 +191,9 @@ def judge(args: argparse.Namespace, runs: list[dict], gpu: bool, device: torch.d
                for kind in ("plain", "slipstream")}
     base = runs[0]["losses"]
     gaps = [max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(r["losses"], base)) for r in runs]
+    spread = max([g for r, g in zip(runs[1:], gaps[1:]) if r["kind"] == "plain"], default=0.0)
+    bound = max(LOSS_REL_FLOOR, SPREAD_FACTOR * spread)
+    slipstream_gap = max(g for r, g in zip(runs, gaps) if r["kind"] == "slipstream")
     finite = all(math.isfinite(v) for r in runs for v in r["losses"])
     params = runs[0]["parameters"]
     tokens = args.batch * args.seq
@@ -201,6 +210,8 @@ def judge(args: argparse.Namespace, runs: list[dict], gpu: bool, device: torch.d
                   "max_memory_allocated_mib": round(r["peak"] / 2**20, 1) if r["peak"] is not None else None}
                  for r, gap in zip(runs, gaps)],
         "loss_max_rel_gap": float(f"{max(gaps):.3g}"),
+        "plain_runs_rel_spread": float(f"{spread:.3g}"),
+        "loss_rel_bound": float(f"{bound:.3g}"),
     }
     if gpu:
         peaks = {kind: min(r["peak"] for r in runs if r["kind"] == kind) for kind in ("plain", "slipstream")}
@@ -212,8 +223,9 @@ def judge(args: argparse.Namespace, runs: list[dict], gpu: bool, device: torch.d
         figures["max_memory_allocated_mib"] = "n/a on the CPU"
     checks = [
         {"name": "every run trains to finite losses", "ok": finite, "detail": str([r["final_loss"] for r in figures["runs"]])},
-        {"name": f"losses of every run equal the first plain run's (rel {LOSS_REL_TOLERANCE:g})",
-         "ok": max(gaps) <= LOSS_REL_TOLERANCE, "detail": f"largest rel gap per run {[float(f'{g:.3g}') for g in gaps]}"},
+        {"name": f"Slipstream's losses as close to the first plain run's as the plain runs' own spread allows "
+                 f"(rel {bound:.3g}: {SPREAD_FACTOR:g}x {spread:.3g}, at least {LOSS_REL_FLOOR:g})",
+         "ok": slipstream_gap <= bound, "detail": f"largest rel gap per run {[float(f'{g:.3g}') for g in gaps]}"},
         {"name": "every step time is positive", "ok": all(t > 0 for r in runs for t in r["step_ms"]), "detail": ""},
     ]
     ok = all(c["ok"] for c in checks)
