@@ -83,7 +83,7 @@ class Shape:
 
 
 TINY = Shape()
-# The held-out model of the first GPU run (167.4M parameters; shared/gpu-runs/2026-12-04-h200).
+# The held-out model of the first GPU run (167.4M parameters; docs/gpu.md, run 1).
 GPT167M = Shape(vocab=32000, d_model=1024, layers=8, heads=16, seq=1024, batch=16)
 
 

@@ -1,4 +1,4 @@
-"""Slipstream never changes process-wide state the user's own code reads (GUIDE.md, GPU rules).
+"""Slipstream never changes process-wide state the user's own code reads (the project's GPU rules, docs/gpu.md).
 
 Checked on the source tree: no call that resets the CUDA allocator's statistics may appear
 anywhere in src/. The recorder once reset the peak counters at each log step, and a user's

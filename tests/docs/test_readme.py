@@ -40,7 +40,7 @@ def test_the_first_screen_holds_the_commands_the_conversion_and_the_gpu_status()
     assert first.index(INSTALL_AND_DEMO) < first.index(INSTALL_AND_TEST), "install-and-demo comes first"
     assert readme_script() in first, "the converted script is on the first screen"
     for needed in ("run.finish()", "EXIT_PREEMPTED", "run.dp_rank", "run.dp_size", "slipstream report",
-                   "runs/", "docs/gpu.md", "nothing has run on a GPU"):
+                   "runs/", "docs/gpu.md", "GPU status"):
         assert needed in first, needed
     # CI runs the README's test line verbatim.
     assert INSTALL_AND_TEST in (REPO / ".ci" / "run").read_text().splitlines()
