@@ -139,6 +139,9 @@ def conformance_steps(strategies: list[str], steps: int, estimate_s: float) -> l
     * bf16-params/<strategy>: the model's parameters in bf16 under every sync strategy;
     * resume/async-final-save+<codec>: an asynchronous save on the first launch's final step,
       a resume there, then compressed steps (powersgd, topk);
+    * resume/async-final-save/<layout>: the same on FSDP2 and tp (DCP saving and loading
+      DTensors from device memory; under gloo + CUDA too, where the state-dict gather once
+      crashed);
     * fp16-ef/scale-change/<codec>: fp16 with error feedback across a forced loss-scale change
       (scale x 2**-8 after step 1), against the same run without the change.
     """
@@ -147,6 +150,8 @@ def conformance_steps(strategies: list[str], steps: int, estimate_s: float) -> l
            for s in strategies]
     out += [Step(f"conformance/resume/async-final-save+{c}", 2 * estimate_s, options={"sync": c},
                  case={"resume_at": at}) for c in ("powersgd", "topk")]
+    out += [Step(f"conformance/resume/async-final-save/{name}", 2 * estimate_s, options=opts, case={"resume_at": at})
+            for name, opts in (("fsdp", {"dp_shard": 2}), ("tp", {"tp": 2}))]
     out += [Step(f"conformance/fp16-ef/scale-change/{c}", 2 * estimate_s, options={"sync": c, "precision": "fp16"},
                  case={"force_scale": {"at": 1, "factor": 2.0 ** -8}}) for c in ("allreduce", "powersgd", "topk")]
     return out
