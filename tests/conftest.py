@@ -29,6 +29,9 @@ def in_ci() -> bool:
 
 IN_CI = in_ci()
 
+# Each failed test's whole output and its workers' logs, leftover processes, a timeline.
+pytest_plugins = ["tests.records"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # Optimizers as on a GPU in this process too (tests/gpu_defaults.py): references
