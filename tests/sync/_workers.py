@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from slipstream import gloo_exit
 from slipstream.link import Link
+from slipstream.timing import duration_s
 
 
 def init(rank: int, world: int, port: int, local_world: int) -> None:
@@ -220,6 +221,20 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
             st = sync.apply("auto", ddp)
         finally:
             probe.probe_link = real_probe
+        # What auto's pricing of DiLoCo was handed: whether the step before the observed one
+        # reached it (the wiring), and the figure the measured branch compares with the backward.
+        priced = {}
+        real_price = st.auto.price_lowcomm
+
+        def price_recorded(last, before, clock):
+            priced["before_given"] = before is not None and before.t_backward_start is not None
+            out = real_price(last, before, clock)
+            if priced["before_given"] and last.t_backward_start is not None:
+                priced["period_less_exposed_s"] = (
+                    duration_s(before.t_backward_start, last.t_backward_start) - before.exposed_s)
+            return out
+
+        st.auto.price_lowcomm = price_recorded
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         modes = []
         for i in range(4):
@@ -231,7 +246,7 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
         stats = st.stats()
         st.close()
         return {"modes": modes, "stats": stats, "choices": {str(k): v for k, v in st.decisions.items()},
-                "probed_sizes": probed_sizes,
+                "probed_sizes": probed_sizes, "priced": priced,
                 "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
     def verify_reverts_a_slow_plan():

@@ -36,9 +36,22 @@ def test_every_decision_reaches_stats(suite_results):
     assert set(kept) == {"bf16", "powersgd"} and all(0.0 <= v <= 1.0 for v in kept.values()), kept
     assert kept["bf16"] > 0.99, kept
     assert set(st["sync_excluded"]) == {n for n, v in kept.items() if v < DEFAULTS.min_retained}, st
-    # DiLoCo priced on the same link, the compute from the step before the observed one (DDP's first).
-    low = st["sync_lowcomm"]
-    assert low["compute_from"] == "measured" and 0 < low["compute_s"] < low["per_step_s"], low
+    # DiLoCo priced on the same link, the compute from the step before the observed one (DDP's
+    # first): that step reaches the pricing on every run. Whether its period is used is a timing
+    # fact, not a wiring one: the observed backward of this tiny model is ~2 ms, so one preemption
+    # under load makes it longer than the whole step before it, and the rule then keeps the
+    # estimate (both branches are pinned with fixed records in test_auto_lowcomm.py). Here the
+    # rule is checked against the figure it was given.
+    low, priced = st["sync_lowcomm"], w["priced"]
+    assert priced["before_given"], priced
+    backward_s = st["sync_predicted_backward_s"]
+    if priced["period_less_exposed_s"] > backward_s:
+        assert low["compute_from"] == "measured", (low, priced, backward_s)
+        assert low["compute_s"] == pytest.approx(priced["period_less_exposed_s"]), (low, priced)
+    else:
+        assert low["compute_from"] == "estimated", (low, priced, backward_s)
+        assert low["compute_s"] == pytest.approx(1.5 * backward_s), (low, backward_s)
+    assert 0 < low["compute_s"] < low["per_step_s"], low
     assert (st["sync_recommendation"] is None) == (low["recommended"] is None), st
 
 
