@@ -191,15 +191,28 @@ def test_a_configuration_error_in_a_replica_exits_2_with_its_message(tmp_path):
     assert sorted(p.name for p in marks.iterdir()) == ["start-rank0-attempt0", "start-rank1-attempt0"]
 
 
-def test_a_replica_usage_error_decides_the_exit_code(monkeypatch):
+def test_a_replica_usage_error_decides_the_exit_code():
     """A peer replica that noticed the departure first (exit 1) does not hide the cause (exit 2)."""
     from slipstream.job import runner
     from slipstream.launch.proc import stop_processes
 
-    monkeypatch.setattr(runner, "STOP_GRACE_S", 0.5)
-    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"]),
-             subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.5); sys.exit(2)"])]
+    # Ordered by an event, not a window: replica 1 exits 2 when it sees replica 0 leave (the
+    # end of a pipe only replica 0 holds open), as a worker sees its peer's departure. The test
+    # once gave replica 1 a 0.5 s sleep against a 0.5 s grace that started when replica 0's exit
+    # was polled: the margin was the difference between two Python start-ups (about 0.1 s), and
+    # under the full suite's load (CPU-bound neighbours, processes other tests left running)
+    # one start-up ran more than that behind the other, and replica 1 was stopped first.
+    read_fd, write_fd = os.pipe()
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(1)"], pass_fds=(write_fd,)),
+                 subprocess.Popen([sys.executable, "-c",
+                                   f"import os, sys\nwhile os.read({read_fd}, 1): pass\nsys.exit(2)"],
+                                  pass_fds=(read_fd,))]
+    finally:
+        os.close(write_fd)  # only replica 0 holds the write end now: its exit is replica 1's EOF
+        os.close(read_fd)
     try:
         assert runner._wait_all(procs) == 2
+        assert [p.returncode for p in procs] == [1, 2], "replica 1 left by itself, after replica 0"
     finally:
         stop_processes(procs, grace_s=runner.KILL_GRACE_S)
