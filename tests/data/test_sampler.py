@@ -110,7 +110,10 @@ def test_resume_after_a_batch_in_flight_in_the_prefetch_queue(ds):
     loader = SlipstreamLoader(ds, batch_size=4, seed=2, rank=0, world_size=1, num_workers=2, prefetch_batches=4)
     it = iter(loader)
     got = [_ids(next(it)) for _ in range(3)]
-    time.sleep(0.3)  # let them run ahead
+    deadline = time.monotonic() + 30  # until they have run ahead: the prefetch queue full
+    while it._queue.qsize() < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert it._queue.qsize() == 4, "the prefetch never ran ahead"
     state = loader.state_dict()
     assert state["position"] == 12
     other = SlipstreamLoader(ds, batch_size=4, seed=2, rank=0, world_size=1)

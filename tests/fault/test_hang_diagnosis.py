@@ -339,7 +339,12 @@ def test_progress_files_add_where_each_ranks_host_code_was(tmp_path):
                  for r in (0, 1)]
     reporters[0].mark(progress.BACKWARD, step=41)
     reporters[1].mark(progress.USER, step=41)
-    time.sleep(0.3)
+    # Wait for each reporter's thread to publish its mark (it writes every 0.05 s), not a
+    # fixed 0.3 s that a loaded machine can overrun.
+    deadline = time.monotonic() + 30
+    files = lambda: [p.read_text() for p in (tmp_path / PROGRESS_DIRNAME).glob("*") if p.suffix != ".tmp"]  # noqa: E731
+    while not (len(files()) == 2 and all('"step": 41' in f for f in files())) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for rep in reporters:
         rep.close()
     dumps = {0: _dump([(0, "0", "default_pg", (0, 1), _ops(41, 42))]), 1: _dump([(0, "0", "default_pg", (0, 1), _ops(41))])}
