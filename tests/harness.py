@@ -127,17 +127,39 @@ def run_ranks(
     return [out[r] for r in range(world_size)]
 
 
-def weights_digest(path: Any) -> str:
-    """sha256 over a saved state_dict's names, dtypes, shapes and bytes (names sorted): equal
-    digests mean bitwise-equal weights. Used by the resume tests across launchers and engines."""
-    import hashlib
+def weights_difference(path: Any, reference: Any, limit: int = 8) -> str:
+    """What differs between two saved state_dicts, as text for an assertion message; "" when they
+    are bitwise equal. Names the tensors missing on either side, and for each differing tensor its
+    count of differing elements and the largest absolute difference, so an intermittent bitwise
+    failure says whether it is one rounding (1e-7 on a few elements: an order of summation) or a
+    lost or repeated step (every tensor, by the learning rate's scale).
 
+    Example::
+
+        assert (diff := weights_difference(out / "model.pt", base / "model.pt")) == "", diff
+    """
     import torch
 
-    state = torch.load(path, weights_only=True)
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    got, ref = torch.load(path, weights_only=True), torch.load(reference, weights_only=True)
+    lines = [f"only in {path}: {name}" for name in sorted(set(got) - set(ref))]
+    lines += [f"only in {reference}: {name}" for name in sorted(set(ref) - set(got))]
+    differing = 0
+    for name in sorted(set(got) & set(ref)):
+        a, b = got[name].detach().cpu(), ref[name].detach().cpu()
+        if a.dtype != b.dtype or a.shape != b.shape:
+            lines.append(f"{name}: {a.dtype}{tuple(a.shape)} against {b.dtype}{tuple(b.shape)}")
+            continue
+        if torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)):  # bits: NaN too
+            continue
+        differing += 1
+        if differing <= limit:
+            d = (a.double() - b.double()).abs()
+            lines.append(f"{name}: {int((d > 0).sum())} of {a.numel()} elements differ, max |diff| {float(d.max()):.3g}"
+                         f" (max |value| {float(b.double().abs().max()):.3g})")
+    if differing > limit:
+        lines.append(f"... {differing - limit} more differing tensors")
+    if lines:
+        lines.insert(0, f"{differing} of {len(set(got) & set(ref))} shared tensors differ:")
+    return "\n".join(lines)
+
+

@@ -28,7 +28,7 @@ import yaml
 from slipstream.checkpoint.layout import MARKER
 from slipstream.job.commands import entry_argv, launcher_flags
 from slipstream.job.spec import RDZV_PORT, load_spec
-from tests.harness import weights_digest
+from tests.harness import weights_difference
 
 TINY = ["--dim", "32", "--layers", "1", "--context", "32", "--batch-size", "4", "--corpus-mb", "0.5"]
 STEPS = 150
@@ -190,4 +190,4 @@ def test_killed_container_restarts_and_the_job_resumes_bitwise(uninterrupted, do
     assert resumed and all(killed_at <= n < STEPS for n in resumed), (killed_at, resumed, logs[-5000:])
     assert f"done: {STEPS} steps" in logs, logs[-4000:]
     base_shared = uninterrupted[0]
-    assert weights_digest(job.shared / "out" / "model.pt") == weights_digest(base_shared / "out" / "model.pt")
+    assert (diff := weights_difference(job.shared / "out" / "model.pt", base_shared / "out" / "model.pt")) == "", diff

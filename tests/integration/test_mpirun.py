@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import need
-from tests.harness import weights_digest
+from tests.harness import weights_difference
 
 REPO = Path(__file__).resolve().parents[2]
 MPIRUN = shutil.which("mpirun")
@@ -69,4 +69,4 @@ def test_mpirun_trains_to_the_same_weights_as_slipstream_run(tmp_path):
             cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert mpi.returncode == 0, mpi.stdout[-2000:] + mpi.stderr[-3000:]
     assert "2 rank(s)" in mpi.stdout and "done: 4 steps" in mpi.stdout, mpi.stdout[-2000:]
-    assert weights_digest(tmp_path / "mpi" / "model.pt") == weights_digest(tmp_path / "run" / "model.pt")
+    assert (diff := weights_difference(tmp_path / "mpi" / "model.pt", tmp_path / "run" / "model.pt")) == "", diff

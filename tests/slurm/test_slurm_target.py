@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.harness import weights_digest
+from tests.harness import weights_difference
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_GPT = str(REPO / "examples" / "train_gpt.py")
@@ -159,4 +159,5 @@ def test_preempted_job_requeues_and_resumes_bitwise(baseline, slurm_env, tmp_pat
     assert resumed and HOLD_STEP <= int(resumed.group(1)) < STEPS, log[-3000:]
     assert f"done: {STEPS} steps" in log, log[-3000:]
     base_dir = baseline[0]
-    assert weights_digest(directory / "out" / "model.pt") == weights_digest(base_dir / "out" / "model.pt")
+    diff = weights_difference(directory / "out" / "model.pt", base_dir / "out" / "model.pt")
+    assert diff == "", f"{diff}\n{resumed.group(0)}\n{log[-3000:]}"
