@@ -135,6 +135,7 @@ class Healer:
         for a replacement (which joins the survivors later, in :meth:`rejoin`)."""
         global _CURRENT
         if self.replacement:
+            self._note("a replacement, running the script up to accelerate()")
             self._init_fake_group()
         else:
             self._join(0)
@@ -214,13 +215,26 @@ class Healer:
         _register_fake_backend()
         dist.init_process_group(_FAKE_BACKEND, store=dist.HashStore(), rank=self.rank, world_size=self.world_size)
 
+    def _note(self, what: str) -> None:
+        """Where this rank is in the protocol, for a peer's timeout message (wall-clock stamped:
+        the ranks share no monotonic clock)."""
+        self.store.set(self._key(f"rank{self.rank}/state"), f"{time.time():.3f} {what}")
+
     def _join(self, generation: int) -> None:
+        """Count this rank into ``generation`` and form its group once every rank has; follow the
+        counter when another failure moves it meanwhile. The wait has a deadline only while nothing
+        moves: each rank that joins (or a newer generation) starts ``join_timeout_s`` again, so a
+        join that is slow but progressing (ranks busy beside CPU-bound neighbours, a replacement
+        that imports slowly) is never taken for a lost rank."""
         deadline = time.monotonic() + self.join_timeout_s
         while True:
             self.store.add(self._key(f"{generation}/joined"), 1)
-            moved = False
+            self.store.set(self._key(f"{generation}/rank{self.rank}"), "joined")
+            self._note(f"joined generation {generation}")
+            seen, moved = 0, False
             while not moved:
-                if self.store.add(self._key(f"{generation}/joined"), 0) >= self.world_size:
+                joined = self.store.add(self._key(f"{generation}/joined"), 0)
+                if joined >= self.world_size:
                     self._init_group(generation)
                     self.store.add(self._key(f"{generation}/formed"), 1)
                     self.generation = generation
@@ -228,14 +242,30 @@ class Healer:
                 newer = self._read_gen()
                 if newer > generation:  # another rank failed meanwhile: that generation is the one
                     generation, moved = newer, True
+                    deadline = time.monotonic() + self.join_timeout_s
+                elif joined > seen:  # progress: someone else came
+                    seen, deadline = joined, time.monotonic() + self.join_timeout_s
                 elif time.monotonic() > deadline:
-                    joined = self.store.add(self._key(f"{generation}/joined"), 0)
-                    raise TrainingFailed(
-                        f"rank {self.rank}: the process group of generation {generation} did not form within "
-                        f"{self.join_timeout_s:.0f} s ({joined} of {self.world_size} ranks joined): the dead "
-                        "rank was not replaced (see its supervisor's line); the launcher restarts every worker")
+                    raise TrainingFailed(self._timeout_message(generation, joined))
                 else:
                     time.sleep(_POLL_S)
+
+    def _timeout_message(self, generation: int, joined: int) -> str:
+        """Which ranks did not join ``generation`` and where each was last seen."""
+        now, missing = time.time(), []
+        for r in range(self.world_size):
+            if self.store.check([self._key(f"{generation}/rank{r}")]):
+                continue
+            state_key = self._key(f"rank{r}/state")
+            if self.store.check([state_key]):
+                stamp, _, what = self.store.get(state_key).decode().partition(" ")
+                missing.append(f"rank {r} last said '{what}' {now - float(stamp):.0f} s ago")
+            else:
+                missing.append(f"rank {r} never reached the protocol")
+        return (f"rank {self.rank}: the process group of generation {generation} did not form: nothing moved "
+                f"for {self.join_timeout_s:.0f} s ({joined} of {self.world_size} joined; {'; '.join(missing)}). "
+                "A rank that died with no replacement is named in its supervisor's line; the launcher now "
+                "restarts every worker")
 
     def _init_group(self, generation: int) -> None:
         store = dist.PrefixStore(self._key(f"{generation}/pg"), self.store)
