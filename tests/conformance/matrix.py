@@ -72,7 +72,7 @@ GLOBAL_BATCH, CONTEXT, DIM, LAYERS, HEADS, VOCAB, LR = 8, 8, 16, 2, 2, 64, 3e-2
 
 # Codecs whose gradients differ from allreduce's by more than a rounding: error feedback
 # keeps them converging, but at 4 steps their loss is its own. Bounds measured on this
-# matrix (benchmarks/conformance_matrix.py --full, see BENCHMARKS.md) with margin.
+# matrix (benchmarks/conformance_matrix.py --full, see benchmarks/results/conformance.md) with margin.
 LOSSY = ("powersgd", "topk", "sign", "auto")
 DILOCO_INNER_STEPS = 2
 

@@ -52,7 +52,7 @@ def test_horovod_cases():
 def test_attribution_starts_from_the_old_model_and_ends_at_the_prediction():
     vgg = next(c for c in CASES if c.key == "horovod-vgg16")
     rows = attribution(vgg)
-    assert rows[0][1] == pytest.approx(0.972, abs=0.005)  # the pre-#19 figure (BENCHMARKS.md)
+    assert rows[0][1] == pytest.approx(0.972, abs=0.005)  # pre-#19 (benchmarks/results/cost-model-validation.md)
     assert rows[-1][1] == pytest.approx(evaluate(vgg)["predicted"])
     assert rows[1][0].startswith("+ measured") and rows[1][1] < 0.80  # measured compute closes most
 

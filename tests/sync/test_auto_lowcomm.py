@@ -22,7 +22,7 @@ from slipstream.timing import HostClock
 
 GPT = 437_760  # examples/train_gpt.py at --dim 128 --layers 2: 1.75 MB of fp32 gradients
 # 100 Mbit/s with a 40 ms round trip as the probe measured it on the emulated cluster: alpha two hops
-# of 42 ms, 0.85 of the rate (BENCHMARKS.md, "Links with round trip and loss").
+# of 42 ms, 0.85 of the rate (benchmarks/results/link-delay.md).
 SLOW = Link.measured(ranks=2, alpha_s=0.084, bytes_per_s=0.85 * 12.5e6)
 FAST = Link.measured(ranks=2, alpha_s=2e-4, bytes_per_s=1.25e9)  # 10 Gbit/s
 
