@@ -558,9 +558,15 @@ def _relative(out: Path) -> str:
         return str(out)
 
 
+GENERATED_TABLES = ROOT / "benchmarks" / "results" / "sync-matrix-tables.md"
+"""Where the generated sync-matrix tables live (between the markers): BENCHMARKS.md is a headline
+page of at most 400 lines that links to this file (tests/docs/test_benchmarks_page.py)."""
+
+
 def update_benchmarks_md(section: str, path: Path | None = None) -> Path:
-    """Replace the generated section of BENCHMARKS.md (between the markers) with ``section``."""
-    path = path or ROOT / "BENCHMARKS.md"
+    """Replace the generated section of the sync-matrix tables file (between the markers) with
+    ``section``; ``path`` another file."""
+    path = path or GENERATED_TABLES
     text = path.read_text() if path.exists() else f"# Benchmarks\n\n{MARK_BEGIN}\n{MARK_END}\n"
     if MARK_BEGIN not in text or MARK_END not in text:
         text = text.rstrip() + f"\n\n{MARK_BEGIN}\n{MARK_END}\n"
