@@ -145,7 +145,30 @@ def _command(args: argparse.Namespace):
             from .job.cli import run_main
 
             return run_main
+        _check_script_extras(args)
     return args.func
+
+
+def _check_script_extras(args: argparse.Namespace) -> None:
+    """A script that imports what an extra provides (transformers' Trainer, Accelerate, Lightning)
+    while it is missing here: one line naming the extra, exit 2, before any worker starts, instead
+    of the same ImportError in every rank ("requires accelerate>=1.1.0"). A text search of the
+    script, no import; a module (-m) or an unreadable file is left to the worker."""
+    import os
+
+    from .errors import UsageError
+    from .extras import script_missing_extra
+
+    if getattr(args, "module", False) or not os.path.isfile(args.script):
+        return
+    try:
+        with open(args.script, encoding="utf-8", errors="replace") as fh:
+            source = fh.read(1 << 20)  # a training script is far smaller; the imports are at the top
+    except OSError:
+        return
+    missing = script_missing_extra(source, args.script)
+    if missing is not None:
+        raise UsageError(missing)
 
 
 def entrypoint() -> None:
