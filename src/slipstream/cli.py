@@ -167,13 +167,13 @@ def _check_script_extras(args: argparse.Namespace) -> None:
     """A script that imports what an extra provides (transformers' Trainer, Accelerate, Lightning)
     while it is missing here: one line naming the extra, exit 2, before any worker starts, instead
     of the same ImportError in every rank ("requires accelerate>=1.1.0"). A text search of the
-    script, no import; a module (-m) or an unreadable file is left to the worker."""
+    script, no import; a module (-m), a program (--no-python) or an unreadable file is left to the worker."""
     import os
 
     from .errors import UsageError
     from .extras import script_missing_extra
 
-    if getattr(args, "module", False) or not os.path.isfile(args.script):
+    if getattr(args, "module", False) or getattr(args, "no_python", False) or not os.path.isfile(args.script):
         return
     try:
         with open(args.script, encoding="utf-8", errors="replace") as fh:

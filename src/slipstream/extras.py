@@ -70,10 +70,13 @@ def extras_installed() -> dict[str, dict[str, str | None]]:
 
 # What a script imports that needs an extra, and the distribution that must be installed for it:
 # (a pattern over the script's text, the distribution, its least version, the extra, what the script uses).
-# Trainer: transformers refuses to build one without accelerate >= 1.1.0, in every rank, after start-up.
+# Trainer: transformers refuses to build one (or its TrainingArguments) without accelerate >= 1.1.0,
+# in every rank, after start-up. Only a call counts (Trainer(, Seq2SeqTrainer(, TrainingArguments():
+# a script that imports transformers for a model alone runs without accelerate.
+_TRAINER = r"^\s*(?:from|import)\s+transformers\b(?s:.*)(?:Trainer|TrainingArguments)\s*\("
 _SCRIPT_NEEDS = (
-    (r"^\s*(?:from|import)\s+transformers\b(?s:.*)\bTrainer\b", "transformers", (4, 40), "hf", "transformers' Trainer"),
-    (r"^\s*(?:from|import)\s+transformers\b(?s:.*)\bTrainer\b", "accelerate", (1, 1), "hf", "transformers' Trainer"),
+    (_TRAINER, "transformers", (4, 40), "hf", "transformers' Trainer"),
+    (_TRAINER, "accelerate", (1, 1), "hf", "transformers' Trainer"),
     (r"^\s*(?:from|import)\s+accelerate\b", "accelerate", (1, 1), "accelerate", "Accelerate"),
     (r"^\s*(?:from|import)\s+lightning\b", "lightning", (2, 0), "lightning", "Lightning"),
 )

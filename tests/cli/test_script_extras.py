@@ -13,7 +13,7 @@ from slipstream import extras
 from slipstream.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
-TRAINER = "import os\nfrom transformers import Trainer, TrainingArguments\n"
+TRAINER = "import os\nfrom transformers import Trainer, TrainingArguments\n\ntrainer = Trainer(model=None)\n"
 
 
 @pytest.fixture
@@ -53,6 +53,9 @@ def test_nothing_is_said_where_everything_is_installed_or_nothing_is_used():
     new = {"transformers": "5.0.0", "accelerate": "1.16.0", "lightning": "2.6.0"}.get
     assert extras.script_missing_extra(TRAINER, "x.py", new) is None
     assert extras.script_missing_extra("import torch\n# Trainer is a word in a comment\n", "x.py", lambda d: None) is None
+    # transformers for a model alone needs no accelerate
+    model_only = "from transformers import AutoModel  # no Trainer here\nmodel = AutoModel.from_config(c)\n"
+    assert extras.script_missing_extra(model_only, "x.py", {"transformers": "5.0.0"}.get) is None
 
 
 def test_the_extras_cover_the_trainer_accelerate_and_lightning_paths():
