@@ -32,6 +32,7 @@ _COMMANDS = {
     "bench": "slipstream.bench.cli",
     "plan": "slipstream.plan.cli",
     "export": "slipstream.export.cli",
+    "env": "slipstream.env_report.cli",
 }
 _COMMAND_MODULES = tuple(dict.fromkeys(_COMMANDS.values()))
 
@@ -95,6 +96,20 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{parser.prog}: error: {message}\n(see '{parser.prog} --help')\n")
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: worked out when asked (reading torch's version costs nothing on a CPU
+    build; CUDA's NCCL needs torch imported), not when every other command builds its parser."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser, namespace, values, option_string=None) -> NoReturn:  # argparse's signature
+        from .env_report import version_line
+
+        print(version_line())  # on stdout, as argparse's own version action prints
+        parser.exit(0)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The ``slipstream`` parser; with ``argv``, only the sub-command ``argv`` names is registered.
 
@@ -102,13 +117,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
         build_parser(["plan", "--help"])   # imports slipstream.plan.cli only
     """
-    from . import __version__
-
     parser = ArgumentParser(
         prog="slipstream",
         description="Distributed training engine on PyTorch: launch, synchronise, recover, deploy.",
     )
-    parser.add_argument("--version", action="version", version=f"slipstream {__version__}")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of slipstream, torch and Python (and CUDA and NCCL, where torch has them)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     command = next((a for a in argv or () if not a.startswith("-")), None)
     modules = (_COMMANDS[command],) if command in _COMMANDS else _COMMAND_MODULES
@@ -145,7 +159,30 @@ def _command(args: argparse.Namespace):
             from .job.cli import run_main
 
             return run_main
+        _check_script_extras(args)
     return args.func
+
+
+def _check_script_extras(args: argparse.Namespace) -> None:
+    """A script that imports what an extra provides (transformers' Trainer, Accelerate, Lightning)
+    while it is missing here: one line naming the extra, exit 2, before any worker starts, instead
+    of the same ImportError in every rank ("requires accelerate>=1.1.0"). A text search of the
+    script, no import; a module (-m), a program (--no-python) or an unreadable file is left to the worker."""
+    import os
+
+    from .errors import UsageError
+    from .extras import script_missing_extra
+
+    if getattr(args, "module", False) or getattr(args, "no_python", False) or not os.path.isfile(args.script):
+        return
+    try:
+        with open(args.script, encoding="utf-8", errors="replace") as fh:
+            source = fh.read(1 << 20)  # a training script is far smaller; the imports are at the top
+    except OSError:
+        return
+    missing = script_missing_extra(source, args.script)
+    if missing is not None:
+        raise UsageError(missing)
 
 
 def entrypoint() -> None:

@@ -208,3 +208,13 @@ def test_submit_succeeds_when_its_record_cannot_be_written(capsys, monkeypatch, 
     code, out, err = run_cli(["submit", FULL], capsys)
     assert code == 0 and "job.batch/gpt-full created" in out, err
     assert "warning: submitted, but its record could not be written" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["render", "validate --spec-only", "submit --dry-run"])
+def test_the_spec_commands_answer_under_job_too(capsys, command):
+    # `slipstream job render` answered "invalid choice" (issue #46 item 10): the same parser now.
+    name, *flags = command.split()
+    top = run_cli([name, str(EXAMPLES / "local-2x1.yaml"), *flags], capsys)
+    grouped = run_cli(["job", name, str(EXAMPLES / "local-2x1.yaml"), *flags], capsys)
+    assert grouped[0] == 0, grouped
+    assert grouped == top

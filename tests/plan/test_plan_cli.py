@@ -120,6 +120,25 @@ def test_table_fits_the_terminal_width_and_names_every_layout_in_full(columns, c
         assert c.layout.label() in out, c.layout.label()
 
 
+RESNET16 = ["plan", "--model", "resnet50", "--gpus", "16", "--gpu-type", "V100", "--network", "25gbit-roce"]
+
+
+@pytest.mark.parametrize("columns", [80, 100, 120])
+def test_the_columns_that_tell_candidates_apart_stay_at_any_width(columns, capsys, monkeypatch):
+    # At 120 columns the sync column was dropped and the ddp16 rows with powersgd, bf16 and
+    # hierarchical+powersgd looked the same (issue #46 item 10); ckpt alone tells #1 from #10.
+    import re
+
+    out = _plan_out(RESNET16, capsys, monkeypatch, columns)
+    rows = [line for line in out.splitlines() if re.match(r"│\s+\d+ │", line)]
+    assert len(rows) == 10
+    assert "…" not in out and all(len(line) <= columns for line in rows), out
+    shown = [re.sub(r"^│\s+\d+ │", "", row) for row in rows]
+    named = [" ".join(cell.strip() for cell in row.split("│")[:4]) for row in shown]  # layout, sync, micro x acc, ckpt
+    assert len(set(named)) == 10, named
+    assert "hierarchical+powersgd" in out and "ckpt" in out.splitlines()[2] + out.splitlines()[3]
+
+
 def test_legend_explains_every_part_of_the_layout_names(capsys, monkeypatch):
     out = _plan_out(GPT7B_64, capsys, monkeypatch, 120)
     # The top 5 here hold fsdpN(zS), tpN and ddpN; each is explained, and only those shown.

@@ -33,6 +33,27 @@ class SubmitFailed(SlipstreamError):
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    _add_spec_commands(subparsers)
+    job = subparsers.add_parser(
+        "job", help="job spec tools: validate, render, submit (also top-level) and the JSON Schema editors use",
+        description="Tools around the job spec file: validate, render and submit (the same as the top-level "
+        "commands), and schema. Run a job spec with 'slipstream run JOB.yaml'.",
+    )
+    job.set_defaults(func=lambda _args: _usage(job))
+    tools = job.add_subparsers(dest="job_command", metavar="TOOL")
+    _add_spec_commands(tools)
+    p = tools.add_parser(
+        "schema", help="print the job spec's JSON Schema (draft 2020-12)",
+        description="Print the JSON Schema of JOB.yaml files, generated from the spec's own rules, for editors "
+        "(VS Code: yaml.schemas). The package ships a copy: slipstream/job/schema/jobspec.schema.json.",
+    )
+    p.add_argument("--out", metavar="PATH", default=None, help="write it to PATH instead of stdout")
+    p.set_defaults(func=schema_main)
+
+
+def _add_spec_commands(subparsers: argparse._SubParsersAction) -> None:
+    """validate, render and submit: top-level commands, and the same parsers under ``job``
+    (``slipstream job render`` answered "invalid choice": users of other tools group them so)."""
     p = subparsers.add_parser(
         "validate", help="check a job spec and the manifests it renders, offline",
         description="Check JOB.yaml, then render it for every target and check the manifests offline "
@@ -70,20 +91,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kubectl", default="kubectl", metavar="PATH", help="kubectl to use (default: kubectl on PATH)")
     p.add_argument("--sbatch", default="sbatch", metavar="PATH", help="sbatch to use with --target slurm (default: sbatch on PATH)")
     p.set_defaults(func=submit_main)
-
-    job = subparsers.add_parser(
-        "job", help="job spec tools: the JSON Schema editors use",
-        description="Tools around the job spec file (validate, render, submit and run are top-level commands).",
-    )
-    job.set_defaults(func=lambda _args: _usage(job))
-    tools = job.add_subparsers(dest="job_command", metavar="TOOL")
-    p = tools.add_parser(
-        "schema", help="print the job spec's JSON Schema (draft 2020-12)",
-        description="Print the JSON Schema of JOB.yaml files, generated from the spec's own rules, for editors "
-        "(VS Code: yaml.schemas). The package ships a copy: slipstream/job/schema/jobspec.schema.json.",
-    )
-    p.add_argument("--out", metavar="PATH", default=None, help="write it to PATH instead of stdout")
-    p.set_defaults(func=schema_main)
 
 
 def _describe(spec: JobSpec) -> str:

@@ -20,9 +20,10 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
-from ..errors import ConfigError
+from ..errors import ConfigError, did_you_mean
 
 GIB = 1024**3
 TERA = 1e12
@@ -87,6 +88,39 @@ GPUS: dict[str, GpuSpec] = {
 }
 
 
+# The memory variants, by the names clouds and schedulers use (A100-40GB, H100-80GB, ...):
+# `--gpu-type A100-40GB` was refused. A variant that is the datasheet above is the same spec
+# under its longer name; the others differ in memory (and the A100 40 GB in bandwidth).
+GPUS.update({
+    # A100 SXM4 40 GB datasheet: the 80 GB part's compute and NVLink, 1555 GB/s HBM2. Priced
+    # as the A100 above (4.10: AWS p4d, 8 x A100 40 GB, on demand, per GPU-hour).
+    "A100-40GB": replace(GPUS["A100"], name="A100-40GB", memory_bytes=40 * GIB, memory_bytes_per_s=1555e9,
+                         source="NVIDIA A100 datasheet (SXM4 40GB)"),
+    "A100-80GB": replace(GPUS["A100"], name="A100-80GB"),
+    "H100-80GB": replace(GPUS["H100"], name="H100-80GB"),
+    "H200-141GB": replace(GPUS["H200"], name="H200-141GB"),
+    # V100 SXM2 16 GB datasheet: the 32 GB part's compute, bandwidth and NVLink.
+    "V100-16GB": replace(GPUS["V100"], name="V100-16GB", memory_bytes=16 * GIB,
+                         source="NVIDIA V100 datasheet (SXM2 16GB)"),
+    "V100-32GB": replace(GPUS["V100"], name="V100-32GB"),
+    "P100-16GB": replace(GPUS["P100"], name="P100-16GB"),
+})
+
+
+def gpu_key(name: str) -> str:
+    """The key of ``GPUS`` a user's spelling of a GPU means: case, a leading "NVIDIA", spaces or
+    underscores for dashes and "G"/"GiB" for "GB" do not matter.
+
+    Example::
+
+        gpu_key("nvidia a100 40g")   # "A100-40GB"
+        gpu_key("H100_80GiB")        # "H100-80GB"
+    """
+    key = re.sub(r"^NVIDIA[\s_-]*", "", str(name).strip().upper())
+    key = re.sub(r"[\s_-]+", "-", key)
+    return re.sub(r"-?(\d+)\s*(GB|GIB|G)$", r"-\1GB", key)
+
+
 def local_cpu_spec(threads: int = 1) -> GpuSpec:
     """This machine's CPU as a device: matmul FLOP/s measured now at ``threads`` threads (calibrate),
     memory from /proc/meminfo, one device per node. Memory bandwidth and loopback figures are
@@ -110,12 +144,18 @@ def local_cpu_spec(threads: int = 1) -> GpuSpec:
 
 
 def get_gpu(name: str) -> GpuSpec:
-    key = str(name).strip().upper()
+    """The spec of GPU ``name`` (:func:`gpu_key` spellings), or this machine's CPU for "cpu".
+
+    Example::
+
+        get_gpu("A100-40GB").memory_bytes / GIB   # 40.0
+    """
+    key = gpu_key(name)
     if key == "CPU":
         return local_cpu_spec()
     if key not in GPUS:
         raise ConfigError(f"--gpu-type: must be one of {', '.join(GPUS)} or cpu (this machine, measured), "
-                          f"got {name!r}")
+                          f"got {name!r}" + did_you_mean(key, list(GPUS), quote=True))
     return GPUS[key]
 
 

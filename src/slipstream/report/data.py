@@ -84,6 +84,11 @@ class Run:
             "cuda_peak_allocated_bytes": max((rec.get("cuda_peak_allocated_bytes") or 0 for recs in self.ranks.values() for rec in recs), default=0) or None,
             "cuda_peak_reserved_bytes": max((rec.get("cuda_peak_reserved_bytes") or 0 for recs in self.ranks.values() for rec in recs), default=0) or None,
             "sync_strategy": self.last("sync_strategy"),
+            # auto's choice as it printed it at decision time (sync/auto.py decision_line), its
+            # verdict after timing the plan, and the codec counts older runs recorded instead
+            "sync_decision_line": self.last("sync_decision_line"),
+            "sync_verification": self.last("sync_verification"),
+            "sync_decision": self.last("sync_decision"),
             "sync_bytes_sent_total": sum(float(self.last("sync_bytes_sent_total", r) or 0.0) for r in self.ranks) or None,
             "sync_compression_ratio": self.last("sync_compression_ratio"),
             # auto's DiLoCo recommendation (sync/auto.py), where its measured link made per-step sync lose widely

@@ -105,12 +105,26 @@ def _summary_rows(run: Run, s: dict[str, Any]) -> list[tuple[str, str]]:
         ("peak CUDA allocated / reserved",
          f"{_fmt(s['cuda_peak_allocated_bytes'], 'bytes')} / {_fmt(s['cuda_peak_reserved_bytes'], 'bytes')}"),
         ("gradient sync", _fmt(s["sync_strategy"])),
+        *_decision_rows(s),
         ("bytes sent (all ranks)", _fmt(s["sync_bytes_sent_total"], "bytes")),
         ("compression ratio", _fmt(s["sync_compression_ratio"])),
         *([("low-communication", _fmt(s["sync_recommendation"]))] if s.get("sync_recommendation") else []),
         ("straggler", _fmt(s["straggler"]) if s["straggler"] else "none detected"),
         ("hang", "see below" if s["hang"] else "none recorded"),
     ]
+    return rows
+
+
+def _decision_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """What ``auto`` chose, in the words of its console line at decision time, and its
+    verification's verdict; a run from before that line was recorded shows the codec counts."""
+    rows = []
+    if s.get("sync_decision_line"):
+        rows.append(("sync decision", _fmt(s["sync_decision_line"])))
+    elif s.get("sync_decision") and s.get("sync_decision") != s.get("sync_strategy"):
+        rows.append(("sync decision", _fmt(s["sync_decision"])))
+    if s.get("sync_verification"):
+        rows.append(("sync verification", _fmt(s["sync_verification"])))
     return rows
 
 
