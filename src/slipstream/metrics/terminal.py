@@ -100,6 +100,17 @@ def can_draw(stream: IO[str]) -> bool:
     return tty and os.environ.get("TERM", "").lower() not in ("dumb", "unknown")
 
 
+def _rich_console_with_live() -> Any:
+    """Rich's global console (what Lightning draws on) while a live display is up on it, else None.
+    Read, never created: ``rich.get_console()`` would make one."""
+    rich = sys.modules.get("rich")
+    console = getattr(rich, "_console", None) if rich is not None else None
+    # _live_stack: rich >= 14.1 (nested live displays); _live: before.
+    if console is not None and (getattr(console, "_live_stack", None) or getattr(console, "_live", None)):
+        return console
+    return None
+
+
 def other_live_display() -> str | None:
     """What else draws a live display in this process, or None: rich's (on its global console,
     or redirecting a standard stream) or an open tqdm bar. Only modules already imported are
@@ -109,9 +120,7 @@ def other_live_display() -> str | None:
 
         other_live_display()   # "tqdm progress bar" while a Trainer's bar is open
     """
-    rich = sys.modules.get("rich")
-    console = getattr(rich, "_console", None) if rich is not None else None
-    if console is not None and (getattr(console, "_live_stack", None) or getattr(console, "_live", None)):
+    if _rich_console_with_live() is not None:
         return "rich live display"
     for stream in (sys.stdout, sys.stderr):
         if type(stream).__name__ == "FileProxy" and type(stream).__module__.startswith("rich"):
@@ -135,9 +144,8 @@ def print_beside(line: str, stream: IO[str]) -> None:
 
         print_beside("[slipstream] step 30 | loss 2.3012", sys.stderr)
     """
-    rich = sys.modules.get("rich")
-    console = getattr(rich, "_console", None) if rich is not None else None
-    if console is not None and (getattr(console, "_live_stack", None) or getattr(console, "_live", None)):
+    console = _rich_console_with_live()
+    if console is not None:
         console.print(line, markup=False, highlight=False, emoji=False)
         return
     tqdm = sys.modules.get("tqdm.std")
