@@ -285,7 +285,7 @@ class MetricsConfig:
     """Peak FLOP/s of one device, for MFU; None: a table of known GPUs (none on CPU)."""
     straggler_threshold: float = 0.1
     """Name a straggler only when its compute per step exceeds the median rank's by more
-    than this fraction, in most of the last 5 log steps."""
+    than this fraction (and by more than 2 ms), in each of the last 3 log steps in a row."""
     log_to: tuple[str, ...] = field(default=(), metadata={"choices": TRACKERS})
     """Experiment trackers that receive every metric: tensorboard, wandb, mlflow (comma-separated
     from the environment or ``--log-to``). Each needs its package (the extra of the same name: docs/install.md)."""

@@ -140,7 +140,7 @@ def test_device_events_time_the_device_and_are_read_once_per_window(monkeypatch)
 
 
 def test_straggler_needs_persistence_and_reports_by_how_much():
-    det = StragglerDetector(world_size=4, threshold=0.1, window=5, min_hits=3)
+    det = StragglerDetector(world_size=4, threshold=0.1, window=5, persist=3)
     assert det.observe([0.10, 0.10, 0.13, 0.10]) is None  # once is not persistent
     assert det.observe([0.10, 0.10, 0.13, 0.10]) is None
     v = det.observe([0.10, 0.10, 0.13, 0.10])

@@ -23,10 +23,15 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import statistics
 import sys
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
+
+from .terminal import TerminalDisplay, can_draw, eta_text, print_beside
+
+log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -52,21 +57,11 @@ class JsonlSink:
             self._file.close()
 
 
-def eta_text(seconds: float) -> str:
-    """``75`` -> ``"1m 15s"``: two units at most, as a person reads a remaining time."""
-    s = round(max(0.0, seconds))
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h {s % 3600 // 60:02d}m"
-    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
-
-
-def _fmt(record: dict[str, Any], total_steps: int | None = None, eta_s: float | None = None) -> str:
-    step = f"step {record['step']}" + (f"/{total_steps}" if total_steps else "")
-    parts = [step]
+def status_parts(record: dict[str, Any]) -> list[str]:
+    """The log step's fields as a person reads them, most useful first (the display drops
+    fields from the end where the terminal is narrow): loss, lr, throughput, step time, exposed
+    communication, MFU, the straggler tag."""
+    parts = []
     if record.get("loss") is not None:
         parts.append(f"loss {record['loss']:.4f}")
     if record.get("lr") is not None:
@@ -83,44 +78,39 @@ def _fmt(record: dict[str, Any], total_steps: int | None = None, eta_s: float | 
         parts.append(f"MFU {record['mfu'] * 100:.1f}%")
     if record.get("straggler_rank") is not None:
         parts.append(f"straggler rank {record['straggler_rank']} +{record.get('straggler_slowdown', 0) * 100:.0f}%")
+    return parts
+
+
+def _fmt(record: dict[str, Any], total_steps: int | None = None, eta_s: float | None = None) -> str:
+    step = f"step {record['step']}" + (f"/{total_steps}" if total_steps else "")
+    parts = [step, *status_parts(record)]
     if eta_s is not None:
         parts.append(f"ETA {eta_text(eta_s)}")
     return " | ".join(parts)
 
 
 class ConsoleSink:
-    """A rich progress bar when stderr is a terminal, else one plain line per record:
-    ``step N/total | loss | lr | ... | ETA`` (``step N`` and no ETA when the total is unknown).
+    """Rank 0's console: a live display when stderr is a terminal (:mod:`.terminal`: the bar and
+    the log step's fields on two lines cut to the width, lines printed above it), else one plain
+    line per record: ``step N/total | loss | lr | ... | ETA`` (``step N`` and no ETA when the total
+    is unknown). When another live display is up in the process (Lightning's, a Trainer's tqdm
+    bar), the display steps aside and the plain lines go above that one.
 
     The ETA is the median step time of the last 64 log windows after the first (compilation and
     warm-up make the first slow) times the steps left; it uses only figures the record
     already holds, so it adds no host synchronisation.
+
+    Nothing the display does raises: the training's exit code is never the display's.
     """
 
-    def __init__(self, total_steps: int | None, use_progress_bar: bool | None = None) -> None:
+    def __init__(self, total_steps: int | None, use_progress_bar: bool | None = None,
+                 stream: IO[str] | None = None) -> None:
         self.total_steps = total_steps
-        tty = sys.stderr.isatty()
-        self._bar = None
-        if use_progress_bar if use_progress_bar is not None else tty:
-            from rich.progress import (
-                BarColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-
-            self._bar = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                TextColumn("{task.fields[status]}"),
-                transient=False,
-            )
-            self._task = self._bar.add_task("train", total=total_steps, status="")
-            self._bar.start()
+        terminal = stream if stream is not None else sys.stderr
+        self._display: TerminalDisplay | None = None
+        self._stream = terminal  # where plain lines go once the display stepped aside
+        if use_progress_bar if use_progress_bar is not None else can_draw(terminal):
+            self._display = TerminalDisplay(total_steps, terminal)
         self._announced_rank: int | None = None
         self._first_step_s: float | None = None  # the warm-up window, used only while it is alone
         self._window_step_s: collections.deque[float] = collections.deque(maxlen=64)  # recent windows
@@ -137,23 +127,29 @@ class ConsoleSink:
             return None
         return statistics.median(self._window_step_s or [self._first_step_s]) * left
 
-    def write(self, record: dict[str, Any]) -> None:
-        line = _fmt(record, self.total_steps, self._eta_s(record))
-        if self._bar is not None:
-            self._bar.update(self._task, completed=record["step"], status=line)
-        else:
+    def _say(self, line: str) -> None:
+        """One plain line: on stdout without a display; beside the other display once ours stepped aside."""
+        if self._display is None:
             print(f"[slipstream] {line}", flush=True)
+            return
+        try:
+            print_beside(f"[slipstream] {line}", self._stream)
+        except Exception as exc:  # noqa: BLE001 - never the display's exit code
+            log.debug("progress line not printed: %r", exc)
+
+    def write(self, record: dict[str, Any]) -> None:
+        eta_s = self._eta_s(record)
+        shown = self._display is not None and self._display.update(int(record["step"]), status_parts(record), eta_s)
+        if not shown:
+            self._say(_fmt(record, self.total_steps, eta_s))
         # A straggler is announced once, and again when the verdict changes rank.
         message = record.get("straggler_message")
         key = record.get("straggler_rank")
         if message and key != self._announced_rank:
-            if self._bar is not None:
-                self._bar.console.print(f"[yellow]\\[slipstream] {message}")
-            else:
-                print(f"[slipstream] {message}", flush=True)
+            if not (self._display is not None and self._display.print_lines(f"[slipstream] {message}")):
+                self._say(message)
         self._announced_rank = key
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-            self._bar = None
+        if self._display is not None:
+            self._display.close()
