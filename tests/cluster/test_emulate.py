@@ -94,9 +94,17 @@ def test_cluster_is_built_shaped_partitionable_and_removed():
         assert _tcp_ok(a, 0, 1)
         # clusters are isolated from each other: same 198.18 range, no route between
         assert not _tcp_ok_between(a, b)
+        # a node's address has a name in every namespace (a TCP store's reverse lookup of a client
+        # is answered from /etc/hosts, not by a DNS server no namespace reaches), both spellings
+        peer = a.node_list[1].addr
+        lookup = subprocess.run(a.exec_argv(0, [sys.executable, "-c", "import socket; print(*(socket.getnameinfo("
+                                                f"(h, 1), socket.NI_NAMEREQD)[0] for h in ('{peer}', '::ffff:{peer}')))"]),
+                                capture_output=True, text=True, timeout=30)
+        assert lookup.stdout.split() == [a.node_list[1].netns] * 2, lookup
         names = a.namespaces + b.namespaces
     assert list_namespaces() == []
     assert not set(names) & set(list_namespaces())
+    assert not any(Path(emulate.NETNS_ETC, name).exists() for name in names)  # their /etc/netns files too
 
 
 def _tcp_ok_between(a: EmulatedCluster, b: EmulatedCluster) -> bool:

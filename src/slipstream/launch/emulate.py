@@ -95,6 +95,8 @@ RDZV_PORT = 29400
 """Rendezvous port on node 0; free by construction, the namespace is new."""
 ADDR_PREFIX = "198.18"
 """RFC 2544 benchmarking range; each cluster uses one /24 inside its own namespaces."""
+NETNS_ETC = "/etc/netns"
+"""Where ``ip netns exec NAME`` finds the files it mounts over ``/etc`` for that namespace."""
 FORWARDER_MTU = 65535
 """MTU of the nodes' TUN devices when the forwarder carries the links (delay or loss)."""
 
@@ -353,6 +355,30 @@ class EmulatedCluster:
     def _add_netns(self, name: str) -> None:
         self._ip("ip", "netns", "add", name)
         self._created.append(name)
+        self._write_hosts(name)
+
+    def _write_hosts(self, name: str) -> None:
+        """The namespace's own ``/etc/hosts`` (``ip netns exec`` mounts ``/etc/netns/NAME/hosts``
+        over it): the machine's, plus a name for every node address.
+
+        A TCP store looks up the name of each client it accepts. Inside a namespace no DNS
+        server can be reached, so the reverse lookup of a node address failed and every
+        accepted connection printed c10d's "The hostname of the client socket cannot be
+        retrieved. err=-3" (4 such lines at the start of every emulated 2-node run). With
+        the names here the lookup is answered from the file, and a warning c10d prints on a
+        real failure is still seen."""
+        try:
+            with open("/etc/hosts", encoding="utf-8") as fh:
+                base = fh.read()
+        except OSError:
+            base = ""
+        # Both spellings: the store listens on an IPv6 socket, so it sees an IPv4 client as
+        # ::ffff:198.18.x.y, which glibc does not find under the IPv4 line.
+        lines = [f"{addr}\t{node.netns}" for node in self.node_list for addr in (node.addr, f"::ffff:{node.addr}")]
+        directory = os.path.join(NETNS_ETC, name)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "hosts"), "w", encoding="utf-8") as fh:
+            fh.write(base.rstrip("\n") + "\n# slipstream emulated cluster: its nodes\n" + "\n".join(lines) + "\n")
 
     def down(self) -> None:
         """Stop every process left in the namespaces and delete them; safe to call twice."""
@@ -364,6 +390,7 @@ class EmulatedCluster:
         self._links_built = None
         for name in reversed(self._created):
             self._ip("ip", "netns", "del", name, check=False)
+            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)  # ip netns del leaves it
         self._created.clear()
         for node in range(self.nodes):
             self.forget_memory(node)
