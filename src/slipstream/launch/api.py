@@ -42,7 +42,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -55,7 +54,7 @@ import time
 import uuid
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
                       did_you_mean)
@@ -63,6 +62,7 @@ from .. import heal_env
 from ..log import CONSOLE
 from ..snapshot_dirs import ENV_REJOINS
 from . import agent_signals
+from .agent import patched_agent
 from .parent_death import ENV_AGENT_PID
 
 log = logging.getLogger(__name__)
@@ -356,7 +356,7 @@ def _launch(opts: LaunchOptions) -> int:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addHandler(history)
     try:
-        with _no_restart_on_usage_error():
+        with patched_agent(is_store_host=opts.is_rdzv_host if opts.rdzv_backend == "c10d" else None):
             _launch_rejoining(opts, endpoint, lambda: elastic_launch(config, entrypoint)(*cmd_args))
     except ChildFailedError as exc:
         failures = getattr(exc, "failures", {})
@@ -583,47 +583,6 @@ def _logs_specs_class(name: str | None, default: type) -> type:
     if not found:
         raise UsageError(f"--logs-specs: no entry point {name!r} in group torchrun.logs_specs (is its package installed?)")
     return next(iter(found)).load()
-
-
-@contextlib.contextmanager
-def _no_restart_on_usage_error() -> Iterator[None]:
-    """Have torch's launcher build an agent that spends no restart on a usage error.
-
-    A worker exits 2 only for a usage or configuration error (a SlipstreamError
-    such as ConfigError, the script's own argument parser, a script Python cannot open):
-    deterministic, so every restart would fail the same way, each after a new
-    rendezvous and start-up. The elastic agent restarts on any failure and has
-    no hook for this; ``launch_agent`` constructs ``LocalElasticAgent`` by name,
-    so for this call the name stands for a subclass that, when a failed attempt
-    has a rank that exited 2, leaves no restart: the agent then stops as when
-    its budget is spent and ``launch`` reports the error, exit 2.
-
-    "Any rank", not "every rank": a peer of the rank that left can fail with
-    exit 1 (connection closed) before the agent looks; exit 2 is never the
-    consequence of another rank's failure. If a later torch renames these
-    internals, restarts happen as before and the exit code is still 2.
-    """
-    from torch.distributed.elastic.agent.server import api as agent_api
-    from torch.distributed.launcher import api as launcher_api
-
-    base = getattr(launcher_api, "LocalElasticAgent", None)
-    if base is None or not hasattr(agent_api, "WorkerState"):
-        yield
-        return
-    failed = agent_api.WorkerState.FAILED
-
-    class NoRestartOnUsageError(base):  # type: ignore[misc, valid-type]
-        def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's signature
-            result = super()._monitor_workers(worker_group)
-            if result.state == failed and any(f.exitcode == EXIT_USAGE for f in result.failures.values()):
-                self._remaining_restarts = 0
-            return result
-
-    launcher_api.LocalElasticAgent = NoRestartOnUsageError
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = base
 
 
 def _report_usage_error(failures: dict, opts: LaunchOptions, attempts: int) -> None:
