@@ -133,6 +133,22 @@ def test_run_emulated_2x2_reduces_across_nodes_and_keeps_intra_node_traffic_on_l
     assert list_namespaces() == []
 
 
+def test_a_successful_emulated_run_prints_its_summary_and_run_directory_last_and_no_warning(tmp_path):
+    """Issue #46 item 4: no c10d hostname warnings at start, no store error or native stack trace
+    after the end; the launcher's summary and the run directory are the last lines."""
+    require_root()
+    from tests.launch.test_summary import check_quiet_success, readme_script
+
+    script = tmp_path / "train.py"
+    script.write_text(readme_script(steps=20))
+    run_dir = tmp_path / "runs" / "r"
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "run", "--emulate", "2x1", "--link", "1gbit",
+                           "--run-dir", str(run_dir), str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    check_quiet_success(proc, run_dir, steps=20, ranks=2)
+    assert list_namespaces() == []
+
+
 def test_failure_is_propagated_and_cleaned_up(tmp_path):
     require_root()
     t0 = time.monotonic()

@@ -59,10 +59,11 @@ from typing import TYPE_CHECKING, Callable
 from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
                       did_you_mean)
 from .. import heal_env
-from ..log import CONSOLE
+from ..log import CONSOLE, ENV_LOG_LEVEL, LOG_LEVELS, set_level
 from ..snapshot_dirs import ENV_REJOINS
 from . import agent_signals
 from .agent import patched_agent
+from .summary import read_totals, summary_lines
 from .parent_death import ENV_AGENT_PID
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,12 @@ class LaunchOptions:
     """Every worker sees LOCAL_RANK 0 (and only its own device)."""
     shutdown_timeout_s: int | None = None
     """Seconds workers get after SIGTERM before SIGKILL; None: torch's default."""
+    log_level: str | None = None
+    """How much the ``slipstream`` logger says, here and in every worker: one of
+    :data:`slipstream.log.LOG_LEVELS` (``--log-level``; ``-q`` is ``warning``); None: as configured."""
+    summary: bool = True
+    """Print the run directory and a one-line summary at the end (the node that hosts the
+    rendezvous does); False for a program that wraps the launcher and prints its own."""
 
     def validate(self) -> None:
         """Raise :class:`UsageError` with a readable message for anything unusable."""
@@ -185,6 +192,9 @@ class LaunchOptions:
                              "or --master-addr HOST [--master-port PORT]")
         if self.rdzv_endpoint:
             parse_endpoint(self.rdzv_endpoint)
+        if self.log_level is not None and self.log_level not in LOG_LEVELS:
+            raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+                             + did_you_mean(self.log_level, LOG_LEVELS, quote=True))
 
     @property
     def is_rdzv_host(self) -> bool | None:
@@ -312,18 +322,37 @@ def launch(opts: LaunchOptions) -> int:
     ``OMP_NUM_THREADS``.
     """
     saved = dict(os.environ)
+    logger = logging.getLogger("slipstream")
+    saved_level = logger.level
     try:
         return _launch(opts)
     finally:
+        logger.setLevel(saved_level)  # --log-level is this launch's, not the calling program's
         if dict(os.environ) != saved:
             os.environ.clear()
             os.environ.update(saved)
 
 
 def _launch(opts: LaunchOptions) -> int:
-    """:func:`launch`, without the restoring of ``os.environ``."""
+    """:func:`launch`, without the restoring of ``os.environ`` and the log level."""
     opts.validate()
+    if opts.log_level is not None:
+        set_level(opts.log_level)
+        os.environ[ENV_LOG_LEVEL] = opts.log_level  # the workers' (slipstream.log reads it at import)
     opts = with_run_dir(opts)
+    started = time.monotonic()
+    code = _run_agent(opts)
+    run_dir = opts.worker_env.get("SLIPSTREAM_RUN_DIR") or os.environ.get("SLIPSTREAM_RUN_DIR")
+    # One node speaks for the run: the rendezvous host (node rank 0), whose rank 0 wrote the
+    # metrics; a node that does not know whether it hosts speaks if rank 0's metrics are here.
+    if opts.summary and (opts.is_rdzv_host or (opts.is_rdzv_host is None and run_dir and read_totals(run_dir))):
+        for line in summary_lines(run_dir, code, time.monotonic() - started):
+            log.info(line, extra=CONSOLE)
+    return code
+
+
+def _run_agent(opts: LaunchOptions) -> int:
+    """The elastic agent of this node, run to its end; the exit code (see :func:`launch`)."""
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
     host, port = parse_endpoint(endpoint)
     if opts.is_rdzv_host and opts.rdzv_backend == "c10d":  # another backend's store is not ours to host

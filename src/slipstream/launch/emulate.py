@@ -77,14 +77,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
-from ..log import CONSOLE
+from ..log import CONSOLE, set_level
 from .. import safe_signals
 from ..snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
-from .api import LaunchOptions
+from .api import LaunchOptions, with_run_dir
 from .linkspec import (  # noqa: F401  (re-exported: emulate.parse_rate, ... are its public names too)
     LINK_SYNTAX, MAX_RTT_S, LinkSpec, format_link, format_rate, parse_link, parse_rate, split_link_list, tbf_args,
 )
 from .proc import stop_processes
+from .summary import summary_lines
 
 log = logging.getLogger(__name__)
 
@@ -555,7 +556,10 @@ class EmulatedCluster:
             "--local-addr", n.addr,
             "-n", str(procs_per_node),
             "--max-restarts", str(base.max_restarts),
+            "--no-summary",  # the launcher that built the cluster says it once, after every node is done
         ]
+        if base.log_level is not None:
+            argv += ["--log-level", base.log_level]
         rdzv_conf = getattr(base, "rdzv_conf", None) or {}
         if rdzv_conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())]
@@ -695,6 +699,30 @@ def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions
         raise UsageError(f"--emulate cannot build a cluster here: {why}")
 
     cluster = EmulatedCluster(nodes, link=link)
+    # The run directory, chosen here (as the agents would: runs/<rendezvous id>) so that this
+    # process can say where the run went once every node is done.
+    rdzv_id = base.rdzv_id or f"emu-{cluster.run_id}"
+    base = dataclasses.replace(base, worker_env=with_run_dir(
+        dataclasses.replace(base, rdzv_id=rdzv_id, min_nodes=nodes, max_nodes=nodes)).worker_env)
+    logger = logging.getLogger("slipstream")
+    saved_level = logger.level
+    if base.log_level is not None:
+        set_level(base.log_level)
+    try:
+        started = time.monotonic()
+        code = _run_on(cluster, base, procs_per_node)
+        if base.summary:
+            run_dir = base.worker_env.get("SLIPSTREAM_RUN_DIR") or os.environ.get("SLIPSTREAM_RUN_DIR")
+            for line in summary_lines(run_dir, code, time.monotonic() - started):
+                log.info(line, extra=CONSOLE)
+        return code
+    finally:
+        logger.setLevel(saved_level)
+
+
+def _run_on(cluster: EmulatedCluster, base: LaunchOptions, procs_per_node: int) -> int:
+    """:func:`run_emulated` on ``cluster``: built, run, deleted (also on Ctrl-C and SIGTERM)."""
+    nodes = cluster.nodes
     in_main = threading.current_thread() is threading.main_thread()
     # Raised outside stdlib code only: a SIGTERM inside Popen.poll must not blind the wait for the agents.
     previous = signal.signal(signal.SIGTERM, safe_signals.handler(_Terminated)) if in_main else None
