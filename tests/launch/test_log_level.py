@@ -40,6 +40,8 @@ def test_the_level_reaches_the_launch_options(tmp_path):
     args = build_parser().parse_args(["run", "-q", "--no-summary", str(script)])
     opts = launch_options_from_args(args)
     assert opts.log_level == "warning" and opts.summary is False
+    # in the workers' environment too: a job spec's replicas (their own agents) get it from there
+    assert opts.worker_env["SLIPSTREAM_LOG_LEVEL"] == "warning"
 
 
 def test_the_workers_read_the_level_from_their_environment():

@@ -525,6 +525,11 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
         env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
     env.update(_placement_env(getattr(args, "backend", None), getattr(args, "device", None)))
     env.update(_heal_env(getattr(args, "heal", None), getattr(args, "spares", None)))
+    level = log_level(args)
+    if level is not None:  # the workers' level, and that of the agents a job spec's runner starts
+        from ..log import ENV_LOG_LEVEL
+
+        env[ENV_LOG_LEVEL] = level
     return env
 
 
