@@ -20,6 +20,9 @@ What differs from torchrun, and why:
   errors (2) apart. A worker's usage error (exit 2, e.g. a ConfigError) is
   reported with its message, exits 2 and is not restarted: it would recur.
 * OMP_NUM_THREADS defaults to cores / local workers rather than 1.
+* Every run ends with a one-line summary and the run directory, printed by the launcher
+  (:mod:`slipstream.launch.summary`), whatever the script prints; and a successful run ends
+  quietly: the rendezvous store's host leaves last (:mod:`slipstream.launch.agent`).
 * Workers run ``python -u -m slipstream.launch.worker SCRIPT`` (the script as
   ``__main__``, as Python runs it, plus a safe exit under gloo), not ``python -u
   SCRIPT``; ``--no-python`` runs the program itself, as torchrun does.

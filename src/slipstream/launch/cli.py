@@ -49,10 +49,12 @@ differences from torchrun (everything else means what it means to torchrun):
                   plus a safe exit under gloo); --run-path is accepted and changes nothing (the worker runs
                   SCRIPT with runpy.run_path already); --no-python runs SCRIPT itself, as torchrun does
   OMP_NUM_THREADS default: cores / local workers (torchrun: 1)
+  the end         a one-line summary and the run directory, whatever the script prints (--no-summary: neither);
+                  --log-level / -q set how much Slipstream itself says, in the launcher and every worker
   exit codes      0 done, 1 training failed, 2 usage or configuration error (a worker exiting 2 is not
                   restarted: it would recur), 130 interrupted, 143 preempted
-  --emulate       the emulated nodes' agents get -n, --nnodes, --max-restarts, --rdzv-id, --rdzv-conf, -m
-                  and the training options; torchrun's other options are not passed to them"""
+  --emulate       the emulated nodes' agents get -n, --nnodes, --max-restarts, --rdzv-id, --rdzv-conf, -m,
+                  --log-level and the training options; torchrun's other options are not passed to them"""
 
 
 def _json_object(text: str) -> dict:
