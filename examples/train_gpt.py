@@ -312,7 +312,7 @@ def main() -> None:
             os.makedirs(args.out, exist_ok=True)
             torch.save(state, os.path.join(args.out, "model.pt"))
             print(f"saved {os.path.join(args.out, 'model.pt')}")
-        print(f"run directory: {run.recorder.run_dir}; see the run with: slipstream report {run.recorder.run_dir}")
+    # `slipstream run` ends with the run directory and its own summary line, whatever the script prints.
     # Ends the process here: torch's gloo can abort in interpreter teardown (see shutdown's docstring).
     slipstream.shutdown(exit_code=0)
 

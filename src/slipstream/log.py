@@ -9,6 +9,12 @@ stream as before, and what Python's last-resort handler shows for a library
 without one. Other records (``log.info`` without ``CONSOLE``, ``log.debug``) stay
 quiet unless you configure logging.
 
+How much is said: ``slipstream run --log-level {debug,info,warning,error}`` (``-q``: warning)
+sets the ``slipstream`` logger's level in the launcher and, through ``SLIPSTREAM_LOG_LEVEL``, in
+every worker (read here, at import). ``info`` is the default (the console records and every
+warning); ``debug`` adds every record the library logs; ``warning`` keeps only warnings and
+errors; ``error`` only errors.
+
 If the application shows logging on the console itself (a root handler writing
 to stderr or stdout, e.g. ``logging.basicConfig``), this handler steps aside and
 the application's handlers and levels decide, so nothing is said twice. A root
@@ -28,10 +34,17 @@ Example::
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from collections.abc import Mapping
 
 CONSOLE = {"slipstream_console": True}
 """``extra=`` of a record the user reads on the console by default (what ``print()`` said)."""
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""The values of ``--log-level`` and of :data:`ENV_LOG_LEVEL`."""
+ENV_LOG_LEVEL = "SLIPSTREAM_LOG_LEVEL"
+"""The launcher's ``--log-level`` for its workers (``slipstream run`` sets it; a user may too)."""
 
 
 class _ConsoleHandler(logging.Handler):
@@ -46,6 +59,8 @@ class _ConsoleHandler(logging.Handler):
     def filter(self, record: logging.LogRecord) -> bool:
         if _application_shows_console():  # the application's own handler puts records on the console
             return False
+        if logging.getLogger("slipstream").level == logging.DEBUG:  # --log-level debug: every record
+            return True
         return record.levelno >= logging.WARNING or bool(getattr(record, "slipstream_console", False))
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -85,9 +100,42 @@ def install_console() -> logging.Logger:
         logger.addHandler(_ConsoleHandler())
         if logger.level == logging.NOTSET:
             logger.setLevel(logging.INFO)  # console records are INFO; the handler filters the rest
+            wanted = env_level()
+            if wanted is not None:
+                set_level(wanted)
     return logger
+
+
+def env_level(environ: Mapping[str, str] | None = None) -> str | None:
+    """The level :data:`ENV_LOG_LEVEL` asks for (None: not set). A value that is not one of
+    :data:`LOG_LEVELS` is said once, as a warning, and ignored: a typo in a variable must not
+    stop every worker at import.
+
+    Example::
+
+        env_level({"SLIPSTREAM_LOG_LEVEL": "WARNING"})   # "warning"
+    """
+    wanted = (os.environ if environ is None else environ).get(ENV_LOG_LEVEL, "").strip().lower()
+    if wanted in LOG_LEVELS:
+        return wanted
+    if wanted:
+        logging.getLogger("slipstream").warning(
+            f"slipstream: {ENV_LOG_LEVEL}={wanted!r} is not one of {', '.join(LOG_LEVELS)}; using info")
+    return None
+
+
+def set_level(name: str) -> None:
+    """Set how much the ``slipstream`` logger says in this process: one of :data:`LOG_LEVELS`.
+
+    Example::
+
+        set_level("warning")   # console lines (INFO) gone; warnings and errors still shown
+    """
+    if name not in LOG_LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {name!r}")
+    logging.getLogger("slipstream").setLevel(getattr(logging, name.upper()))
 
 
 install_console()
 
-__all__ = ["CONSOLE", "install_console"]
+__all__ = ["CONSOLE", "ENV_LOG_LEVEL", "LOG_LEVELS", "env_level", "install_console", "set_level"]

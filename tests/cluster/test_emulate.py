@@ -94,9 +94,17 @@ def test_cluster_is_built_shaped_partitionable_and_removed():
         assert _tcp_ok(a, 0, 1)
         # clusters are isolated from each other: same 198.18 range, no route between
         assert not _tcp_ok_between(a, b)
+        # a node's address has a name in every namespace (a TCP store's reverse lookup of a client
+        # is answered from /etc/hosts, not by a DNS server no namespace reaches), both spellings
+        peer = a.node_list[1].addr
+        lookup = subprocess.run(a.exec_argv(0, [sys.executable, "-c", "import socket; print(*(socket.getnameinfo("
+                                                f"(h, 1), socket.NI_NAMEREQD)[0] for h in ('{peer}', '::ffff:{peer}')))"]),
+                                capture_output=True, text=True, timeout=30)
+        assert lookup.stdout.split() == [a.node_list[1].netns] * 2, lookup
         names = a.namespaces + b.namespaces
     assert list_namespaces() == []
     assert not set(names) & set(list_namespaces())
+    assert not any(Path(emulate.NETNS_ETC, name).exists() for name in names)  # their /etc/netns files too
 
 
 def _tcp_ok_between(a: EmulatedCluster, b: EmulatedCluster) -> bool:
@@ -122,6 +130,22 @@ def test_run_emulated_2x2_reduces_across_nodes_and_keeps_intra_node_traffic_on_l
     for r in reports:
         assert 5 * mib <= r["if_bytes"] <= 9 * mib, r
         assert 5 * mib <= r["lo_bytes"] <= 9 * mib, r
+    assert list_namespaces() == []
+
+
+def test_a_successful_emulated_run_prints_its_summary_and_run_directory_last_and_no_warning(tmp_path):
+    """Issue #46 item 4: no c10d hostname warnings at start, no store error or native stack trace
+    after the end; the launcher's summary and the run directory are the last lines."""
+    require_root()
+    from tests.launch.test_summary import check_quiet_success, readme_script
+
+    script = tmp_path / "train.py"
+    script.write_text(readme_script(steps=20))
+    run_dir = tmp_path / "runs" / "r"
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "run", "--emulate", "2x1", "--link", "1gbit",
+                           "--run-dir", str(run_dir), str(script)], cwd=tmp_path, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    check_quiet_success(proc, run_dir, steps=20, ranks=2)
     assert list_namespaces() == []
 
 

@@ -137,6 +137,16 @@ def test_two_node_job_completes_with_falling_loss(baseline, slurm_env):
     assert any(f"done: {STEPS} steps" in line for line in rank0), rank0[-5:]
     assert all(line.startswith("[rank1]:") for line in rank1) and not any("done:" in x for x in rank1), rank1[:5]
     assert (directory / "out" / "model.pt").is_file()
+    # Quiet success (issue #46 item 4): the launcher's summary, then only the run directory; no
+    # C++ warning, traceback or native frame anywhere in the job's output.
+    out = (directory / f"slipstream-gpt-base-{job_id}.out").read_text()
+    lines = out.splitlines()
+    summary = max(i for i, line in enumerate(lines) if line.startswith(f"slipstream run: done: {STEPS} steps"))
+    run_dir = directory / "runs" / f"slurm-{job_id}"
+    assert lines[summary + 1:] == [f"slipstream run: run directory {run_dir} (see it with: slipstream report {run_dir})"], \
+        lines[summary - 3:]
+    for noise in ("Traceback", "frame #", "TCPStore.cpp", "socket.cpp", "failed to shutdown"):
+        assert noise not in out, out[-3000:]
 
 
 def test_preempted_job_requeues_and_resumes_bitwise(baseline, slurm_env, tmp_path):

@@ -93,7 +93,11 @@ def test_the_strategy_is_installed_on_the_scripts_ddp(adopting, capsys):
     train(model)
     assert adopter.handles[0].stats()["sync_steps"] == 3  # one rank: the reducer is kept (2 ranks: test_zero_change)
     err = capsys.readouterr().err
-    assert "adopted the script's DistributedDataParallel" in err and "sync bf16" in err
+    assert "adopted the script's DistributedDataParallel (Sequential, 162 parameters)" in err and "sync bf16" in err
+
+
+def test_a_parameter_count_is_shown_in_a_unit_that_shows_it():
+    assert [adopt.parameter_count(n) for n in (162, 85_002, 2_180_000, 1_300_000_000)] == ["162", "85.0k", "2.18M", "1.30B"]
 
 
 def test_a_model_built_by_accelerate_is_not_adopted_twice(adopting):

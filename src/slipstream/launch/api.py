@@ -20,6 +20,9 @@ What differs from torchrun, and why:
   errors (2) apart. A worker's usage error (exit 2, e.g. a ConfigError) is
   reported with its message, exits 2 and is not restarted: it would recur.
 * OMP_NUM_THREADS defaults to cores / local workers rather than 1.
+* Every run ends with a one-line summary and the run directory, printed by the launcher
+  (:mod:`slipstream.launch.summary`), whatever the script prints; and a successful run ends
+  quietly: the rendezvous store's host leaves last (:mod:`slipstream.launch.agent`).
 * Workers run ``python -u -m slipstream.launch.worker SCRIPT`` (the script as
   ``__main__``, as Python runs it, plus a safe exit under gloo), not ``python -u
   SCRIPT``; ``--no-python`` runs the program itself, as torchrun does.
@@ -42,7 +45,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
 import os
@@ -55,14 +57,16 @@ import time
 import uuid
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
                       did_you_mean)
 from .. import heal_env
-from ..log import CONSOLE
+from ..log import CONSOLE, ENV_LOG_LEVEL, LOG_LEVELS, set_level
 from ..snapshot_dirs import ENV_REJOINS
 from . import agent_signals
+from .agent import patched_agent
+from .summary import read_totals, summary_lines
 from .parent_death import ENV_AGENT_PID
 
 log = logging.getLogger(__name__)
@@ -132,6 +136,12 @@ class LaunchOptions:
     """Every worker sees LOCAL_RANK 0 (and only its own device)."""
     shutdown_timeout_s: int | None = None
     """Seconds workers get after SIGTERM before SIGKILL; None: torch's default."""
+    log_level: str | None = None
+    """How much the ``slipstream`` logger says, here and in every worker: one of
+    :data:`slipstream.log.LOG_LEVELS` (``--log-level``; ``-q`` is ``warning``); None: as configured."""
+    summary: bool = True
+    """Print the run directory and a one-line summary at the end (the node that hosts the
+    rendezvous does); False for a program that wraps the launcher and prints its own."""
 
     def validate(self) -> None:
         """Raise :class:`UsageError` with a readable message for anything unusable."""
@@ -185,6 +195,9 @@ class LaunchOptions:
                              "or --master-addr HOST [--master-port PORT]")
         if self.rdzv_endpoint:
             parse_endpoint(self.rdzv_endpoint)
+        if self.log_level is not None and self.log_level not in LOG_LEVELS:
+            raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+                             + did_you_mean(self.log_level, LOG_LEVELS, quote=True))
 
     @property
     def is_rdzv_host(self) -> bool | None:
@@ -312,18 +325,37 @@ def launch(opts: LaunchOptions) -> int:
     ``OMP_NUM_THREADS``.
     """
     saved = dict(os.environ)
+    logger = logging.getLogger("slipstream")
+    saved_level = logger.level
     try:
         return _launch(opts)
     finally:
+        logger.setLevel(saved_level)  # --log-level is this launch's, not the calling program's
         if dict(os.environ) != saved:
             os.environ.clear()
             os.environ.update(saved)
 
 
 def _launch(opts: LaunchOptions) -> int:
-    """:func:`launch`, without the restoring of ``os.environ``."""
+    """:func:`launch`, without the restoring of ``os.environ`` and the log level."""
     opts.validate()
+    if opts.log_level is not None:
+        set_level(opts.log_level)
+        os.environ[ENV_LOG_LEVEL] = opts.log_level  # the workers' (slipstream.log reads it at import)
     opts = with_run_dir(opts)
+    started = time.monotonic()
+    code = _run_agent(opts)
+    run_dir = opts.worker_env.get("SLIPSTREAM_RUN_DIR") or os.environ.get("SLIPSTREAM_RUN_DIR")
+    # One node speaks for the run: the rendezvous host (node rank 0), whose rank 0 wrote the
+    # metrics; a node that does not know whether it hosts speaks if rank 0's metrics are here.
+    if opts.summary and (opts.is_rdzv_host or (opts.is_rdzv_host is None and run_dir and read_totals(run_dir))):
+        for line in summary_lines(run_dir, code, time.monotonic() - started):
+            log.info(line, extra=CONSOLE)
+    return code
+
+
+def _run_agent(opts: LaunchOptions) -> int:
+    """The elastic agent of this node, run to its end; the exit code (see :func:`launch`)."""
     endpoint = opts.rdzv_endpoint or "127.0.0.1:0"
     host, port = parse_endpoint(endpoint)
     if opts.is_rdzv_host and opts.rdzv_backend == "c10d":  # another backend's store is not ours to host
@@ -356,7 +388,7 @@ def _launch(opts: LaunchOptions) -> int:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addHandler(history)
     try:
-        with _no_restart_on_usage_error():
+        with patched_agent(is_store_host=opts.is_rdzv_host if opts.rdzv_backend == "c10d" else None):
             _launch_rejoining(opts, endpoint, lambda: elastic_launch(config, entrypoint)(*cmd_args))
     except ChildFailedError as exc:
         failures = getattr(exc, "failures", {})
@@ -583,47 +615,6 @@ def _logs_specs_class(name: str | None, default: type) -> type:
     if not found:
         raise UsageError(f"--logs-specs: no entry point {name!r} in group torchrun.logs_specs (is its package installed?)")
     return next(iter(found)).load()
-
-
-@contextlib.contextmanager
-def _no_restart_on_usage_error() -> Iterator[None]:
-    """Have torch's launcher build an agent that spends no restart on a usage error.
-
-    A worker exits 2 only for a usage or configuration error (a SlipstreamError
-    such as ConfigError, the script's own argument parser, a script Python cannot open):
-    deterministic, so every restart would fail the same way, each after a new
-    rendezvous and start-up. The elastic agent restarts on any failure and has
-    no hook for this; ``launch_agent`` constructs ``LocalElasticAgent`` by name,
-    so for this call the name stands for a subclass that, when a failed attempt
-    has a rank that exited 2, leaves no restart: the agent then stops as when
-    its budget is spent and ``launch`` reports the error, exit 2.
-
-    "Any rank", not "every rank": a peer of the rank that left can fail with
-    exit 1 (connection closed) before the agent looks; exit 2 is never the
-    consequence of another rank's failure. If a later torch renames these
-    internals, restarts happen as before and the exit code is still 2.
-    """
-    from torch.distributed.elastic.agent.server import api as agent_api
-    from torch.distributed.launcher import api as launcher_api
-
-    base = getattr(launcher_api, "LocalElasticAgent", None)
-    if base is None or not hasattr(agent_api, "WorkerState"):
-        yield
-        return
-    failed = agent_api.WorkerState.FAILED
-
-    class NoRestartOnUsageError(base):  # type: ignore[misc, valid-type]
-        def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's signature
-            result = super()._monitor_workers(worker_group)
-            if result.state == failed and any(f.exitcode == EXIT_USAGE for f in result.failures.values()):
-                self._remaining_restarts = 0
-            return result
-
-    launcher_api.LocalElasticAgent = NoRestartOnUsageError
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = base
 
 
 def _report_usage_error(failures: dict, opts: LaunchOptions, attempts: int) -> None:

@@ -30,7 +30,7 @@ import re
 from .. import config as config_module
 from .. import heal_env
 from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig, env_text
-from ..errors import ConfigError, UsageError
+from ..errors import ConfigError, UsageError, did_you_mean
 from . import run_config
 from .api import LaunchOptions, launch
 
@@ -49,10 +49,12 @@ differences from torchrun (everything else means what it means to torchrun):
                   plus a safe exit under gloo); --run-path is accepted and changes nothing (the worker runs
                   SCRIPT with runpy.run_path already); --no-python runs SCRIPT itself, as torchrun does
   OMP_NUM_THREADS default: cores / local workers (torchrun: 1)
+  the end         a one-line summary and the run directory, whatever the script prints (--no-summary: neither);
+                  --log-level / -q set how much Slipstream itself says, in the launcher and every worker
   exit codes      0 done, 1 training failed, 2 usage or configuration error (a worker exiting 2 is not
                   restarted: it would recur), 130 interrupted, 143 preempted
-  --emulate       the emulated nodes' agents get -n, --nnodes, --max-restarts, --rdzv-id, --rdzv-conf, -m
-                  and the training options; torchrun's other options are not passed to them"""
+  --emulate       the emulated nodes' agents get -n, --nnodes, --max-restarts, --rdzv-id, --rdzv-conf, -m,
+                  --log-level and the training options; torchrun's other options are not passed to them"""
 
 
 def _json_object(text: str) -> dict:
@@ -346,6 +348,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--spares", type=int, default=None, metavar="{0,1}",
                    help="with --heal: warm spare processes each rank keeps, torch imported (default 1; 0: a "
                    "replacement starts cold, seconds later, and costs no memory until then)")
+    # Checked in check_launcher_flags (one line, exit 2, "did you mean"), not by argparse choices.
+    g.add_argument("--log-level", default=None, metavar="{debug,info,warning,error}",
+                   help="how much Slipstream says, in the launcher and in every worker: info (default) its "
+                   "one-line notes and every warning, debug everything it logs, warning only warnings and "
+                   "errors, error only errors; the script's own output is its own")
+    g.add_argument("-q", "--quiet", action="store_true", default=None,
+                   help="--log-level warning: no notes, no final summary; warnings and errors still shown")
+    g.add_argument("--no-summary", action="store_true", default=None,
+                   help="print no run directory and final summary line at the end (for a program that wraps "
+                   "slipstream run and prints its own)")
     _add_training_flags(p)
     p.add_argument("script", metavar="SCRIPT", help="training script (or module with -m), or JOB.yaml")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for the script")
@@ -515,6 +527,11 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
         env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
     env.update(_placement_env(getattr(args, "backend", None), getattr(args, "device", None)))
     env.update(_heal_env(getattr(args, "heal", None), getattr(args, "spares", None)))
+    level = log_level(args)
+    if level is not None:  # the workers' level, and that of the agents a job spec's runner starts
+        from ..log import ENV_LOG_LEVEL
+
+        env[ENV_LOG_LEVEL] = level
     return env
 
 
@@ -607,9 +624,33 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
 
         parse_shape(emulate)
         parse_link(link)
+    log_level(args)
     if getattr(args, "heal", None) and getattr(args, "no_python", False):
         raise UsageError("--heal runs each rank under a supervisor in the Python worker entry: "
                          "it cannot go with --no-python")
+
+
+def log_level(args: argparse.Namespace) -> str | None:
+    """``--log-level`` / ``-q`` as one level (None: neither given); a bad or contradicting value
+    is a :class:`UsageError`.
+
+    Example::
+
+        log_level(parse(["run", "-q", "train.py"]))   # "warning"
+    """
+    from ..log import LOG_LEVELS
+
+    level, quiet = getattr(args, "log_level", None), getattr(args, "quiet", None)
+    if level is not None:
+        level = str(level).strip().lower()
+        if level not in LOG_LEVELS:
+            raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}"
+                             + did_you_mean(level, LOG_LEVELS, quote=True))
+    if quiet:
+        if level not in (None, "warning", "error"):
+            raise UsageError(f"-q/--quiet means --log-level warning; it cannot go with --log-level {level}")
+        return level or "warning"
+    return level
 
 
 def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
@@ -659,6 +700,8 @@ def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
         duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
         virtual_local_rank=args.virtual_local_rank,
         shutdown_timeout_s=args.shutdown_timeout,
+        log_level=log_level(args),
+        summary=not args.no_summary,
     )
 
 

@@ -77,14 +77,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
-from ..log import CONSOLE
+from ..log import CONSOLE, set_level
 from .. import safe_signals
 from ..snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
-from .api import LaunchOptions
+from .api import LaunchOptions, with_run_dir
 from .linkspec import (  # noqa: F401  (re-exported: emulate.parse_rate, ... are its public names too)
     LINK_SYNTAX, MAX_RTT_S, LinkSpec, format_link, format_rate, parse_link, parse_rate, split_link_list, tbf_args,
 )
 from .proc import stop_processes
+from .summary import summary_lines
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,8 @@ RDZV_PORT = 29400
 """Rendezvous port on node 0; free by construction, the namespace is new."""
 ADDR_PREFIX = "198.18"
 """RFC 2544 benchmarking range; each cluster uses one /24 inside its own namespaces."""
+NETNS_ETC = "/etc/netns"
+"""Where ``ip netns exec NAME`` finds the files it mounts over ``/etc`` for that namespace."""
 FORWARDER_MTU = 65535
 """MTU of the nodes' TUN devices when the forwarder carries the links (delay or loss)."""
 
@@ -353,6 +356,30 @@ class EmulatedCluster:
     def _add_netns(self, name: str) -> None:
         self._ip("ip", "netns", "add", name)
         self._created.append(name)
+        self._write_hosts(name)
+
+    def _write_hosts(self, name: str) -> None:
+        """The namespace's own ``/etc/hosts`` (``ip netns exec`` mounts ``/etc/netns/NAME/hosts``
+        over it): the machine's, plus a name for every node address.
+
+        A TCP store looks up the name of each client it accepts. Inside a namespace no DNS
+        server can be reached, so the reverse lookup of a node address failed and every
+        accepted connection printed c10d's "The hostname of the client socket cannot be
+        retrieved. err=-3" (4 such lines at the start of every emulated 2-node run). With
+        the names here the lookup is answered from the file, and a warning c10d prints on a
+        real failure is still seen."""
+        try:
+            with open("/etc/hosts", encoding="utf-8") as fh:
+                base = fh.read()
+        except OSError:
+            base = ""
+        # Both spellings: the store listens on an IPv6 socket, so it sees an IPv4 client as
+        # ::ffff:198.18.x.y, which glibc does not find under the IPv4 line.
+        lines = [f"{addr}\t{node.netns}" for node in self.node_list for addr in (node.addr, f"::ffff:{node.addr}")]
+        directory = os.path.join(NETNS_ETC, name)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "hosts"), "w", encoding="utf-8") as fh:
+            fh.write(base.rstrip("\n") + "\n# slipstream emulated cluster: its nodes\n" + "\n".join(lines) + "\n")
 
     def down(self) -> None:
         """Stop every process left in the namespaces and delete them; safe to call twice."""
@@ -364,6 +391,7 @@ class EmulatedCluster:
         self._links_built = None
         for name in reversed(self._created):
             self._ip("ip", "netns", "del", name, check=False)
+            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)  # ip netns del leaves it
         self._created.clear()
         for node in range(self.nodes):
             self.forget_memory(node)
@@ -528,7 +556,10 @@ class EmulatedCluster:
             "--local-addr", n.addr,
             "-n", str(procs_per_node),
             "--max-restarts", str(base.max_restarts),
+            "--no-summary",  # the launcher that built the cluster says it once, after every node is done
         ]
+        if base.log_level is not None:
+            argv += ["--log-level", base.log_level]
         rdzv_conf = getattr(base, "rdzv_conf", None) or {}
         if rdzv_conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())]
@@ -668,6 +699,30 @@ def run_emulated(nodes: int, procs_per_node: int, link: str, base: LaunchOptions
         raise UsageError(f"--emulate cannot build a cluster here: {why}")
 
     cluster = EmulatedCluster(nodes, link=link)
+    # The run directory, chosen here (as the agents would: runs/<rendezvous id>) so that this
+    # process can say where the run went once every node is done.
+    rdzv_id = base.rdzv_id or f"emu-{cluster.run_id}"
+    base = dataclasses.replace(base, worker_env=with_run_dir(
+        dataclasses.replace(base, rdzv_id=rdzv_id, min_nodes=nodes, max_nodes=nodes)).worker_env)
+    logger = logging.getLogger("slipstream")
+    saved_level = logger.level
+    if base.log_level is not None:
+        set_level(base.log_level)
+    try:
+        started = time.monotonic()
+        code = _run_on(cluster, base, procs_per_node)
+        if base.summary:
+            run_dir = base.worker_env.get("SLIPSTREAM_RUN_DIR") or os.environ.get("SLIPSTREAM_RUN_DIR")
+            for line in summary_lines(run_dir, code, time.monotonic() - started):
+                log.info(line, extra=CONSOLE)
+        return code
+    finally:
+        logger.setLevel(saved_level)
+
+
+def _run_on(cluster: EmulatedCluster, base: LaunchOptions, procs_per_node: int) -> int:
+    """:func:`run_emulated` on ``cluster``: built, run, deleted (also on Ctrl-C and SIGTERM)."""
+    nodes = cluster.nodes
     in_main = threading.current_thread() is threading.main_thread()
     # Raised outside stdlib code only: a SIGTERM inside Popen.poll must not blind the wait for the agents.
     previous = signal.signal(signal.SIGTERM, safe_signals.handler(_Terminated)) if in_main else None

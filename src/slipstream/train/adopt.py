@@ -155,6 +155,23 @@ def _built_by_slipstream(ddp: DistributedDataParallel) -> bool:
     return isinstance(ddp, SlipstreamDDP)
 
 
+
+def parameter_count(n: int) -> str:
+    """A parameter count for a start-up line, in a unit that shows it: a small model's 162
+    parameters were "0.00M" before.
+
+    Example::
+
+        parameter_count(162), parameter_count(85_002), parameter_count(2_180_000)   # "162", "85.0k", "2.18M"
+    """
+    if n < 1_000:
+        return str(n)
+    if n < 1_000_000:
+        return f"{n / 1e3:.1f}k"
+    if n < 1_000_000_000:
+        return f"{n / 1e6:.2f}M"
+    return f"{n / 1e9:.2f}B"
+
 class Adopter:
     """What :func:`install` installs: adopts DDP models, times their steps, reports what did not apply."""
 
@@ -240,7 +257,7 @@ class Adopter:
         if "precision" in self.given and precision != "fp16":
             applied.insert(0, f"precision {precision}")
         log.info(f"[slipstream] adopted the script's DistributedDataParallel ({type(ddp.module).__name__}, "
-                 f"{n / 1e6:.2f}M parameters): {', '.join(applied) or 'metrics'}; gradient sync {handle.name}",
+                 f"{parameter_count(n)} parameters): {', '.join(applied) or 'metrics'}; gradient sync {handle.name}",
                  extra=CONSOLE)
         for note in self._notes:
             log.info(f"[slipstream] {note}", extra=CONSOLE)
