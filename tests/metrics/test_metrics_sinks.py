@@ -210,3 +210,12 @@ def test_eta_text_covers_seconds_to_days():
 
     assert [eta_text(s) for s in (0.4, 59.6, 61, 3599, 3600 * 5 + 61, 86400 * 2 + 3600 * 3)] == [
         "0s", "1m 00s", "1m 01s", "59m 59s", "5h 01m", "2d 03h"]
+
+
+def test_console_names_no_communication_share_for_one_process(capsys):
+    sink = ConsoleSink(total_steps=30, use_progress_bar=False)
+    sink.write({"step": 10, "loss": 1.0, "step_time_s": 0.1, "comm_exposed_s": 0.0, "world_size": 1})
+    sink.write({"step": 20, "loss": 1.0, "step_time_s": 0.1, "comm_exposed_s": 0.01, "world_size": 2})
+    sink.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "step" in line]
+    assert "comm" not in lines[0] and "comm 10%" in lines[1], lines

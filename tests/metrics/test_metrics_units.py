@@ -193,3 +193,23 @@ def test_the_window_loss_is_the_fp32_mean_and_owns_its_sum(dtype):
     losses[0].add_(100.0)  # a loop reusing the tensor it handed over changes nothing recorded
     record = rec.end_step()
     assert record["loss"] == expected.item()
+
+
+def test_one_process_counts_the_backwards_tail_as_backward_not_communication(monkeypatch):
+    # At world size 1 nothing is synchronised: autograd's tail after the last gradient is backward
+    # work (a one-process run once read "comm 58%").
+    host = FakeHost()
+    monkeypatch.setattr(time, "perf_counter", lambda: host.t)
+    prof = StepProfiler(ScriptedClock(host), communicates=False)
+    model = nn.Linear(3, 2)
+    prof.install(model.parameters())
+    t = prof.begin("backward")
+    host.t += 0.01
+    model(torch.randn(4, 3)).sum().backward()
+    host.t += 0.02
+    prof.end("backward", t)
+    prof.end_step(1)
+    (row,) = prof.resolve()
+    assert row["backward"] == pytest.approx(0.03) and row["comm_exposed"] == 0.0
+    assert not [s for s in prof.spans if s.phase in ("comm_exposed", "grad_sync")]
+    prof.remove()

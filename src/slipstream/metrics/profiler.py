@@ -210,8 +210,12 @@ class StepProfiler:
         rows = prof.resolve()      # [{"forward_s": ...}], spans in prof.spans
     """
 
-    def __init__(self, clock: HostClock | CudaClock | None = None) -> None:
+    def __init__(self, clock: HostClock | CudaClock | None = None, communicates: bool = True) -> None:
         self.clock = clock or HostClock()
+        # False at world size 1: nothing is synchronised, so the time from the last gradient to
+        # the end of backward() is backward work (autograd's tail), not exposed communication (a
+        # one-process run read "comm 58%").
+        self.communicates = communicates
         self._rows: list[_Row] = []
         self._row = _Row(step=1)
         self._last_end_host: float | None = None
@@ -244,7 +248,7 @@ class StepProfiler:
             if self._arrival:
                 self._narrow_hooks()
             last = self._grad_last
-            if last is not None:
+            if last is not None and self.communicates:
                 self._row.spans.append(("backward", start, last))
                 self._row.spans.append(("comm_exposed", last, mark))
                 self._row.spans.append(("grad_sync", self._grad_first, mark))

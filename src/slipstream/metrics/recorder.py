@@ -106,7 +106,7 @@ class StepRecorder:
         self.total_samples = 0
         self.total_tokens = 0
         # Profiling (phase timing); off: begin() returns None and end() does nothing.
-        self.profiler: StepProfiler | None = StepProfiler(clock) if profile else None
+        self.profiler: StepProfiler | None = StepProfiler(clock, communicates=world_size > 1) if profile else None
         self.timeline: TimelineWriter | None = None
         self.straggler: StragglerDetector | None = None
         self._pending_gather: PendingGather | None = None  # this window's busy times, in flight

@@ -72,7 +72,7 @@ def status_parts(record: dict[str, Any]) -> list[str]:
         parts.append(f"{record['tokens_per_s']:.0f} tokens/s")
     if record.get("step_time_s") is not None:
         parts.append(f"{record['step_time_s'] * 1000:.1f} ms/step")
-    if record.get("comm_exposed_s") is not None and record.get("step_time_s"):
+    if record.get("comm_exposed_s") is not None and record.get("step_time_s") and record.get("world_size", 2) > 1:
         parts.append(f"comm {record['comm_exposed_s'] / record['step_time_s'] * 100:.0f}%")
     if record.get("mfu") is not None:
         parts.append(f"MFU {record['mfu'] * 100:.1f}%")
