@@ -8,13 +8,19 @@ component (``sync``, ``numerics``, ``parallel``, ``checkpoint``, ``metrics``,
 the ``SLIPSTREAM_<FLAT_NAME>`` variables and the ``slipstream run`` flags use
 it, so a flat spelling and a nested one reach the same field.
 
-Values come from three layers, the later winning:
+Values come from three layers, the later winning (:func:`resolve`):
 
 1. built-in defaults (the dataclass fields below);
-2. ``SLIPSTREAM_*`` environment variables, which ``slipstream run --sync ...
-   --precision ...`` sets for its workers so a strategy can be switched
-   without editing the script;
-3. keyword arguments given in code to :func:`slipstream.accelerate`.
+2. what the script passes to :func:`slipstream.accelerate` (keywords, or a whole
+   ``config=``);
+3. ``SLIPSTREAM_*`` environment variables: ``slipstream run``'s flags, its run
+   config file (``--config``; flags over the file) and a job spec all reach the
+   workers this way. The command line says what this run is: a value written
+   once into the script does not silently beat it. Where a variable overrides a
+   value the script gave, rank 0 says so in one line at start.
+
+:meth:`TrainConfig.from_env` (defaults, then the environment, then overrides)
+is the launcher's own order for checking its flags, not the worker's.
 
 Example::
 
@@ -508,6 +514,8 @@ class TrainConfig:
         sections = {name: changes.pop(name) for name in list(changes) if name in SECTIONS and not isinstance(changes[name], str)}
         current = {name: getattr(self, name) for name in SECTIONS}
         current.update(sections)
+        if isinstance(changes.get("sync"), str):  # the flat name of the strategy, not the section
+            current["sync"] = dataclasses.replace(current["sync"], strategy=changes.pop("sync"))
         return TrainConfig(**current, **changes)
 
     @classmethod
@@ -570,6 +578,77 @@ def options_in_env(environ: Mapping[str, str]) -> list[str]:
         options_in_env({"SLIPSTREAM_SYNC": "bf16", "SLIPSTREAM_RUN_DIR": "runs/x"})   # ["sync"]
     """
     return [name for name in FLAT_NAMES if name != "run_dir" and environ.get(ENV_PREFIX + name.upper(), "") != ""]
+
+
+@dataclass(frozen=True)
+class Override:
+    """A value the script gave that a ``SLIPSTREAM_*`` variable replaced (see :func:`resolve`)."""
+
+    name: str
+    """The flat name (``checkpoint_dir``)."""
+    script_value: Any
+    used_value: Any
+    """The environment's value: the one the run uses."""
+
+    def line(self) -> str:
+        """What rank 0 prints, naming the flag and the variable.
+
+        Example::
+
+            Override("checkpoint_dir", "ckpt", "/shared/ckpt").line()
+            # "[slipstream] --checkpoint-dir /shared/ckpt (SLIPSTREAM_CHECKPOINT_DIR, from slipstream run's flags,
+            #  run config or job spec, or the environment) overrides the script's checkpoint_dir='ckpt'"
+        """
+        flag = "--" + self.name.replace("_", "-")
+        return (f"[slipstream] {flag} {env_text(self.used_value)} ({ENV_PREFIX}{self.name.upper()}, from slipstream run's "
+                f"flags, run config or job spec, or the environment) overrides the script's "
+                f"{self.name}={self.script_value!r}")
+
+
+def resolve(script: "TrainConfig | Mapping[str, Any]", environ: Mapping[str, str] | None = None
+            ) -> tuple[TrainConfig, list[Override]]:
+    """The configuration a worker runs with: the script's values, then the ``SLIPSTREAM_*``
+    variables over them; and the script's values they replaced (:class:`Override`, one line each).
+
+    ``script``: the keywords given to :func:`slipstream.accelerate` (by flat name; None
+    counts as not given), or a whole :class:`TrainConfig`, whose fields that differ from the
+    built-in defaults count as given. Why the environment wins: ``slipstream run``'s flags,
+    its run config and a job spec are written for this run, on the command line or next to
+    it, and reach the workers only as these variables; the script's value is its default.
+
+    Example::
+
+        cfg, over = resolve({"checkpoint_dir": "ckpt"}, {"SLIPSTREAM_CHECKPOINT_DIR": "/shared/ckpt"})
+        cfg.checkpoint.dir                 # "/shared/ckpt"
+        [o.name for o in over]             # ["checkpoint_dir"]
+    """
+    environ = os.environ if environ is None else environ
+    fields_by_name = _flat_fields()
+    from_env = {name: _parse_env(name, f, environ[ENV_PREFIX + name.upper()])
+                for name, f in fields_by_name.items() if environ.get(ENV_PREFIX + name.upper(), "") != ""}
+    if isinstance(script, TrainConfig):
+        flat = script.flat()
+        given = {name: value for name, value in flat.items()
+                 if _normal(name, value) != _normal(name, _default(fields_by_name[name]))}
+        config = script.replace(**from_env) if from_env else script
+    else:
+        given = {name: value for name, value in script.items() if value is not None}
+        unknown = sorted(set(given) - set(FLAT_NAMES))
+        if unknown:
+            raise ConfigError(_unknown_message(unknown))
+        config = TrainConfig(**{**given, **from_env})
+    used = config.flat()
+    overrides = [Override(name, given[name], used[name]) for name in given
+                 if name in from_env and _normal(name, given[name]) != _normal(name, used[name])]
+    return config, overrides
+
+
+def _normal(name: str, value: Any) -> Any:
+    """A value as its field holds it, for comparing a script's spelling with a variable's
+    (``"Block,MLP"`` and ``("Block", "MLP")`` for a tuple field, ``2`` and ``2.0``)."""
+    if str(_flat_fields()[name].type).startswith("tuple"):
+        return _split_names(value) if isinstance(value, str) else tuple(value)
+    return value
 
 
 PARAMETER_DTYPES = ("fp32", "bf16", "fp16")
@@ -658,8 +737,10 @@ __all__ = [
     "CheckpointConfig",
     "MetricsConfig",
     "NumericsConfig",
+    "Override",
     "ParallelConfig",
     "RunConfig",
     "SyncConfig",
     "TrainConfig",
+    "resolve",
 ]

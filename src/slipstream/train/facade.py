@@ -27,6 +27,7 @@ A Hugging Face model that computes its own loss takes its dict batch as is:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import traceback
@@ -39,10 +40,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint.states import CallbackState
-from ..config import TrainConfig, check_parameter_dtype
+from ..config import TrainConfig, check_parameter_dtype, resolve
 from ..errors import EXIT_PREEMPTED, ConfigError, TrainingFailed
 from ..fault import progress
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
+from ..log import CONSOLE
 from ..metrics import StepRecorder
 from ..metrics.sinks import Sink
 from .. import heal
@@ -57,6 +59,8 @@ from .microsteps import ForwardContext, MicroSteps
 from .optimizer_build import OptimizerArg, build_scheduler, foreign_parameters
 from .precision import grad_scaler, loss_scale
 from .step_result import StepResult
+
+log = logging.getLogger(__name__)
 
 
 class Accelerated:
@@ -590,9 +594,11 @@ def accelerate(
 ) -> Accelerated:
     """Wrap ``model`` and ``optimizer`` for distributed training.
 
-    ``config`` (a :class:`TrainConfig`) wins as a whole; otherwise the fields
-    come from ``SLIPSTREAM_*`` environment variables (set by ``slipstream run
-    --sync/--precision/...``) overridden by ``options``.
+    ``options`` (flat names: ``precision="bf16"``), or a whole ``config`` (a
+    :class:`TrainConfig`), are the script's settings; a ``SLIPSTREAM_*`` variable
+    (set by ``slipstream run``'s flags, its run config or a job spec) wins over
+    them, and rank 0 names each value it replaced in one line at start
+    (:func:`slipstream.config.resolve`; docs/launcher.md, "Which value wins").
     ``optimizer``: an optimizer, or a factory ``params -> optimizer``. Layouts
     that shard or split the model (dp_shard, tp, pp; docs/parallel.md) replace
     its parameters, so there the optimizer is built over the new ones: a factory
@@ -619,11 +625,13 @@ def accelerate(
     """
     # An option given as None counts as not given: the environment's default stays.
     options = {key: value for key, value in options.items() if value is not None}
-    if config is None:
-        config = TrainConfig.from_env(**options)
-    elif options:
+    if config is not None and options:
         raise ConfigError(f"give either config or keyword options, not both (got {', '.join(options)})")
+    config, overrides = resolve(config if config is not None else options)  # slipstream run's settings win
     runtime = current()
+    if runtime.is_main:
+        for override in overrides:
+            log.info(override.line(), extra=CONSOLE)
     adopt.mark_accelerate_called()  # under `slipstream run`, the options reach this loop
     ckpt = config.checkpoint
     if heal.current() is not None and ckpt.dir is not None and ckpt.snapshot_every_steps is None:
