@@ -145,7 +145,7 @@ def _epochs(ledger: list[int], per_epoch: int) -> list[list[int]]:
     ("accelerate", _ACCELERATE, accelerate_script, 14, 3 * SAMPLES),
     # 3 batches an epoch, 2 micro-steps a step: SIGTERM in forward 3 (epoch 0), checkpoint at step 2 (batch 4).
     ("lightning", _LIGHTNING, lightning_script, 3, 10 * 32),
-])
+], ids=["accelerate", "lightning"])
 def test_a_converted_script_resumes_without_repeating_or_skipping_data(tmp_path, name, prelude, script, stop_at,
                                                                       seen):
     (tmp_path / "train.py").write_text(prelude.format(samples=SAMPLES) + script())
