@@ -580,15 +580,27 @@ def options_in_env(environ: Mapping[str, str]) -> list[str]:
     return [name for name in FLAT_NAMES if name != "run_dir" and environ.get(ENV_PREFIX + name.upper(), "") != ""]
 
 
+SCRIPT_KEEPS = frozenset({"run_dir"})
+"""The one exception to the rule of :func:`resolve`: ``slipstream run`` sets ``SLIPSTREAM_RUN_DIR``
+for every run, a directory of its own choosing when no ``--run-dir`` was given, so the variable
+cannot tell a choice from a default; a script that names its run directories (several runs in
+one process, a benchmark's A and B) keeps them, and a line says where each set of files goes."""
+
+
 @dataclass(frozen=True)
 class Override:
-    """A value the script gave that a ``SLIPSTREAM_*`` variable replaced (see :func:`resolve`)."""
+    """A value the script gave that differs from a ``SLIPSTREAM_*`` variable (see :func:`resolve`):
+    replaced by the variable's, or, for :data:`SCRIPT_KEEPS`, kept."""
 
     name: str
     """The flat name (``checkpoint_dir``)."""
     script_value: Any
-    used_value: Any
-    """The environment's value: the one the run uses."""
+    env_value: Any
+
+    @property
+    def used_value(self) -> Any:
+        """The value the run uses."""
+        return self.script_value if self.name in SCRIPT_KEEPS else self.env_value
 
     def line(self) -> str:
         """What rank 0 prints, naming the flag and the variable.
@@ -599,8 +611,12 @@ class Override:
             # "[slipstream] --checkpoint-dir /shared/ckpt (SLIPSTREAM_CHECKPOINT_DIR, from slipstream run's flags,
             #  run config or job spec, or the environment) overrides the script's checkpoint_dir='ckpt'"
         """
-        flag = "--" + self.name.replace("_", "-")
-        return (f"[slipstream] {flag} {env_text(self.used_value)} ({ENV_PREFIX}{self.name.upper()}, from slipstream run's "
+        flag, variable = "--" + self.name.replace("_", "-"), ENV_PREFIX + self.name.upper()
+        if self.name in SCRIPT_KEEPS:
+            return (f"[slipstream] the script's {self.name}={self.script_value!r} is used; {variable} "
+                    f"{env_text(self.env_value)} (slipstream run's {flag}, or the directory it chose) keeps the "
+                    "launcher's own files (hang reports) only")
+        return (f"[slipstream] {flag} {env_text(self.env_value)} ({variable}, from slipstream run's "
                 f"flags, run config or job spec, or the environment) overrides the script's "
                 f"{self.name}={self.script_value!r}")
 
@@ -608,7 +624,8 @@ class Override:
 def resolve(script: "TrainConfig | Mapping[str, Any]", environ: Mapping[str, str] | None = None
             ) -> tuple[TrainConfig, list[Override]]:
     """The configuration a worker runs with: the script's values, then the ``SLIPSTREAM_*``
-    variables over them; and the script's values they replaced (:class:`Override`, one line each).
+    variables over them (``run_dir`` aside: :data:`SCRIPT_KEEPS`); and every value of the
+    script a variable disagreed with (:class:`Override`, one line each).
 
     ``script``: the keywords given to :func:`slipstream.accelerate` (by flat name; None
     counts as not given), or a whole :class:`TrainConfig`, whose fields that differ from the
@@ -627,19 +644,20 @@ def resolve(script: "TrainConfig | Mapping[str, Any]", environ: Mapping[str, str
     from_env = {name: _parse_env(name, f, environ[ENV_PREFIX + name.upper()])
                 for name, f in fields_by_name.items() if environ.get(ENV_PREFIX + name.upper(), "") != ""}
     if isinstance(script, TrainConfig):
-        flat = script.flat()
-        given = {name: value for name, value in flat.items()
+        given = {name: value for name, value in script.flat().items()
                  if _normal(name, value) != _normal(name, _default(fields_by_name[name]))}
-        config = script.replace(**from_env) if from_env else script
     else:
         given = {name: value for name, value in script.items() if value is not None}
         unknown = sorted(set(given) - set(FLAT_NAMES))
         if unknown:
             raise ConfigError(_unknown_message(unknown))
-        config = TrainConfig(**{**given, **from_env})
-    used = config.flat()
-    overrides = [Override(name, given[name], used[name]) for name in given
-                 if name in from_env and _normal(name, given[name]) != _normal(name, used[name])]
+    applied = {name: value for name, value in from_env.items() if not (name in SCRIPT_KEEPS and name in given)}
+    if isinstance(script, TrainConfig):
+        config = script.replace(**applied) if applied else script
+    else:
+        config = TrainConfig(**{**given, **applied})
+    overrides = [Override(name, given[name], from_env[name]) for name in given
+                 if name in from_env and _normal(name, given[name]) != _normal(name, from_env[name])]
     return config, overrides
 
 
@@ -738,6 +756,7 @@ __all__ = [
     "MetricsConfig",
     "NumericsConfig",
     "Override",
+    "SCRIPT_KEEPS",
     "ParallelConfig",
     "RunConfig",
     "SyncConfig",

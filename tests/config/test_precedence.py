@@ -50,3 +50,14 @@ def test_without_variables_the_script_decides_and_bad_names_are_refused():
 
 def test_replace_takes_the_strategy_by_its_flat_name():
     assert TrainConfig(sync="powersgd").replace(sync="bf16").sync.strategy == "bf16"
+
+
+def test_the_scripts_run_dir_is_kept_and_both_directories_are_named():
+    # slipstream run sets SLIPSTREAM_RUN_DIR for every run (its own runs/<time> without --run-dir).
+    cfg, over = resolve({"run_dir": "runs/sweep-a"}, {"SLIPSTREAM_RUN_DIR": "/abs/runs/20261207-001500"})
+    assert cfg.run.dir == "runs/sweep-a"
+    (line,) = [o.line() for o in over]
+    assert line.startswith("[slipstream] the script's run_dir='runs/sweep-a' is used; SLIPSTREAM_RUN_DIR "
+                           "/abs/runs/20261207-001500 (slipstream run's --run-dir, or the directory it chose)")
+    cfg, over = resolve({}, {"SLIPSTREAM_RUN_DIR": "/abs/runs/x"})
+    assert cfg.run.dir == "/abs/runs/x" and over == []
