@@ -137,3 +137,25 @@ def test_state_registered_after_accelerate_comes_back_from_an_in_memory_snapshot
     assert again.resumed_from_step == 2 and "in-memory snapshot" in str(again.checkpoints.restored_from)
     assert again.register_state("data", _Position()).consumed == 16
     again.finish()
+
+
+def test_the_record_and_the_comparison_in_words():
+    import json
+
+    from slipstream.config import TrainConfig
+    from slipstream.train.resume import describe, differences, hyperparameter_differences, hyperparameters
+
+    saved = json.loads(json.dumps(describe(TrainConfig(precision="bf16", sync="powersgd", sync_options={"rank": 2}),
+                                           2, 2, 8)))  # as the marker holds it
+    assert differences(saved, describe(TrainConfig(precision="bf16", sync="powersgd", sync_options={"rank": 2}),
+                                       2, 2, 16)) == []  # the batch is compared at the first step, not here
+    now = describe(TrainConfig(precision="fp32", sync="powersgd", sync_options={"rank": 4}), 4, 4, 8)
+    assert differences(saved, now) == ["world size 2 -> 4", "precision bf16 -> fp32", "sync_options {'rank': 2} -> "
+                                       "{'rank': 4}"]
+    params = [nn.Parameter(torch.zeros(1)), nn.Parameter(torch.zeros(1))]
+    script = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.01}], lr=0.1, betas=(0.9, 0.95))
+    restored = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.02}], lr=0.1, betas=(0.9, 0.99))
+    assert hyperparameter_differences(hyperparameters(script), hyperparameters(restored)) == [
+        "betas (group 0): the script's (0.9, 0.95), the checkpoint's (0.9, 0.99) is used",
+        "betas (group 1): the script's (0.9, 0.95), the checkpoint's (0.9, 0.99) is used",
+        "lr (group 1): the script's 0.01, the checkpoint's 0.02 is used"]
