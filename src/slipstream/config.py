@@ -13,14 +13,10 @@ Values come from three layers, the later winning (:func:`resolve`):
 1. built-in defaults (the dataclass fields below);
 2. what the script passes to :func:`slipstream.accelerate` (keywords, or a whole
    ``config=``);
-3. ``SLIPSTREAM_*`` environment variables: ``slipstream run``'s flags, its run
-   config file (``--config``; flags over the file) and a job spec all reach the
-   workers this way. The command line says what this run is: a value written
-   once into the script does not silently beat it. Where a variable overrides a
-   value the script gave, rank 0 says so in one line at start.
-
-:meth:`TrainConfig.from_env` (defaults, then the environment, then overrides)
-is the launcher's own order for checking its flags, not the worker's.
+3. ``SLIPSTREAM_*`` variables, which ``slipstream run``'s flags, run config and a
+   job spec set: the command line says what this run is. Rank 0 names each
+   value of the script they replace (``run_dir`` aside: :data:`SCRIPT_KEEPS`).
+   (:meth:`TrainConfig.from_env` is the launcher's order for checking its flags.)
 
 Example::
 
@@ -581,10 +577,8 @@ def options_in_env(environ: Mapping[str, str]) -> list[str]:
 
 
 SCRIPT_KEEPS = frozenset({"run_dir"})
-"""The one exception to the rule of :func:`resolve`: ``slipstream run`` sets ``SLIPSTREAM_RUN_DIR``
-for every run, a directory of its own choosing when no ``--run-dir`` was given, so the variable
-cannot tell a choice from a default; a script that names its run directories (several runs in
-one process, a benchmark's A and B) keeps them, and a line says where each set of files goes."""
+"""The exception to :func:`resolve`'s rule: ``slipstream run`` sets ``SLIPSTREAM_RUN_DIR`` for every run
+(its own choice without ``--run-dir``), so a script that names its run directories keeps them."""
 
 
 @dataclass(frozen=True)
@@ -603,14 +597,8 @@ class Override:
         return self.script_value if self.name in SCRIPT_KEEPS else self.env_value
 
     def line(self) -> str:
-        """What rank 0 prints, naming the flag and the variable.
-
-        Example::
-
-            Override("checkpoint_dir", "ckpt", "/shared/ckpt").line()
-            # "[slipstream] --checkpoint-dir /shared/ckpt (SLIPSTREAM_CHECKPOINT_DIR, from slipstream run's flags,
-            #  run config or job spec, or the environment) overrides the script's checkpoint_dir='ckpt'"
-        """
+        """What rank 0 prints, naming the flag and the variable (``[slipstream] --checkpoint-dir /shared/ckpt
+        (SLIPSTREAM_CHECKPOINT_DIR, ...) overrides the script's checkpoint_dir='ckpt'``)."""
         flag, variable = "--" + self.name.replace("_", "-"), ENV_PREFIX + self.name.upper()
         if self.name in SCRIPT_KEEPS:
             return (f"[slipstream] the script's {self.name}={self.script_value!r} is used; {variable} "
@@ -627,11 +615,10 @@ def resolve(script: "TrainConfig | Mapping[str, Any]", environ: Mapping[str, str
     variables over them (``run_dir`` aside: :data:`SCRIPT_KEEPS`); and every value of the
     script a variable disagreed with (:class:`Override`, one line each).
 
-    ``script``: the keywords given to :func:`slipstream.accelerate` (by flat name; None
-    counts as not given), or a whole :class:`TrainConfig`, whose fields that differ from the
-    built-in defaults count as given. Why the environment wins: ``slipstream run``'s flags,
-    its run config and a job spec are written for this run, on the command line or next to
-    it, and reach the workers only as these variables; the script's value is its default.
+    ``script``: the keywords given to :func:`slipstream.accelerate` (None counts as not given), or
+    a whole :class:`TrainConfig` (its fields that differ from the defaults count as given). Why the
+    environment wins: ``slipstream run``'s flags, run config and a job spec are written for this
+    run and reach the workers only as these variables; the script's value is its default.
 
     Example::
 
@@ -661,9 +648,15 @@ def resolve(script: "TrainConfig | Mapping[str, Any]", environ: Mapping[str, str
     return config, overrides
 
 
+def replaced(lower: Mapping[str, Any], higher: Mapping[str, Any]) -> list[str]:
+    """The flat names both layers give, with different values (``slipstream run`` names them when its
+    flags replace a run config's, or a job spec's), e.g. ``["precision"]``."""
+    return [name for name in FLAT_NAMES
+            if name in lower and name in higher and _normal(name, lower[name]) != _normal(name, higher[name])]
+
+
 def _normal(name: str, value: Any) -> Any:
-    """A value as its field holds it, for comparing a script's spelling with a variable's
-    (``"Block,MLP"`` and ``("Block", "MLP")`` for a tuple field, ``2`` and ``2.0``)."""
+    """A value as its field holds it (``"Block,MLP"`` and ``("Block", "MLP")`` for a tuple field)."""
     if str(_flat_fields()[name].type).startswith("tuple"):
         return _split_names(value) if isinstance(value, str) else tuple(value)
     return value
@@ -761,5 +754,6 @@ __all__ = [
     "RunConfig",
     "SyncConfig",
     "TrainConfig",
+    "replaced",
     "resolve",
 ]

@@ -61,3 +61,31 @@ def test_the_scripts_run_dir_is_kept_and_both_directories_are_named():
                            "/abs/runs/20261207-001500 (slipstream run's --run-dir, or the directory it chose)")
     cfg, over = resolve({}, {"SLIPSTREAM_RUN_DIR": "/abs/runs/x"})
     assert cfg.run.dir == "/abs/runs/x" and over == []
+
+
+def test_a_flag_over_the_run_config_and_over_a_job_spec_is_named_at_launch(tmp_path, capsys):
+    from pathlib import Path
+
+    from slipstream.cli import build_parser
+    from slipstream.config import replaced
+    from slipstream.job.cli import job_run_from_args
+    from slipstream.launch.cli import worker_env_from_args
+
+    assert replaced({"precision": "fp16", "grad_clip_norm": 1, "tp": 2}, {"precision": "bf16", "grad_clip_norm": 1.0,
+                                                                         "tp": 2}) == ["precision"]
+    run_yaml = tmp_path / "run.yaml"
+    run_yaml.write_text("precision: fp16\naccumulate_steps: 2\n")
+    args = build_parser().parse_args(["run", "--config", str(run_yaml), "--precision", "bf16", "--accumulate-steps",
+                                      "2", "train.py"])
+    env = worker_env_from_args(args)
+    assert env["SLIPSTREAM_PRECISION"] == "bf16"
+    assert capsys.readouterr().err.splitlines() == [f"slipstream run: --precision bf16 overrides {run_yaml}'s "
+                                                    "precision: fp16"]
+
+    spec = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "local-2x1.yaml"  # numerics.precision: bf16
+    job = job_run_from_args(build_parser().parse_args(["run", "--precision", "fp32", str(spec)]))
+    assert job.worker_env["SLIPSTREAM_PRECISION"] == "fp32"
+    assert f"slipstream run: precision fp32 (its flags or --config) overrides {spec}'s precision bf16" in \
+        capsys.readouterr().err
+    job_run_from_args(build_parser().parse_args(["run", "--precision", "bf16", str(spec)]))  # the same value: no line
+    assert capsys.readouterr().err == ""
