@@ -8,13 +8,15 @@ component (``sync``, ``numerics``, ``parallel``, ``checkpoint``, ``metrics``,
 the ``SLIPSTREAM_<FLAT_NAME>`` variables and the ``slipstream run`` flags use
 it, so a flat spelling and a nested one reach the same field.
 
-Values come from three layers, the later winning:
+Values come from three layers, the later winning (:func:`resolve`):
 
 1. built-in defaults (the dataclass fields below);
-2. ``SLIPSTREAM_*`` environment variables, which ``slipstream run --sync ...
-   --precision ...`` sets for its workers so a strategy can be switched
-   without editing the script;
-3. keyword arguments given in code to :func:`slipstream.accelerate`.
+2. what the script passes to :func:`slipstream.accelerate` (keywords, or a whole
+   ``config=``);
+3. ``SLIPSTREAM_*`` variables, which ``slipstream run``'s flags, run config and a
+   job spec set: the command line says what this run is. Rank 0 names each
+   value of the script they replace (``run_dir`` aside: :data:`SCRIPT_KEEPS`).
+   (:meth:`TrainConfig.from_env` is the launcher's order for checking its flags.)
 
 Example::
 
@@ -508,6 +510,8 @@ class TrainConfig:
         sections = {name: changes.pop(name) for name in list(changes) if name in SECTIONS and not isinstance(changes[name], str)}
         current = {name: getattr(self, name) for name in SECTIONS}
         current.update(sections)
+        if isinstance(changes.get("sync"), str):  # the flat name of the strategy, not the section
+            current["sync"] = dataclasses.replace(current["sync"], strategy=changes.pop("sync"))
         return TrainConfig(**current, **changes)
 
     @classmethod
@@ -570,6 +574,92 @@ def options_in_env(environ: Mapping[str, str]) -> list[str]:
         options_in_env({"SLIPSTREAM_SYNC": "bf16", "SLIPSTREAM_RUN_DIR": "runs/x"})   # ["sync"]
     """
     return [name for name in FLAT_NAMES if name != "run_dir" and environ.get(ENV_PREFIX + name.upper(), "") != ""]
+
+
+SCRIPT_KEEPS = frozenset({"run_dir"})
+"""The exception to :func:`resolve`'s rule: ``slipstream run`` sets ``SLIPSTREAM_RUN_DIR`` for every run
+(its own choice without ``--run-dir``), so a script that names its run directories keeps them."""
+
+
+@dataclass(frozen=True)
+class Override:
+    """A value the script gave that differs from a ``SLIPSTREAM_*`` variable (see :func:`resolve`):
+    replaced by the variable's, or, for :data:`SCRIPT_KEEPS`, kept."""
+
+    name: str
+    """The flat name (``checkpoint_dir``)."""
+    script_value: Any
+    env_value: Any
+
+    @property
+    def used_value(self) -> Any:
+        """The value the run uses."""
+        return self.script_value if self.name in SCRIPT_KEEPS else self.env_value
+
+    def line(self) -> str:
+        """What rank 0 prints, naming the flag and the variable (``[slipstream] --checkpoint-dir /shared/ckpt
+        (SLIPSTREAM_CHECKPOINT_DIR, ...) overrides the script's checkpoint_dir='ckpt'``)."""
+        flag, variable = "--" + self.name.replace("_", "-"), ENV_PREFIX + self.name.upper()
+        if self.name in SCRIPT_KEEPS:
+            return (f"[slipstream] the script's {self.name}={self.script_value!r} is used; {variable} "
+                    f"{env_text(self.env_value)} (slipstream run's {flag}, or the directory it chose) keeps the "
+                    "launcher's own files (hang reports) only")
+        return (f"[slipstream] {flag} {env_text(self.env_value)} ({variable}, from slipstream run's "
+                f"flags, run config or job spec, or the environment) overrides the script's "
+                f"{self.name}={self.script_value!r}")
+
+
+def resolve(script: "TrainConfig | Mapping[str, Any]", environ: Mapping[str, str] | None = None
+            ) -> tuple[TrainConfig, list[Override]]:
+    """The configuration a worker runs with: the script's values, then the ``SLIPSTREAM_*``
+    variables over them (``run_dir`` aside: :data:`SCRIPT_KEEPS`); and every value of the
+    script a variable disagreed with (:class:`Override`, one line each).
+
+    ``script``: the keywords given to :func:`slipstream.accelerate` (None counts as not given), or
+    a whole :class:`TrainConfig` (its fields that differ from the defaults count as given). Why the
+    environment wins: ``slipstream run``'s flags, run config and a job spec are written for this
+    run and reach the workers only as these variables; the script's value is its default.
+
+    Example::
+
+        cfg, over = resolve({"checkpoint_dir": "ckpt"}, {"SLIPSTREAM_CHECKPOINT_DIR": "/shared/ckpt"})
+        cfg.checkpoint.dir                 # "/shared/ckpt"
+        [o.name for o in over]             # ["checkpoint_dir"]
+    """
+    environ = os.environ if environ is None else environ
+    fields_by_name = _flat_fields()
+    from_env = {name: _parse_env(name, f, environ[ENV_PREFIX + name.upper()])
+                for name, f in fields_by_name.items() if environ.get(ENV_PREFIX + name.upper(), "") != ""}
+    if isinstance(script, TrainConfig):
+        given = {name: value for name, value in script.flat().items()
+                 if _normal(name, value) != _normal(name, _default(fields_by_name[name]))}
+    else:
+        given = {name: value for name, value in script.items() if value is not None}
+        unknown = sorted(set(given) - set(FLAT_NAMES))
+        if unknown:
+            raise ConfigError(_unknown_message(unknown))
+    applied = {name: value for name, value in from_env.items() if not (name in SCRIPT_KEEPS and name in given)}
+    if isinstance(script, TrainConfig):
+        config = script.replace(**applied) if applied else script
+    else:
+        config = TrainConfig(**{**given, **applied})
+    overrides = [Override(name, given[name], from_env[name]) for name in given
+                 if name in from_env and _normal(name, given[name]) != _normal(name, from_env[name])]
+    return config, overrides
+
+
+def replaced(lower: Mapping[str, Any], higher: Mapping[str, Any]) -> list[str]:
+    """The flat names both layers give, with different values (``slipstream run`` names them when its
+    flags replace a run config's, or a job spec's), e.g. ``["precision"]``."""
+    return [name for name in FLAT_NAMES
+            if name in lower and name in higher and _normal(name, lower[name]) != _normal(name, higher[name])]
+
+
+def _normal(name: str, value: Any) -> Any:
+    """A value as its field holds it (``"Block,MLP"`` and ``("Block", "MLP")`` for a tuple field)."""
+    if str(_flat_fields()[name].type).startswith("tuple"):
+        return _split_names(value) if isinstance(value, str) else tuple(value)
+    return value
 
 
 PARAMETER_DTYPES = ("fp32", "bf16", "fp16")
@@ -658,8 +748,12 @@ __all__ = [
     "CheckpointConfig",
     "MetricsConfig",
     "NumericsConfig",
+    "Override",
+    "SCRIPT_KEEPS",
     "ParallelConfig",
     "RunConfig",
     "SyncConfig",
     "TrainConfig",
+    "replaced",
+    "resolve",
 ]

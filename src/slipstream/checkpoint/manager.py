@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -188,6 +188,13 @@ class CheckpointManager:
             signal.signal(signal.SIGTERM, self._on_sigterm)
         self.snapshots = self._open_snapshots(snapshot_every_steps, snapshot_peer_copy)
         self.restored_from: str | None = None  # what restore_latest() loaded: a checkpoint's path or a snapshot
+        # What the run was, kept in each checkpoint's marker beside its step (plain JSON; see
+        # train/resume.py), and rank 0's copy of the one restore_latest() loaded from disk.
+        self.describe_run: Callable[[], dict] | None = None
+        self.restored_run: dict | None = None
+        # For objects registered after the restore (register(..., late=True)): where their state is.
+        self._restored_path: str | None = None
+        self._restored_unclaimed: dict[str, Any] = {}  # a snapshot's entries no object was registered for
 
     def _make_groups(self, async_save: bool) -> None:
         # A replacement healing in place (slipstream.heal) runs on a fake default group until it
@@ -247,6 +254,32 @@ class CheckpointManager:
         if name in self._shared or name in self._per_rank:
             raise ConfigError(f"checkpoint state {name!r} is registered twice")
         (self._per_rank if per_rank else self._shared)[name] = obj
+
+    def register_restored(self, name: str, obj: Any) -> bool:
+        """Register shared ``obj`` after :meth:`restore_latest`, and load its state from what that
+        restored, when it holds an entry ``name``; True when it did. A collective when the restore
+        was from disk: every rank registers the same objects in the same order.
+
+        For an object that can only be built once the run exists (a data loader split by the
+        layout's data-parallel rank). Example::
+
+            mgr.restore_latest()
+            mgr.register_restored("extra.data", loader)   # the loader goes on where the checkpoint was
+        """
+        self.register(name, obj)
+        if name in self._restored_unclaimed:
+            snapshots.MemorySnapshots.apply({"shared": {name: self._restored_unclaimed.pop(name)}, "per_rank": {}},
+                                            {name: obj}, {})
+            return True
+        if self._restored_path is None:
+            return False
+        metadata = safe_load.check_dcp_metadata(self._restored_path, self.fs)
+        held = any(key == name or key.startswith(name + ".") for key in metadata.state_dict_metadata)
+        if held:
+            reader = remote.dcp_reader(self._restored_path, self.storage_options) if self.fs is not None else None
+            safe_load.dcp_load({name: obj}, self._restored_path, process_group=self.group, storage_reader=reader,
+                               fs=self.fs)
+        return held
 
     # --- saving ------------------------------------------------------------------------
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -346,6 +379,8 @@ class CheckpointManager:
                 error = exc
             ok = self._agree(error, step, partial, where=tmp)  # torch.save's errors do not name the file
         info = {"step": step, "world_size": self.world_size}
+        if self.describe_run is not None:
+            info["run"] = self.describe_run()
         if ok and self.async_save and not blocking:
             future = dcp.async_save(dict(self._shared), **self._dcp_target(partial), process_group=self.writer_group)
             self._pending, self._pending_step = future, step
@@ -612,6 +647,12 @@ class CheckpointManager:
         self.last_saved_step = step
         self._last_save_time = time.monotonic()
         self.restored_from = self.directory
+        self._restored_path = path
+        if self.rank == 0:
+            try:
+                self.restored_run = layout.CheckpointDir(path, step, self.fs).info.get("run")
+            except (OSError, ValueError):  # verified a moment ago; a marker gone now only loses the comparison
+                self.restored_run = None
         return step
 
     def _restore_snapshot(self, step: int) -> bool:
@@ -632,6 +673,8 @@ class CheckpointManager:
                             "checkpoint on disk instead", step, problem)
             return False
         self.snapshots.apply(tree, self._shared, self._per_rank)  # type: ignore[union-attr, arg-type]
+        self._restored_unclaimed = {name: state for name, state in tree["shared"].items() if name not in self._shared}
+        self._restored_path = None
         return True
 
     def _read_rank_file(self, path: str) -> tuple[dict | None, Exception | None]:

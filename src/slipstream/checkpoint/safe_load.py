@@ -280,9 +280,10 @@ def agree_refusal(refusal: Exception | None, group: Any = None) -> None:
             raise CheckpointRefused(message) if refused else OSError(message)
 
 
-def check_dcp_metadata(checkpoint_dir: str, fs: Any = None) -> None:
+def check_dcp_metadata(checkpoint_dir: str, fs: Any = None) -> Any:
     """Refuse a DCP checkpoint whose ``.metadata`` names anything but DCP's metadata
     types (torch unpickles that file unrestricted); :class:`CheckpointRefused` names the file.
+    Returns the metadata (DCP's ``Metadata``: ``state_dict_metadata`` names every entry).
 
     Example::
 
@@ -291,7 +292,7 @@ def check_dcp_metadata(checkpoint_dir: str, fs: Any = None) -> None:
     path = os.path.join(checkpoint_dir, ".metadata")
     try:
         with open(path, "rb") if fs is None else fs.open(path, "rb") as f:
-            _MetadataUnpickler(f).load()
+            return _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as exc:
         raise CheckpointRefused(
             f"checkpoint file {path} holds more than checkpoint metadata ({_first_line(exc)}); refused: "

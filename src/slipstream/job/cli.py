@@ -13,9 +13,11 @@ import shutil
 import subprocess
 import sys
 
+from ..config import env_text, replaced
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
 from ..launch.cli import (apply_launch_settings, check_launcher_flags, parse_rdzv_conf, run_file,
-                          torchrun_option_defaults, worker_env_from_args)
+                          torchrun_option_defaults, training_options, worker_env_from_args)
+from .model import config_values
 from .kubectl import JOB_LABEL, cluster_unreachable
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
 from .runner import JobRun, run_job
@@ -350,8 +352,13 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
     if extra[:1] == ["--"]:
         extra = extra[1:]
     _refuse_misplaced_flags(extra, path)
+    worker_env = worker_env_from_args(args)
+    ours, spec_values = training_options(args), config_values(spec)
+    for name in replaced(spec_values, ours):  # the precedence rule, said when it bites (docs/launcher.md)
+        print(f"slipstream run: {name} {env_text(ours[name])} (its flags or --config) overrides {path}'s "
+              f"{name} {env_text(spec_values[name])}", file=sys.stderr, flush=True)
     return JobRun(
-        spec=spec, script_args=tuple(extra), worker_env=worker_env_from_args(args),
+        spec=spec, script_args=tuple(extra), worker_env=worker_env,
         max_restarts=args.max_restarts or None,  # --max-restarts 0 (its default) leaves the spec's budget
         rdzv_id=args.rdzv_id,
         rdzv_conf=parse_rdzv_conf(args.rdzv_conf or ""), emulate=args.emulate, link=args.link,

@@ -26,6 +26,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 
 from .. import config as config_module
 from .. import heal_env
@@ -503,6 +504,7 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
     worker count when ``-n`` named a keyword (``gpu``), for the layout check.
     """
     given = training_options(args)
+    _say_flags_over_file(args)
     try:
         cfg = TrainConfig.from_env(environ={}, **given)
         nproc = nproc_per_node if nproc_per_node is not None else getattr(args, "nproc_per_node", None)
@@ -533,6 +535,19 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
 
         env[ENV_LOG_LEVEL] = level
     return env
+
+
+def _say_flags_over_file(args: argparse.Namespace) -> None:
+    """One line per run config value a flag replaces (the precedence rule, said when it bites:
+    docs/launcher.md, "Which value wins")."""
+    found = run_file(args)
+    if found is None:
+        return
+    flags = {name: getattr(args, f"train_{name}") for name in FLAT_NAMES
+             if getattr(args, f"train_{name}", None) is not None}
+    for name in config_module.replaced(found.train, flags):
+        print(f"slipstream run: --{name.replace('_', '-')} {env_text(flags[name])} overrides {args.config}'s "
+              f"{name}: {env_text(found.train[name])}", file=sys.stderr, flush=True)
 
 
 def _heal_env(heal: bool | None, spares: int | None) -> dict[str, str]:

@@ -103,7 +103,8 @@ def config_section() -> list[str]:
         "Each option has one flat name, used by `accelerate(**options)`, `TrainConfig(**flat)`, the "
         "`SLIPSTREAM_<FLAT NAME>` variable and the `slipstream run` flag, and a nested name, used by "
         "`run.config.<section>.<field>` and the sections of a run config file (`--config RUN.yaml`). "
-        "Values given in code win over the environment, which `slipstream run` fills from its flags.",
+        "The environment, which `slipstream run` fills from its flags, its run config or a job spec, wins over "
+        "values given in code, and rank 0 names each value it replaced (launcher.md, \"Which value wins\").",
         "",
     ]
     for section, cls in SECTIONS.items():

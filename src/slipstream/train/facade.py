@@ -27,6 +27,7 @@ A Hugging Face model that computes its own loss takes its dict batch as is:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import traceback
@@ -39,16 +40,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..checkpoint import CheckpointManager
 from ..checkpoint.states import CallbackState
-from ..config import TrainConfig, check_parameter_dtype
+from ..config import TrainConfig, check_parameter_dtype, resolve
 from ..errors import EXIT_PREEMPTED, ConfigError, TrainingFailed
 from ..fault import progress
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
+from ..log import CONSOLE
 from ..metrics import StepRecorder
 from ..metrics.sinks import Sink
 from .. import heal
 from ..runtime import Runtime, current
 from ..sync import SyncHandle
-from . import adopt
+from . import adopt, resume
 from .bookkeeping import new_recorder, open_checkpoints
 from .layout import Layout, LossFn
 from .layout_dp import DataParallelLayout
@@ -57,6 +59,8 @@ from .microsteps import ForwardContext, MicroSteps
 from .optimizer_build import OptimizerArg, build_scheduler, foreign_parameters
 from .precision import grad_scaler, loss_scale
 from .step_result import StepResult
+
+log = logging.getLogger(__name__)
 
 
 class Accelerated:
@@ -97,6 +101,10 @@ class Accelerated:
         self._stop_reported = False
         self.healer: heal.Healer | None = None  # set by accelerate() when this run heals in place
         self._dropped = False  # the micro-step in hand was dropped by a heal: backward/step skip it
+        # Rank 0, on resume: the batch the checkpoint's run had (compared at this run's first step),
+        # and whether "nothing to train" was said at start already (total_steps reached).
+        self._saved_samples_per_step: int | None = None
+        self._said_complete = False
 
     # --- what the layout decides -----------------------------------------------------
     @property
@@ -280,6 +288,7 @@ class Accelerated:
             self._micro.index += 1
             return StepResult(stepped=False, step=self.step_count)
         self._micro.index = 0
+        self._end_window_samples()
         if self.progress is not None:
             self.progress.mark(progress.OPTIMIZER)
         timing = self.recorder.begin("optimizer")
@@ -332,7 +341,12 @@ class Accelerated:
     def finish(self) -> dict[str, Any]:
         """Flush metrics and return a summary (steps, elapsed_s, final_loss, throughput).
 
-        Writes a last checkpoint when the newest one is older than the current step."""
+        Writes a last checkpoint when the newest one is older than the current step. A resumed
+        run whose loop took no step says that there was nothing left to train."""
+        if (self.runtime.is_main and self.resumed_from_step is not None and self.step_count == self.resumed_from_step
+                and not self._stop_reported and not self._said_complete and self.checkpoints is not None):
+            print(resume.complete_line(self.checkpoints.directory, self.step_count, self.config.run.total_steps),
+                  flush=True)
         if self.checkpoints is not None:
             self.checkpoints.save_final(self.step_count)  # the final state, for a clean resume (ranks agree)
             self.checkpoints.close()
@@ -344,6 +358,35 @@ class Accelerated:
         summary = self.recorder.summary()
         self.recorder.close()
         return summary
+
+    def register_state(self, name: str, obj: Any) -> Any:
+        """Keep ``obj`` (anything with ``state_dict()``/``load_state_dict()``) in every checkpoint
+        from now on, as ``extra_state={name: obj}`` would, and, when this run resumed, load its
+        saved state now. Returns ``obj``. For what can only be built once the run exists: a data
+        loader split by ``run.dp_rank``, whose position then resumes with the model, so no
+        sample is read twice or skipped. Without ``checkpoint_dir`` there is nothing to keep:
+        ``obj`` comes back unchanged. Every rank registers the same names in the same order.
+
+        Example::
+
+            loader = run.register_state("data", SlipstreamLoader(dataset, batch_size=8, rank=run.dp_rank,
+                                                                 world_size=run.dp_size))
+            for epoch in range(loader.epoch, epochs):     # a resumed run goes on in its epoch
+                for batch in loader:
+                    ...
+        """
+        if self.checkpoints is not None:
+            self.checkpoints.register_restored(f"extra.{name}", obj)
+        return obj
+
+    def _end_window_samples(self) -> None:
+        """The optimizer step's batch is known: kept for the checkpoints' record; after a resume,
+        compared once with the batch of the run that wrote the checkpoint."""
+        micro = self._micro
+        micro.step_samples, micro.window_samples = micro.window_samples or None, 0
+        saved, self._saved_samples_per_step = self._saved_samples_per_step, None
+        if saved is not None and micro.step_samples is not None and saved != micro.step_samples:
+            print(resume.batch_line(saved, micro.step_samples), flush=True)
 
     # --- inside a step -------------------------------------------------------------------
     def _clip_and_measure(self) -> None:
@@ -590,9 +633,11 @@ def accelerate(
 ) -> Accelerated:
     """Wrap ``model`` and ``optimizer`` for distributed training.
 
-    ``config`` (a :class:`TrainConfig`) wins as a whole; otherwise the fields
-    come from ``SLIPSTREAM_*`` environment variables (set by ``slipstream run
-    --sync/--precision/...``) overridden by ``options``.
+    ``options`` (flat names: ``precision="bf16"``), or a whole ``config`` (a
+    :class:`TrainConfig`), are the script's settings; a ``SLIPSTREAM_*`` variable
+    (set by ``slipstream run``'s flags, its run config or a job spec) wins over
+    them, and rank 0 names each value it replaced in one line at start
+    (:func:`slipstream.config.resolve`; docs/launcher.md, "Which value wins").
     ``optimizer``: an optimizer, or a factory ``params -> optimizer``. Layouts
     that shard or split the model (dp_shard, tp, pp; docs/parallel.md) replace
     its parameters, so there the optimizer is built over the new ones: a factory
@@ -619,11 +664,13 @@ def accelerate(
     """
     # An option given as None counts as not given: the environment's default stays.
     options = {key: value for key, value in options.items() if value is not None}
-    if config is None:
-        config = TrainConfig.from_env(**options)
-    elif options:
+    if config is not None and options:
         raise ConfigError(f"give either config or keyword options, not both (got {', '.join(options)})")
+    config, overrides = resolve(config if config is not None else options)  # slipstream run's settings win
     runtime = current()
+    if runtime.is_main:
+        for override in overrides:
+            log.info(override.line(), extra=CONSOLE)
     adopt.mark_accelerate_called()  # under `slipstream run`, the options reach this loop
     ckpt = config.checkpoint
     if heal.current() is not None and ckpt.dir is not None and ckpt.snapshot_every_steps is None:
@@ -668,9 +715,27 @@ def accelerate(
     if healer is not None:
         _start_healing(run, healer, plain)
     if run.checkpoints is not None:
-        step = run.checkpoints.restore_latest()
+        mgr = run.checkpoints
+        mgr.describe_run = lambda: resume.describe(config, runtime.world_size, layout.dp_size, micro.step_samples)
+        script_hyperparameters = resume.hyperparameters(built)  # before the restore puts the saved ones back
+        step = mgr.restore_latest()
         if step:
             run.resumed_from_step = step
             if runtime.is_main:
-                print(f"[slipstream] resumed from {run.checkpoints.restored_from} at step {step}", flush=True)
+                _report_resume(run, mgr, step, script_hyperparameters)
     return run
+
+
+def _report_resume(run: Accelerated, mgr: CheckpointManager, step: int, script_hyperparameters: list) -> None:
+    """Rank 0's lines on resume: where from and what differs (one line), and, when the run's
+    planned length is reached already, that there is nothing to train."""
+    saved = mgr.restored_run or {}  # empty: an in-memory snapshot (this launch) or an older checkpoint
+    now = mgr.describe_run() if mgr.describe_run is not None else {}
+    changes = resume.differences(saved, now) if saved else []
+    changes += resume.hyperparameter_differences(script_hyperparameters, resume.hyperparameters(run.optimizer))
+    print(resume.resumed_line(str(mgr.restored_from), step, changes), flush=True)
+    run._saved_samples_per_step = saved.get("samples_per_step")
+    total = run.config.run.total_steps
+    if total is not None and step >= total:
+        run._said_complete = True
+        print(resume.complete_line(mgr.directory, step, total), flush=True)

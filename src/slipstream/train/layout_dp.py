@@ -67,7 +67,7 @@ class SlipstreamDDP(DistributedDataParallel):
         # DDP reads this flag in forward to decide whether the next backward
         # reduces gradients (the same mechanism as its no_sync() context).
         self.require_backward_grad_sync = self._sl_reduces and ctx.micro.syncs
-        count_inputs(ctx.recorder, args, kwargs)
+        count_inputs(ctx.recorder, args, kwargs, ctx.micro)
         timing = ctx.recorder.begin("forward")
         with autocast(self._sl_precision, ctx.device):
             try:

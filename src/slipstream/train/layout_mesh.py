@@ -94,7 +94,7 @@ class ParallelModel(nn.Module):
             ctx.progress.mark(progress.FORWARD)
         if hasattr(self.module, "set_requires_gradient_sync"):  # FSDP2's method: absent without dp
             self.module.set_requires_gradient_sync(ctx.micro.syncs)
-        count_inputs(ctx.recorder, args, kwargs)
+        count_inputs(ctx.recorder, args, kwargs, ctx.micro)
         timing = ctx.recorder.begin("forward")
         with autocast(self._sl_autocast, ctx.device):
             out = self.module(*args, **kwargs)
@@ -138,7 +138,7 @@ class PipelineRunner:
         self._loss_fn = loss_fn
         if ctx.progress is not None:
             ctx.progress.mark(progress.BACKWARD)
-        count_inputs(ctx.recorder, (inputs,), {})
+        count_inputs(ctx.recorder, (inputs,), {}, ctx.micro)
         losses: list[torch.Tensor] = []
         timing = ctx.recorder.begin("backward")
         with autocast(self._autocast, ctx.device):

@@ -30,6 +30,10 @@ class MicroSteps:
         self.accumulate_steps = accumulate_steps
         self.index = 0  # micro-steps done since the last optimizer step
         self.total = 0  # micro-steps done since the start of training (resumed from checkpoints)
+        # Samples this rank fed the model in the window so far, and in the last whole optimizer step
+        # (None until one ended): the batch a checkpoint records, to tell a resumed run that changed it.
+        self.window_samples = 0
+        self.step_samples: int | None = None
 
     @property
     def syncs(self) -> bool:
@@ -52,9 +56,11 @@ class ForwardContext:
     device: torch.device
 
 
-def count_inputs(recorder: StepRecorder, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def count_inputs(recorder: StepRecorder, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 micro: MicroSteps | None = None) -> None:
     """Count the batch of one forward: samples from the batch tensor's first
     dimension, and tokens when it holds token ids (integer, ``(batch, seq)``).
+    The samples also go to ``micro``'s window when given.
 
     The batch tensor is the first positional argument; for a Hugging Face style
     call (``model(**batch)``, or a dict passed whole) it is ``input_ids``, else
@@ -70,6 +76,8 @@ def count_inputs(recorder: StepRecorder, args: tuple[Any, ...], kwargs: dict[str
         first = _batch_tensor(kwargs)
     if first is not None and first.dim() >= 1:
         recorder.add_samples(first.shape[0])
+        if micro is not None:
+            micro.window_samples += first.shape[0]
         if first.dim() >= 2 and not first.is_floating_point():
             recorder.add_tokens(first.numel())
 
