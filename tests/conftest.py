@@ -29,8 +29,9 @@ def in_ci() -> bool:
 
 IN_CI = in_ci()
 
-# Each failed test's whole output and its workers' logs, leftover processes, a timeline.
-pytest_plugins = ["tests.records"]
+# Each failed test's whole output and its workers' logs, leftover processes, a timeline;
+# the fast tier (--tier fast, tests/tiers.py).
+pytest_plugins = ["tests.records", "tests.tiers"]
 
 
 def pytest_configure(config: pytest.Config) -> None:

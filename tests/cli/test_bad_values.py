@@ -76,6 +76,7 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("run", "--collective-timeout-s"): [bad("--collective-timeout-s", "0"), bad("--collective-timeout-s", "x")],
     ("run", "--backend"): [bad("--backend", "mpi")],
     ("run", "--device"): [bad("--device", "tpu")],
+    ("run", "--log-level"): [bad("--log-level", "loud"), Bad(("-q", "--log-level", "debug"), ("-q", "--log-level debug"))],
     ("run", "--emulate"): [bad("--emulate", "2by2")],
     ("run", "--spares"): [Bad(("--heal", "--spares", "2"), ("--spares", "2")),
                           Bad(("--spares", "1"), ("--spares", "--heal")), bad("--spares", "x"),
