@@ -99,6 +99,16 @@ def describe(name: str) -> StrategyInfo:
     return info
 
 
+def matching(question: Callable[[StrategyInfo], bool]) -> tuple[str, ...]:
+    """The registered strategies whose description answers ``question`` with yes (in registration order).
+
+    Example::
+
+        sync.matching(lambda info: info.heals_in_place)     # ('allreduce',)
+    """
+    return tuple(n for n, info in _INFO.items() if question(info))
+
+
 def strategies_help() -> str:
     """The strategies for a one-line help text: ``allreduce, bf16, ..., hierarchical[+X], auto, diloco``
     (each two-level form is written once, after the plain two-level strategy)."""
@@ -412,7 +422,7 @@ def apply_to_replicas(name: str, module: torch.nn.Module, replica_group: Any, **
 
     install = _ON_REPLICAS.get(name) if describe(name).on_sharded_replicas else None
     if install is None:
-        able = " or ".join(repr(n) for n in _ON_REPLICAS)
+        able = " or ".join(repr(n) for n in matching(lambda info: info.on_sharded_replicas))
         raise ConfigError(f"sync {name!r} is a DDP gradient hook; only {able} synchronises sharded replicas")
     return install(module, replica_group, **options)
 
