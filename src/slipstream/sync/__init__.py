@@ -26,12 +26,17 @@ global collective order (see there); ``diloco`` (:mod:`.diloco`) sends nothing i
 and all-reduces from :meth:`SyncHandle.after_optimizer_step`, on the training loop's thread. The returned state is a
 :class:`SyncHandle`: ``stats()``, ``state_dict()``/``load_state_dict()``,
 ``observe_loss()``, ``request_probe()``, ``decision_summary()``, ``close()``.
-Options and their defaults: :class:`~.options.SyncOptions`.
+Options and their defaults: :class:`~.options.SyncOptions`. What the rest of the code needs to
+know about a strategy (DDP's reducer, a comm hook or an outer loop; its codec and levels; whether
+it needs the bucket-order fix, runs on sharded replicas, heals in place) is its
+:class:`~.strategies.StrategyInfo`, given to :func:`register` and read with :func:`describe`:
+code outside this package asks it and never compares a strategy's name.
 
 Example::
 
     from slipstream import sync
     sync.is_valid("hierarchical+powersgd")     # True
+    sync.describe("diloco").fixes_bucket_order  # False
     state = sync.apply("powersgd", ddp_model, rank=8)
     state.stats()["sync_compression_ratio"]
 """
