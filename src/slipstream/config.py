@@ -34,6 +34,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
+from . import sync as _sync  # torch-free: the strategies' names and descriptions
 from .errors import ConfigError, did_you_mean
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -59,7 +60,7 @@ def _require(cond: bool, message: str) -> None:
 class SyncConfig:
     """Gradient synchronisation of the data-parallel (DDP) layout."""
 
-    strategy: str = field(default="allreduce", metadata={"metavar": "NAME", "help": "gradient sync strategy (allreduce, bf16, fp16, powersgd, topk, sign, hierarchical[+X], auto, diloco)"})
+    strategy: str = field(default="allreduce", metadata={"metavar": "NAME", "help": f"gradient sync strategy ({_sync.strategies_help()})"})
     """Strategy name (see ``slipstream.sync.available()``). Flat name: ``sync``."""
     options: dict = field(default_factory=dict, metadata={"metavar": "JSON", "help": 'strategy options as JSON, e.g. \'{"rank": 4}\''})
     """Options for the strategy (e.g. {"rank": 4} for powersgd, {"density": 0.01} for topk;
@@ -84,8 +85,6 @@ class SyncConfig:
     }
 
     def __post_init__(self) -> None:
-        from . import sync as _sync  # late: importing the strategies needs torch.distributed
-
         _require(isinstance(self.strategy, str) and self.strategy != "", f"sync must be a strategy name, got {self.strategy!r}")
         known = _sync.available()
         _require(self.strategy in known, f"sync must be one of {', '.join(known)}, got {self.strategy!r}"
@@ -432,17 +431,18 @@ class TrainConfig:
         # Checked here, not only in accelerate(), so `slipstream run` refuses it before any worker starts.
         if self.parallel.is_mesh:
             p = self.parallel
-            if self.sync.strategy == "diloco":  # a dp_shard group is one replica (FSDP2 inside), joined over dp_replicate
+            strategy = _sync.describe(self.sync.strategy)
+            if strategy.on_sharded_replicas:  # a dp_shard group is one replica (FSDP2 inside), joined over dp_replicate
                 beyond = " and ".join(f"{n}({getattr(p, n)})" for n in ("tp", "pp") if getattr(p, n) > 1)
                 _require(
                     not beyond,
-                    f"sync 'diloco' with {beyond} is not supported: diloco runs on DDP replicas or on dp_shard "
-                    "replicas (FSDP2 inside each, the outer step across dp_replicate); use tp 1 and pp 1, or sync "
-                    "allreduce",
+                    f"sync {strategy.name!r} with {beyond} is not supported: {strategy.name} runs on DDP replicas or "
+                    "on dp_shard replicas (FSDP2 inside each, the outer step across dp_replicate); use tp 1 and pp 1, "
+                    "or sync allreduce",
                 )
             else:
                 _require(
-                    self.sync.strategy == "allreduce" and not self.sync.options,
+                    strategy.kind is _sync.SyncKind.REDUCER and not self.sync.options,
                     f"sync {self.sync.strategy!r} is a DDP gradient hook; with dp_shard, tp or pp, FSDP2 reduces the "
                     "gradients (leave sync at allreduce)",
                 )

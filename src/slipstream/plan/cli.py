@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .. import __version__
+from .. import __version__, sync
 from ..errors import ConfigError, UsageError, did_you_mean
 from .costmodel import FRAMEWORKS, Layout
 from .lowcomm import LowCommPlan, low_comm, per_step_name
@@ -162,7 +162,8 @@ def run_flags(layout: Layout, nodes: int, gpus_per_node: int) -> list[str]:
         flags += ["--pp-schedule", layout.pp_schedule, "--pp-microbatches", str(layout.pp_microbatches)]
     if layout.dp_shard > 1:
         flags += ["--zero-stage", str(layout.zero_stage)]
-    if layout.dp_shard == 1 and layout.dp_replicate > 1 and layout.sync != "allreduce":
+    plain = sync.describe(layout.sync).kind is sync.SyncKind.REDUCER  # DDP's reducer: the default, no flag
+    if layout.dp_shard == 1 and layout.dp_replicate > 1 and not plain:
         flags += ["--sync", layout.sync]
     flags += ["--precision", layout.precision]
     if layout.accumulate_steps > 1:

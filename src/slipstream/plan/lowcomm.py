@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from .. import sync
 from ..lowcomm import SETTINGS, DilocoEstimate, LowCommAdvice, advise, percent
 from .costmodel import group_link
 from .planner import Candidate, PlanResult, fit_columns, fmt_s
@@ -138,7 +139,9 @@ def low_comm(result: PlanResult) -> LowCommPlan | None:
            if c.layout.dp_replicate == result.gpus > 1 and c.layout.dp_shard == c.layout.tp == c.layout.pp == 1]
     if not ddp:
         return None
-    base = min(ddp, key=lambda c: (floor_s(c), c.layout.sync != "allreduce", c.time_to_train_s))
+    # On a tie, DDP's own reducer (nothing compressed).
+    plain = sync.SyncKind.REDUCER
+    base = min(ddp, key=lambda c: (floor_s(c), sync.describe(c.layout.sync).kind is not plain, c.time_to_train_s))
     L = base.layout
     link, _ = group_link(L.dp_replicate, L.tp, result.gpus_per_node, result.gpu, result.network)
     best = result.best

@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from .. import sync
 from ..errors import ConfigError
 from .costmodel import FRAMEWORKS, Layout, Prediction
 from .network import Network, parse_network
@@ -169,10 +170,11 @@ def _pow2_upto(n: int) -> list[int]:
 
 def dp_syncs(nodes: int, gpus_per_node: int = 8) -> list[str]:
     """Sync strategies worth trying for DDP; hierarchical ones only across nodes of several GPUs."""
-    base = ["allreduce", "bf16", "powersgd"]
+    flat = ["allreduce", "bf16", "powersgd"]  # the codecs worth a row; their two-level forms from the registry
     if nodes > 1 and gpus_per_node > 1:
-        base += ["hierarchical", "hierarchical+bf16", "hierarchical+powersgd"]
-    return base
+        infos = [sync.describe(n) for n in sync.available()]
+        return flat + [i.name for i in infos if i.levels == 2 and not i.auto and i.codec in flat]
+    return flat
 
 
 @functools.lru_cache(maxsize=4096)

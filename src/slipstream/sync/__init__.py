@@ -26,12 +26,17 @@ global collective order (see there); ``diloco`` (:mod:`.diloco`) sends nothing i
 and all-reduces from :meth:`SyncHandle.after_optimizer_step`, on the training loop's thread. The returned state is a
 :class:`SyncHandle`: ``stats()``, ``state_dict()``/``load_state_dict()``,
 ``observe_loss()``, ``request_probe()``, ``decision_summary()``, ``close()``.
-Options and their defaults: :class:`~.options.SyncOptions`.
+Options and their defaults: :class:`~.options.SyncOptions`. What the rest of the code needs to
+know about a strategy (DDP's reducer, a comm hook or an outer loop; its codec and levels; whether
+it needs the bucket-order fix, runs on sharded replicas, heals in place) is its
+:class:`~.strategies.StrategyInfo`, given to :func:`register` and read with :func:`describe`:
+code outside this package asks it and never compares a strategy's name.
 
 Example::
 
     from slipstream import sync
     sync.is_valid("hierarchical+powersgd")     # True
+    sync.describe("diloco").fixes_bucket_order  # False
     state = sync.apply("powersgd", ddp_model, rank=8)
     state.stats()["sync_compression_ratio"]
 """
@@ -42,6 +47,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .compress import CODECS, make_codec
+from .strategies import (OptionSet, StrategyInfo, SyncKind, TWO_LEVELS_PREFIX, UnknownStrategy, lookup,
+                         split_two_level, unknown)
 from ..link import allreduce_bytes
 
 if TYPE_CHECKING:
@@ -53,13 +60,19 @@ if TYPE_CHECKING:
 
 _Strategy = Callable[..., "SyncHandle"]  # fn(ddp_model, **options) -> state
 _REGISTRY: dict[str, _Strategy] = {}
+_INFO: dict[str, StrategyInfo] = {}
 
 
-def register(name: str) -> Callable[[_Strategy], _Strategy]:
-    """Register ``fn(ddp_model, **options) -> state`` under ``name``."""
+def register(name: str, info: StrategyInfo | None = None) -> Callable[[_Strategy], _Strategy]:
+    """Register ``fn(ddp_model, **options) -> state`` under ``name``, described by ``info``
+    (default: a DDP comm hook that checks its own options, fixes the bucket order, needs DDP
+    and does not heal in place)."""
+    if info is not None and info.name != name:
+        raise ValueError(f"strategy {name!r} registered with the description of {info.name!r}")
 
     def deco(fn: _Strategy) -> _Strategy:
         _REGISTRY[name] = fn
+        _INFO[name] = info or StrategyInfo(name, SyncKind.HOOK)
         return fn
 
     return deco
@@ -67,13 +80,45 @@ def register(name: str) -> Callable[[_Strategy], _Strategy]:
 
 def available() -> tuple[str, ...]:
     """Every valid strategy name, combinations (``hierarchical+powersgd``) included."""
-    combos = tuple(f"hierarchical+{c}" for c in CODECS if c != "allreduce")
+    combos = tuple(f"{TWO_LEVELS_PREFIX}{c}" for c in CODECS if c != "allreduce")
     return tuple(_REGISTRY) + combos
 
 
 def is_valid(name: str) -> bool:
     """Whether ``name`` is a strategy :func:`apply` accepts."""
     return name in available()
+
+
+def describe(name: str) -> StrategyInfo:
+    """What the rest of the code needs to know about strategy ``name`` (:class:`StrategyInfo`);
+    :class:`UnknownStrategy` (a ConfigError and a KeyError) naming the closest known name.
+
+    Example::
+
+        sync.describe("diloco").on_sharded_replicas     # True
+        sync.describe("allreduce").heals_in_place       # True
+    """
+    info = lookup(name, _INFO) if isinstance(name, str) else None
+    if info is None:
+        raise unknown(str(name), available())
+    return info
+
+
+def matching(question: Callable[[StrategyInfo], bool]) -> tuple[str, ...]:
+    """The registered strategies whose description answers ``question`` with yes (in registration order).
+
+    Example::
+
+        sync.matching(lambda info: info.heals_in_place)     # ('allreduce',)
+    """
+    return tuple(n for n, info in _INFO.items() if question(info))
+
+
+def strategies_help() -> str:
+    """The strategies for a one-line help text: ``allreduce, bf16, ..., hierarchical[+X], auto, diloco``
+    (each two-level form is written once, after the plain two-level strategy)."""
+    plain = [n for n in _REGISTRY if not n.startswith(TWO_LEVELS_PREFIX)]
+    return ", ".join(f"{n}[+X]" if _INFO[n].levels == 2 else n for n in plain)
 
 
 class SyncHandle(Protocol):
@@ -149,11 +194,11 @@ def apply(name: str, ddp_model: DistributedDataParallel, **options: Any) -> Sync
         handle = sync.apply("bf16", ddp_model)
         handle.stats()["sync_compression_ratio"]   # 2.0
     """
+    info = describe(name)  # UnknownStrategy (a KeyError) for a name nothing is registered under
     if name in _REGISTRY:
         return _REGISTRY[name](ddp_model, **options)
-    if name.startswith("hierarchical+") and name.split("+", 1)[1] in CODECS:
-        return _hook_strategy(name, ddp_model, name.split("+", 1)[1], hierarchical=True, **options)
-    raise KeyError(f"unknown sync strategy {name!r}; known: {', '.join(available())}")
+    assert info.codec is not None  # a two-level form of a codec (strategies.lookup)
+    return _hook_strategy(name, ddp_model, info.codec, hierarchical=info.levels == 2, **options)
 
 
 class AllreduceState:
@@ -267,7 +312,8 @@ def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hi
                     options=opts, prober=prober).install(ddp_model)
 
 
-@register("allreduce")
+@register("allreduce", StrategyInfo("allreduce", SyncKind.REDUCER, codec="allreduce", options=OptionSet.NONE,
+                                   heals_in_place=True))
 def _allreduce(ddp_model: DistributedDataParallel, **options: Any) -> AllreduceState:
     if options:
         raise TypeError(f"sync strategy 'allreduce' takes no options, got {', '.join(sorted(options))}")
@@ -283,15 +329,16 @@ def _codec_strategy(codec: str) -> _Strategy:
 
 
 for _c in ("bf16", "fp16", "powersgd", "topk", "sign"):
-    register(_c)(_codec_strategy(_c))
+    register(_c, StrategyInfo(_c, SyncKind.HOOK, codec=_c, options=OptionSet.CODEC))(_codec_strategy(_c))
 
 
-@register("hierarchical")
+@register("hierarchical", StrategyInfo("hierarchical", SyncKind.HOOK, codec="allreduce", levels=2,
+                                      options=OptionSet.CODEC))
 def _hierarchical(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     return _hook_strategy("hierarchical", ddp_model, "allreduce", hierarchical=True, **options)
 
 
-@register("auto")
+@register("auto", StrategyInfo("auto", SyncKind.HOOK, auto=True, options=OptionSet.AUTO))
 def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **options: Any) -> SyncHandle:
     """Probe the link now; observe ``observe_steps`` uncompressed steps; decide per bucket.
 
@@ -352,7 +399,8 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     return state.install(ddp_model)
 
 
-@register("diloco")
+@register("diloco", StrategyInfo("diloco", SyncKind.OUTER_LOOP, options=OptionSet.DILOCO, fixes_bucket_order=False,
+                                on_sharded_replicas=True))
 def _diloco(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     """Local steps, and every ``inner_steps`` an outer step (:mod:`.diloco`)."""
     from .diloco import on_ddp
@@ -376,14 +424,27 @@ def apply_to_replicas(name: str, module: torch.nn.Module, replica_group: Any, **
         handle = sync.apply_to_replicas("diloco", fsdp_module, mesh.get_group("dp_replicate"), inner_steps=20)
     """
     from ..errors import ConfigError
+
+    install = _ON_REPLICAS.get(name) if describe(name).on_sharded_replicas else None
+    if install is None:
+        able = " or ".join(repr(n) for n in matching(lambda info: info.on_sharded_replicas))
+        raise ConfigError(f"sync {name!r} is a DDP gradient hook; only {able} synchronises sharded replicas")
+    return install(module, replica_group, **options)
+
+
+def _diloco_on_replicas(module: torch.nn.Module, replica_group: Any, **options: Any) -> SyncHandle:
     from .diloco import on_sharded_replicas
     from .options import SyncOptions
 
-    if name != "diloco":
-        raise ConfigError(f"sync {name!r} is a DDP gradient hook; only 'diloco' synchronises sharded replicas")
-    return on_sharded_replicas(module, replica_group, SyncOptions.parse(name, options))
+    return on_sharded_replicas(module, replica_group, SyncOptions.parse("diloco", options))
 
 
-@register("hierarchical+auto")
+# The strategies that join sharded replicas (describe(name).on_sharded_replicas), by name:
+# fn(module, replica_group, **options) -> state.
+_ON_REPLICAS: dict[str, Callable[..., SyncHandle]] = {"diloco": _diloco_on_replicas}
+
+
+@register("hierarchical+auto", StrategyInfo("hierarchical+auto", SyncKind.HOOK, levels=2, auto=True,
+                                           options=OptionSet.AUTO))
 def _hierarchical_auto(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     return _auto(ddp_model, hierarchical=True, **options)

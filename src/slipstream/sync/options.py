@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError, did_you_mean
+from . import describe
+from .strategies import OptionSet, StrategyInfo, UnknownStrategy
 
 # The options each codec's constructor takes (its defaults stay there).
 CODEC_OPTION_NAMES: dict[str, tuple[str, ...]] = {
@@ -49,9 +51,6 @@ DILOCO_OPTION_NAMES = ("inner_steps", "outer_lr", "outer_momentum", "outer_neste
                        "overlap_steps", "overlap_mix")
 DILOCO_CODECS = ("none", "bf16", "fp16")
 """What ``outer_codec`` takes: the pseudo-gradient as it is, or cast to 16 bits for its all-reduce."""
-BUILTIN_STRATEGIES = ("allreduce", "bf16", "fp16", "powersgd", "topk", "sign", "hierarchical", "auto", "diloco")
-"""The strategies whose options this module knows (and their ``hierarchical+X`` forms);
-one registered by a user (``sync.register``) checks its own."""
 
 
 class SyncOptionsError(ConfigError, TypeError):
@@ -218,15 +217,18 @@ class SyncOptions:
 
             SyncOptions.parse("powersgd", {"rank": 2, "warmup_steps": 3}).warmup_steps   # 3
         """
-        base = strategy.split("+", 1)[1] if strategy.startswith("hierarchical+") else strategy
+        info = _find(strategy)
+        family = info.options if info is not None else OptionSet.CODEC
         options = dict(options)
-        if base == "auto":
+        if family is OptionSet.AUTO:
             codecs = tuple(options.get("candidates", cls.candidates))
             allowed = set(GUARD_OPTION_NAMES) | set(AUTO_OPTION_NAMES)
-        elif base == "diloco":
+        elif family is OptionSet.DILOCO:
             codecs, allowed = (), set(DILOCO_OPTION_NAMES)
         else:
-            codecs = () if base == "hierarchical" else (base,)
+            # A name nothing is registered under is read as a codec's (as it always was).
+            codec = info.codec if info is not None else strategy
+            codecs = () if codec in (None, "allreduce") else (codec,)
             allowed = set(GUARD_OPTION_NAMES) | set(CODEC_STRATEGY_OPTION_NAMES)
         per_codec: dict[str, dict[str, Any]] = {}
         for c in codecs:
@@ -255,10 +257,10 @@ def check_sync_options(strategy: str, options: Mapping[str, Any]) -> None:
         check_sync_options("powersgd", {"rnk": 4})
         # SyncOptionsError: sync strategy 'powersgd' got unknown options: rnk (did you mean 'rank'?); ...
     """
-    base = strategy.split("+", 1)[1] if strategy.startswith("hierarchical+") else strategy
-    if base not in BUILTIN_STRATEGIES:
+    info = _find(strategy)
+    if info is None or info.options is OptionSet.OWN:  # a user's strategy checks its own
         return
-    if base == "allreduce":
+    if info.options is OptionSet.NONE:
         if options:
             raise SyncOptionsError(f"sync strategy {strategy!r} takes no options, got {', '.join(sorted(options))}")
         return
@@ -275,6 +277,14 @@ def check_sync_options(strategy: str, options: Mapping[str, Any]) -> None:
         raise
     except (TypeError, ValueError) as exc:  # a value of the wrong type ("observe_steps": "two")
         raise SyncOptionsError(f"sync_options for {strategy!r}: {exc}") from None
+
+
+def _find(strategy: str) -> StrategyInfo | None:
+    """The description of ``strategy``, or None where nothing is registered under the name."""
+    try:
+        return describe(strategy)
+    except UnknownStrategy:
+        return None
 
 
 DEFAULTS = SyncOptions()

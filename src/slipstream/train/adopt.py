@@ -210,7 +210,7 @@ class Adopter:
     def adopt(self, ddp: DistributedDataParallel) -> None:
         """Install the strategy on a freshly built DDP model (every rank, before its first forward)."""
         strategy = self.config.sync.strategy
-        if strategy != "diloco":  # diloco sums no gradient: no layout to fix (layout_dp says why)
+        if sync.describe(strategy).fixes_bucket_order:  # diloco sums no gradient: no layout to fix (layout_dp says why)
             fix_bucket_order(ddp)
         try:
             handle = sync.apply(strategy, ddp, **self.config.sync.options)
@@ -425,7 +425,7 @@ def _wrap_forward(ddp: DistributedDataParallel, adopter: Adopter, handle: sync.S
 
 def _refuse_second_comm_hook(ddp: DistributedDataParallel, strategy: str) -> None:
     """A comm hook the script registers after ours would fail in DDP with a bare RuntimeError."""
-    if strategy == "allreduce":
+    if not sync.describe(strategy).installs_comm_hook:  # DDP's own reducer: the script's hook is the only one
         return
 
     def refuse(*_args: Any, **_kwargs: Any) -> None:

@@ -49,6 +49,7 @@ from ..metrics import StepRecorder
 from ..metrics.sinks import Sink
 from .. import heal
 from ..runtime import Runtime, current
+from .. import sync
 from ..sync import SyncHandle
 from . import adopt, resume
 from .bookkeeping import new_recorder, open_checkpoints
@@ -530,8 +531,9 @@ def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
         return f"the layout {run.describe_layout()} is not plain data parallelism"
     if not isinstance(run.layout, DataParallelLayout):
         return "the layout is not plain data parallelism"
-    if run.config.sync.strategy != "allreduce":
-        return f"sync {run.config.sync.strategy!r} keeps process groups of its own (only 'allreduce' heals)"
+    if not sync.describe(run.config.sync.strategy).heals_in_place:
+        healing = " or ".join(repr(n) for n in sync.matching(lambda info: info.heals_in_place))
+        return f"sync {run.config.sync.strategy!r} keeps process groups of its own (only {healing} heals)"
     if mgr is None:
         return "no checkpoint_dir: there is no snapshot to go back to"
     if mgr.snapshots is None or not mgr.snapshots.enabled:

@@ -116,9 +116,10 @@ class DataParallelLayout:
         # Before the strategy's comm hook: the same bucket layout at every step of
         # every run, so a resumed run sums gradients in the order the run did.
         # diloco sums no gradient (its hook hands each bucket back): the layout changes
-        # nothing, and fixing it would send the model's size over a link chosen for being slow.
+        # nothing, and fixing it would send the model's size over a link chosen for being slow
+        # (its description says so: sync.describe(name).fixes_bucket_order).
         strategy = config.sync.strategy
-        self._fixes_order = strategy != "diloco"
+        self._fixes_order = sync.describe(strategy).fixes_bucket_order
         healer = heal.current()
         if self._fixes_order and (healer is None or not healer.pending):  # a replacement: in rejoined()
             fix_bucket_order(self.model)

@@ -185,7 +185,8 @@ class MeshLayout:
                 "(the pipeline already accumulates over its micro-batches)"
             )
         self._names = parameter_names(model)  # before parallelize replaces the parameters
-        replicas = config.sync.strategy == "diloco"  # FSDP2 inside each replica; DiLoCo joins them
+        # FSDP2 inside each replica; the strategy (diloco) joins them over dp_replicate.
+        replicas = sync.describe(config.sync.strategy).on_sharded_replicas
         parts = parallelize(model, config, dims, device=runtime.device, tp_plan=tp_plan,
                             pp_split_points=pp_split_points, dp_mesh=dims.mesh["dp_shard"] if replicas else None)
         self._parts = parts
@@ -204,14 +205,14 @@ class MeshLayout:
             self.sync = self._join_replicas(config)
 
     def _join_replicas(self, config: TrainConfig) -> SyncHandle | None:
-        """``diloco`` over the dp_shard replicas (a collective over dp_replicate), or None with one."""
+        """The strategy (``diloco``) over the dp_shard replicas (a collective over dp_replicate), or None with one."""
         dims = self.dims
         if dims.dp_replicate == 1:
             if dist.get_rank() == 0:
-                log.info("sync diloco with dp_replicate(1): one replica, nothing to join: plain FSDP2 over "
-                         "dp_shard(%d), no outer step", dims.dp_shard, extra=CONSOLE)
+                log.info("sync %s with dp_replicate(1): one replica, nothing to join: plain FSDP2 over "
+                         "dp_shard(%d), no outer step", config.sync.strategy, dims.dp_shard, extra=CONSOLE)
             return None
-        return sync.apply_to_replicas("diloco", self.module, dims.mesh.get_group("dp_replicate"),
+        return sync.apply_to_replicas(config.sync.strategy, self.module, dims.mesh.get_group("dp_replicate"),
                                       **config.sync.options)
 
     def describe(self) -> str:
