@@ -10,7 +10,9 @@ now writes a records directory:
 - ``timeline.jsonl``: one line per test: outcome, seconds, the 1-minute load average at
   its start and end, how many processes of the run were alive after it;
 - ``leftovers.txt``: the processes a test started and left running after its teardown
-  (found by a marker in their environment, so children re-parented to init count too).
+  (found by a marker in their environment, so children re-parented to init count too);
+  a process a module- or session-scoped fixture holds shows here until the fixture stops it;
+- ``still-running.txt``: the processes still alive once every fixture is torn down: leaks.
 
 The directory is ``$SLIPSTREAM_TEST_RECORDS`` when set, else
 ``<rootdir>/.test-records/<UTC time>-<pid>`` (a ``latest`` link points at the newest).
@@ -189,11 +191,28 @@ def _write_failure(state: _Session, item: pytest.Item, report: pytest.TestReport
             f.write("\n".join(_tail(log)) + "\n")
 
 
+def still_running(marker: str, grace_s: float = 3.0) -> dict[int, str]:
+    """The marked processes alive once every fixture is torn down, after ``grace_s`` for those
+    already on their way out: the suite's real leaks. (A process a test leaves to a module- or
+    session-scoped fixture is in leftovers.txt too, until that fixture stops it.)"""
+    deadline = time.monotonic() + grace_s
+    alive = _marked_processes(marker)
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = _marked_processes(marker)
+    return alive
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ANN001, ANN201 - pytest's hook
     state = config.stash.get(_SESSION_KEY, None)
     if state is None:
         return
     leftovers = f"; {state.leftover_tests} test(s) left processes running (leftovers.txt)" if state.leftover_tests else ""
+    leaked = still_running(state.marker) if state.leftover_tests else {}
+    if leaked:
+        with open(state.root / "still-running.txt", "w") as f:
+            f.writelines(f"{pid} {cmd[:300]}\n" for pid, cmd in sorted(leaked.items()))
+        leftovers += f"; {len(leaked)} still running at the end (still-running.txt)"
     terminalreporter.write_line(f"test records: {state.root} ({state.failures} failure file(s){leftovers})")
 
 

@@ -13,6 +13,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 INNER = '''
 import subprocess, sys
+import pytest
+
+@pytest.fixture(scope="module")
+def server():
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(61)"])
+    yield p
+    p.kill()
+    p.wait()
+
+def test_uses_a_module_server(server):
+    assert server.poll() is None
 
 def test_a_worker_logs_then_the_test_fails(tmp_path):
     log = tmp_path / "rank0.log"
@@ -38,7 +49,11 @@ def test_a_failed_run_keeps_its_report_its_workers_logs_and_its_leftovers(tmp_pa
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     try:
         assert run.returncode == 1, run.stdout + run.stderr
-        assert f"test records: {records} (1 failure file(s); 1 test(s) left processes running" in run.stdout
+        # Two tests left a process: the module fixture's server (stopped at the module's end) and a leak.
+        assert (f"test records: {records} (1 failure file(s); 2 test(s) left processes running (leftovers.txt); "
+                "1 still running at the end (still-running.txt))") in run.stdout, run.stdout
+        still = (records / "still-running.txt").read_text()
+        assert "time.sleep(60)" in still and "time.sleep(61)" not in still, still
         (failure,) = sorted((records / "failures").glob("*.txt"))
         text = failure.read_text()
         assert "assertion:" in text and "the step count disagrees" in text, text
@@ -46,8 +61,8 @@ def test_a_failed_run_keeps_its_report_its_workers_logs_and_its_leftovers(tmp_pa
         leftovers = (records / "leftovers.txt").read_text()
         assert "test_leaves_a_process_running" in leftovers and "time.sleep(60)" in leftovers, leftovers
         timeline = [json.loads(line) for line in (records / "timeline.jsonl").read_text().splitlines()]
-        assert [t["outcome"] for t in timeline] == ["failed", "passed", "passed"], timeline
-        assert timeline[1]["leftover_processes"] == 1 and timeline[2]["leftover_processes"] == 0, timeline
+        assert [t["outcome"] for t in timeline] == ["passed", "failed", "passed", "passed"], timeline
+        assert [t["leftover_processes"] for t in timeline] == [1, 0, 1, 0], timeline
         # What .ci/run prints at the end of a failed run: the assertion and the worker's last lines.
         show = subprocess.run([sys.executable, "-m", "tests.records", "show", str(records)], cwd=REPO,
                               capture_output=True, text=True, timeout=60)

@@ -10,13 +10,13 @@ measured run, not by hand: every full run writes a timeline of each test's secon
 rewrites the list. Modules, not single tests, are the unit: a module's fixtures (a 2-rank run
 shared by its tests) cost the same whichever of its tests runs. The choice takes the cheapest
 module of every test package first (so every package is covered), then the cheapest of the
-rest while the measured total stays within the budget (240 s of test time by default; pytest's
+rest while the measured total stays within the budget (180 s of test time by default; pytest's
 start-up and collection take the rest of the five minutes).
 
 Example::
 
     python3 -m pytest -q --tier fast        # the fast tier
-    python3 -m tests.tiers update .test-records/latest/timeline.jsonl --budget-s 240
+    python3 -m tests.tiers update .test-records/latest/timeline.jsonl --budget-s 180
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent
 FAST_LIST = TESTS / "fast_tier.txt"
-DEFAULT_BUDGET_S = 240.0
+DEFAULT_BUDGET_S = 180.0
 HEADER = ("# The fast tier (python3 -m pytest -q --tier fast): test modules chosen by tests/tiers.py\n"
           "# from a measured full run; regenerate with python3 -m tests.tiers update TIMELINE.\n")
 
