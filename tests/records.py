@@ -46,6 +46,7 @@ LOG_SUFFIXES = (".log", ".err", ".out", ".txt", ".jsonl", ".stderr", ".stdout")
 LOG_TAIL_LINES = 40
 LOG_FILES_PER_FAILURE = 12
 LOG_BYTES_READ = 64 * 1024  # the tail of a large log is what explains its end
+OWN_HELPERS = re.compile(r"multiprocessing\.(resource_tracker|forkserver)")
 
 
 @dataclass
@@ -195,11 +196,15 @@ def still_running(marker: str, grace_s: float = 3.0) -> dict[int, str]:
     """The marked processes alive once every fixture is torn down, after ``grace_s`` for those
     already on their way out: the suite's real leaks. (A process a test leaves to a module- or
     session-scoped fixture is in leftovers.txt too, until that fixture stops it.)"""
+    def leaks() -> dict[int, str]:
+        # multiprocessing's helpers belong to pytest's own process and end with it.
+        return {pid: cmd for pid, cmd in _marked_processes(marker).items() if not OWN_HELPERS.search(cmd)}
+
     deadline = time.monotonic() + grace_s
-    alive = _marked_processes(marker)
+    alive = leaks()
     while alive and time.monotonic() < deadline:
         time.sleep(0.1)
-        alive = _marked_processes(marker)
+        alive = leaks()
     return alive
 
 
