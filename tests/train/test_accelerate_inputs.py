@@ -8,13 +8,6 @@ import slipstream
 from slipstream.errors import ConfigError
 
 
-@pytest.fixture()
-def single_process():
-    slipstream.init()
-    yield
-    slipstream.shutdown()
-
-
 def test_bad_inputs(single_process):
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

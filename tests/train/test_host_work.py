@@ -17,7 +17,6 @@ Counts, not times: performance figures live in benchmarks/host_overhead.py.
 from __future__ import annotations
 
 import collections
-import signal
 
 import pytest
 import torch
@@ -30,15 +29,6 @@ import slipstream
 LOG_EVERY = 5
 # Ops that read a tensor's value back to the host: on a GPU each waits for the queue to drain.
 READ_BACK_OPS = {"_local_scalar_dense", "is_nonzero", "equal", "item"}
-
-
-@pytest.fixture()
-def single_process():
-    previous = signal.getsignal(signal.SIGTERM)
-    slipstream.init()
-    yield
-    slipstream.shutdown()
-    signal.signal(signal.SIGTERM, previous)
 
 
 class HostSyncCounter(TorchDispatchMode):

@@ -3,22 +3,10 @@ named at start (issue #46, item 2; the rule itself: tests/config/test_precedence
 
 from __future__ import annotations
 
-import signal
-
-import pytest
 import torch
 import torch.nn as nn
 
 import slipstream
-
-
-@pytest.fixture()
-def single_process():
-    previous = signal.getsignal(signal.SIGTERM)
-    slipstream.init()
-    yield
-    slipstream.shutdown()
-    signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_launcher_setting_wins_over_the_scripts_and_is_named(single_process, tmp_path, monkeypatch, capsys):

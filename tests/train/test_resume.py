@@ -4,22 +4,10 @@ accelerate()."""
 
 from __future__ import annotations
 
-import signal
-
-import pytest
 import torch
 import torch.nn as nn
 
 import slipstream
-
-
-@pytest.fixture()
-def single_process():
-    previous = signal.getsignal(signal.SIGTERM)
-    slipstream.init()
-    yield
-    slipstream.shutdown()
-    signal.signal(signal.SIGTERM, previous)
 
 
 def _run(tmp_path, lr: float = 0.1, **options):

@@ -4,7 +4,6 @@ except when the loop goes on after a step reported stop_requested (single proces
 from __future__ import annotations
 
 import dataclasses
-import signal
 
 import pytest
 import torch
@@ -12,16 +11,6 @@ from torch import nn
 
 import slipstream
 from slipstream import EXIT_PREEMPTED, StepResult
-
-
-@pytest.fixture()
-def single_process():
-    # The checkpoint manager installs a SIGTERM handler in this (pytest's) main thread: put it back after.
-    previous = signal.getsignal(signal.SIGTERM)
-    slipstream.init()
-    yield
-    slipstream.shutdown()
-    signal.signal(signal.SIGTERM, previous)
 
 
 def test_step_result_is_a_frozen_value_whose_truth_is_stepped():
