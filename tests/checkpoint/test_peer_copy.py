@@ -162,3 +162,28 @@ def test_a_copy_slower_than_the_snapshots_is_named_once_per_stretch(caplog):
         copy.close(timeout_s=1)
     assert caplog.text.count("the snapshots' peer copy takes 1.10 s, longer than the 0.55 s between two snapshots") == 2
     assert "about 2x less often" in caplog.text
+
+
+def test_a_copy_left_by_a_heal_commits_nothing_more_and_destroys_no_group(tmp_path, monkeypatch):
+    """Healing in place destroys every group, the copy's too: the copy in flight then ends on its own
+    (its peer gone), and a half-received snapshot must not be committed over the slots the next
+    generation's copy writes. Before, the heal refused to run with a peer copy at all."""
+    committed, destroyed = [], []
+
+    class Slots:
+        def commit(self, step, slot, index):
+            committed.append(step)
+
+    monkeypatch.setattr(peer.dist, "destroy_process_group", destroyed.append)
+    copy = peer.PeerCopy(0, 1, [1], lambda s: Slots(), group=object())
+    copy.left()
+    # what the thread did with the copy in flight when the groups went: its sends and receives returned
+    monkeypatch.setattr(peer, "_wait_all", lambda works: None)
+    monkeypatch.setattr(peer.dist, "isend", lambda *a, **k: None)
+    monkeypatch.setattr(peer.dist, "irecv", lambda *a, **k: None)
+    monkeypatch.setattr(copy, "_reserve", lambda *a: (0, torch.zeros(4, dtype=torch.uint8), 2))
+    copy._exchange(5, torch.zeros(4, dtype=torch.uint8), b"ix")
+    assert committed == [] and copy.retired and copy.group is None
+    copy.offer(6, None, b"")  # nothing more travels: no wait, no error
+    copy.close(timeout_s=1)
+    assert destroyed == []

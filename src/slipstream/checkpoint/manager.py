@@ -208,6 +208,8 @@ class CheckpointManager:
         """Healing in place, before the broken default group is destroyed: drop every reference to
         this manager's groups (they are destroyed with it), so their sockets close."""
         self.group = self.writer_group = None
+        if self.snapshots is not None and self.snapshots.peer is not None:
+            self.snapshots.peer.left()  # its group went with the default group too
 
     def rejoined(self) -> None:
         """After the default group was formed again (healing in place, :mod:`slipstream.heal`): the
@@ -221,11 +223,14 @@ class CheckpointManager:
         self._make_groups(self.async_save)
         if self.snapshots is not None:
             self.snapshots.mark_restarted()
+            if self._peer_copy_wanted:  # a new copy on the new group (a collective, as at the start)
+                self.snapshots.peer = peer.PeerCopy.for_job(self.rank, self.group, self.snapshots.peer_slots)
 
     def _open_snapshots(self, every_steps: int | None, peer_copy: bool) -> snapshots.MemorySnapshots | None:
         """This rank's in-memory snapshots (:mod:`.snapshots`), when asked for and an elastic agent
         (``slipstream run``, torchrun) would restart a failed worker to use them; with ``peer_copy``
         and more than one node, also copied to a rank on another node (:mod:`.peer`; a collective)."""
+        self._peer_copy_wanted = False
         if every_steps is None:
             return None
         if "TORCHELASTIC_RUN_ID" not in os.environ:
@@ -234,7 +239,10 @@ class CheckpointManager:
                             "this process to restart it: no in-memory snapshots")
             return None
         snaps = snapshots.MemorySnapshots.for_run(self.directory, self.rank, self.world_size, every_steps)
-        if peer_copy and self.group is not None and self.world_size > 1:
+        self._peer_copy_wanted = peer_copy and self.group is not None and self.world_size > 1
+        healer = heal.current()
+        # A replacement healing in place makes its copy once it joined (rejoined()): its group is fake until then.
+        if self._peer_copy_wanted and not (healer is not None and healer.pending):
             snaps.peer = peer.PeerCopy.for_job(self.rank, self.group, snaps.peer_slots)
         return snaps
 

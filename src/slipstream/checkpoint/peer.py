@@ -24,6 +24,14 @@ take the newest step held for *every* rank, by itself or by a holder; each rank 
 copy is gone receives it from the holder (:func:`fetch`) before the ranks agree and load.
 When some rank has the step neither way, every rank loads the disk checkpoint.
 
+Under healing in place (:mod:`slipstream.heal`) the copy's group goes with the broken default
+group: :meth:`PeerCopy.left` retires this copy (its thread commits nothing more: a copy that
+was travelling when a rank died may be half received) and the checkpoint manager forms a new
+one on the next generation's group (:meth:`PeerCopy.for_job` again, every rank in the same
+order). A replacement makes its copy only then: until it joined, its group is a fake one that
+moves no data. The copies already held stay, so a replacement whose node lost its memory
+takes its predecessor's snapshot from its buddy (:func:`choose`, :func:`fetch`).
+
 Example::
 
     copy = PeerCopy.for_job(rank, group, snapshots.peer_slots)   # a collective; None on one node
@@ -143,7 +151,8 @@ class PeerCopy:
         self.group = group
         self.transfer_s: list[float] = []  # each copy's time in the background thread
         self.waited_s: list[float] = []  # the loop's wait for the previous copy, at each offer()
-        self.broken: str | None = None  # why the copy stopped (a peer gone: the job restarts anyway)
+        self.broken: str | None = None  # why the copy stopped (a peer gone: the job restarts or heals)
+        self.retired = False  # left(): the group it used is gone; its thread commits nothing more
         self._no_room: set[int] = set()  # sources this rank has no room for
         self._last_offer: float | None = None
         self._slow_offers = 0  # offers in a row that waited for the previous copy (rank 0 says so once)
@@ -207,6 +216,16 @@ class PeerCopy:
             dist.destroy_process_group(self.group)
         self.group = None
 
+    def left(self) -> None:
+        """Healing in place: the default group (and this copy's group with it) was destroyed. The
+        copy in flight, if any, ends on its own (its peer is gone, or its bytes are let go): from
+        now on nothing is committed nor offered, and :meth:`close` destroys no group."""
+        self.retired = True
+        if self.broken is None:
+            self.broken = "left: healing in place formed the groups again"
+        self.group = None
+        self._queue.put(None)
+
     def _loop(self) -> None:
         while True:
             job = self._queue.get()
@@ -246,6 +265,8 @@ class PeerCopy:
                 works += [dist.irecv(received[s][1], s, group=g, tag=TAG_INDEX),
                           dist.irecv(target, s, group=g, tag=TAG_DATA)]
         _wait_all(works)
+        if self.retired:  # the groups were formed again meanwhile: a newer copy owns the slots now
+            return
         for s, (slot, got) in received.items():
             self.slots[s].commit(int(incoming[s][0]), slot, got.numpy().tobytes())
 

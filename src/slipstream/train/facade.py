@@ -538,8 +538,8 @@ def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
         return "no checkpoint_dir: there is no snapshot to go back to"
     if mgr.snapshots is None or not mgr.snapshots.enabled:
         return "in-memory snapshots are off (snapshot_every_steps)"
-    if mgr.snapshots.peer is not None:
-        return "the snapshots' peer copy keeps a process group of its own"
+    # The snapshots' peer copy heals too: its group is formed again with the others
+    # (CheckpointManager.left/rejoined), and a replacement on a lost node restores from it.
     return None
 
 
