@@ -91,6 +91,18 @@ def test_agent_command_line():
     assert c.node_env(1, {})["GLOO_SOCKET_IFNAME"] == "ssn1"
 
 
+def test_a_healing_job_runs_its_agents_healing_and_has_them_write_down_their_workers():
+    from slipstream import heal_env
+    from slipstream.launch import LaunchOptions
+    from slipstream.launch.agent import ENV_WORKERS_FILE
+
+    c = emulate.EmulatedCluster(2, "1gbit", run_id="abc124")
+    opts = LaunchOptions("train.py", [], worker_env={heal_env.HEAL: "1", heal_env.SPARES: "0"})
+    assert " --heal --spares 0 " in " ".join(c.agent_argv(1, opts, procs_per_node=1))
+    assert "--heal" not in c.agent_argv(1, LaunchOptions("train.py", []), procs_per_node=1)
+    assert c.node_env(1, {})[ENV_WORKERS_FILE] == c.workers_file(1) != c.workers_file(0)
+
+
 def test_cli_refuses_without_privileges(monkeypatch, tmp_path, capsys):
     from slipstream.cli import main
 
@@ -304,3 +316,41 @@ def test_a_node_killed_by_a_signal_is_started_again_up_to_the_restart_budget(mon
     started.clear()
     assert cluster._wait([_Agent(), _Agent(1)], timeout_s=5, grace_s=0.2, restart=restart, node_restarts=3) == 1
     assert started == []  # exit 1 (its own restarts spent): the job's failure, not a lost node
+
+
+def test_a_lost_node_comes_back_healing_and_node_0_by_a_restart(monkeypatch):
+    """Issue #43 item 3: under healing a lost node other than node 0 comes back as its ranks'
+    replacements (no agent: a new one would rejoin the rendezvous and the survivors' agents would
+    restart their workers), with no --max-restarts needed; node 0 hosts both stores and is
+    restarted as before, within the budget."""
+    cluster = emulate.EmulatedCluster(2, "1gbit")
+    monkeypatch.setattr(cluster, "lose_node", lambda node: [])
+    monkeypatch.setattr(cluster, "_wait_netns_empty", lambda node: None)
+    forgotten, restarted, rejoined = [], [], []
+    monkeypatch.setattr(cluster, "forget_memory", forgotten.append)
+    survivor = _Agent()
+
+    def restart(node: int) -> _Agent:
+        restarted.append(node)
+        return _Agent(0, polls=2)
+
+    def rejoin(node: int) -> _Agent | None:
+        rejoined.append(node)
+        if node == 0:
+            return None
+        survivor.code = 0
+        return _Agent(0, polls=2)
+
+    assert cluster._wait([survivor, _Agent(-9)], timeout_s=5, grace_s=5, restart=restart, node_restarts=0,
+                         rejoin=rejoin) == 0
+    assert rejoined == [1] and restarted == [] and forgotten == [1]
+    rejoined.clear()
+    assert cluster._wait([_Agent(-9), _Agent(0, polls=3)], timeout_s=5, grace_s=5, restart=restart, node_restarts=1,
+                         rejoin=rejoin) == 0
+    assert rejoined == [0] and restarted == [0]
+    rejoined.clear()
+    restarted.clear()
+    # node 0 again, no restart left: the job fails (no busy loop over a node nothing can start)
+    assert cluster._wait([_Agent(-9), _Agent()], timeout_s=5, grace_s=0.2, restart=restart, node_restarts=0,
+                         rejoin=rejoin) == 1
+    assert restarted == []

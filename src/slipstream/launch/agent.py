@@ -19,6 +19,14 @@
   node, once closed, adds one to a counter in the store, its last word to it; the host waits
   (at most :data:`EXIT_WAIT_S`) until every other node has said it before it exits.
 
+* **Its workers, written down for a node that comes back healing.** When the launcher that
+  built an emulated cluster sets ``SLIPSTREAM_NODE_WORKERS_FILE``, each start of the workers
+  writes there what :mod:`slipstream.launch.node_rejoin` needs to start them again as
+  replacements after the whole node is lost: each worker's command line, environment and
+  directory as the kernel holds them (``/proc/<pid>``: exactly what torch's agent gave it),
+  and the rendezvous round's store (key prefix, nodes) for the exit barrier the
+  lost agent can no longer join.
+
 :func:`patched_agent` puts this agent in place of torch's for one ``elastic_launch``
 (torch's ``launch_agent`` constructs ``LocalElasticAgent`` by name, and has no hook for
 either). If a later torch renames these internals, runs go on as with torch's own agent.
@@ -32,7 +40,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import time
 from typing import Iterator
 
@@ -47,6 +57,60 @@ exit barrier, so this bounds only a node lost in those last milliseconds."""
 LEFT_KEY = "slipstream/agents_left"
 """The counter each node other than the host adds one to, after its close."""
 _POLL_S = 0.02
+RECORD_WAIT_S = 2.0
+"""How long :func:`record_workers` waits for a worker's command line to be readable."""
+ENV_WORKERS_FILE = "SLIPSTREAM_NODE_WORKERS_FILE"
+"""Where each start of this node's workers is written down (set by the emulated cluster)."""
+
+
+def record_workers(path: str, pids: dict[int, int], store: dict | None, proc_root: str = "/proc") -> None:
+    """Write ``{"workers": [{local_rank, argv, env, cwd}], "store": store}`` to ``path`` (atomically).
+
+    ``pids``: {local rank: pid} of the workers just started; each one's command line and
+    environment are read from ``proc_root`` (``subprocess.Popen`` returns after the exec, so
+    they are the worker's own). A worker already gone is left out: the file then does not
+    describe the node, and no replacement is started from it.
+
+    Example::
+
+        record_workers("/tmp/n1.json", {0: 4242}, {"prefix": "torch.rendezvous.emu-ab12.0", "nodes": 2})
+    """
+    workers = []
+    for local_rank, pid in sorted(pids.items()):
+        # Popen forks with vfork: it returns once the child's exec let go of the parent's memory,
+        # which is before the kernel lays out the new command line (read empty then, measured).
+        deadline = time.monotonic() + RECORD_WAIT_S
+        argv: list[str] = []
+        try:
+            while not argv and time.monotonic() < deadline:
+                with open(f"{proc_root}/{pid}/cmdline", "rb") as fh:
+                    argv = [a.decode() for a in fh.read().split(b"\0")[:-1]]
+                if not argv:
+                    time.sleep(_POLL_S)
+            with open(f"{proc_root}/{pid}/environ", "rb") as fh:
+                env = dict(e.decode(errors="surrogateescape").partition("=")[::2]
+                           for e in fh.read().split(b"\0") if b"=" in e)
+            cwd = os.readlink(f"{proc_root}/{pid}/cwd")
+        except OSError:
+            return
+        if not argv or not env:
+            return
+        workers.append({"local_rank": local_rank, "argv": argv, "env": env, "cwd": cwd})
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump({"workers": workers, "store": store}, fh)
+    os.replace(tmp, path)
+
+
+def round_store(handler: object, nodes: int) -> dict | None:
+    """The rendezvous round's store as :func:`record_workers` keeps it, or None when torch's
+    handler does not say (a renamed internal: a node then comes back by a full restart)."""
+    try:
+        run_id = handler._settings.run_id  # type: ignore[attr-defined]
+        round_ = handler._state_holder.state.round  # type: ignore[attr-defined]
+    except AttributeError:
+        return None
+    return {"prefix": f"torch.rendezvous.{run_id}.{round_}", "nodes": int(nodes)}
 
 
 def wait_for_clients(store: object, clients: int, timeout_s: float = EXIT_WAIT_S) -> bool:
@@ -131,6 +195,14 @@ def patched_agent(is_store_host: bool | None) -> Iterator[None]:
             # launch_agent shuts the rendezvous down through this same spec object.
             spec.rdzv_handler = _ClosingInOrder(spec.rdzv_handler, self, is_store_host)
             super().__init__(spec, *args, **kwargs)
+
+        def _start_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's signature
+            pids = super()._start_workers(worker_group)
+            path = os.environ.get(ENV_WORKERS_FILE)
+            if path:
+                handler = getattr(worker_group.spec.rdzv_handler, "_handler", worker_group.spec.rdzv_handler)
+                record_workers(path, dict(pids), round_store(handler, worker_group.group_world_size))
+            return pids
 
         def _monitor_workers(self, worker_group):  # noqa: ANN001, ANN202 - torch's signature
             result = super()._monitor_workers(worker_group)

@@ -27,11 +27,16 @@
 A node dies when its agent is killed by a signal (:meth:`EmulatedCluster.lose_node`
 kills every process in its namespace with SIGKILL, as a machine that loses power).
 The cluster then does what a real one's scheduler does for a failed pod: the node's
-memory (its snapshot directory) is deleted and its agent started again, with the same
-node rank and rendezvous, up to ``--max-restarts`` node restarts per run; the other
-nodes' agents restart their workers and the job goes on at the same size. An agent that
-exits with a code (its restarts spent, a usage error) is not restarted: that is the
-job's failure.
+memory (its snapshot directory) is deleted and the node started again. Under ``--heal``
+a node other than node 0 comes back *healing*, with no agent (:mod:`.node_rejoin`: a new
+agent would rejoin the rendezvous, and torch's agents restart their workers for a node
+waiting to join): its ranks start as replacements that join the survivors' next heal
+generation, their state from the snapshots' peer copy; every other node keeps its
+processes. Otherwise (no healing; node 0, which hosts the rendezvous and heal stores; no
+record of the node's workers) its agent is started again, with the same node rank and
+rendezvous, up to ``--max-restarts`` node restarts per run, and the other nodes' agents
+restart their workers. An agent that exits with a code (its restarts spent, a usage
+error) is not restarted: that is the job's failure.
 
 Ranks of one node share its namespace. Gloo binds every rank to the address of
 ``GLOO_SOCKET_IFNAME``; a connection between two ranks of the same node goes to
@@ -71,6 +76,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -78,14 +84,17 @@ from dataclasses import dataclass, field
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE, set_level
-from .. import safe_signals
+from .. import heal_env, safe_signals
 from ..snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
+from . import node_rejoin
+from .agent import ENV_WORKERS_FILE
 from .api import LaunchOptions, with_run_dir
 from .linkspec import (  # noqa: F401  (re-exported: emulate.parse_rate, ... are its public names too)
     LINK_SYNTAX, MAX_RTT_S, LinkSpec, format_link, format_rate, parse_link, parse_rate, split_link_list, tbf_args,
 )
 from .proc import stop_processes
 from .summary import summary_lines
+from .supervisor import DEFAULT_HEAL_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -219,6 +228,7 @@ class EmulatedCluster:
         self._jobs = 0
         self._forwarder: subprocess.Popen | None = None
         self._links_built: bool | None = None  # None: no node links; else whether the forwarder carries them
+        self._node_heals = 0  # nodes that came back healing in this run (node_rejoin)
 
     # -- building and deleting ---------------------------------------------------
 
@@ -395,6 +405,7 @@ class EmulatedCluster:
         self._created.clear()
         for node in range(self.nodes):
             self.forget_memory(node)
+        shutil.rmtree(os.path.dirname(self.workers_file(0)), ignore_errors=True)
 
     def _kill_netns_pids(self, name: str) -> None:
         # Only processes inside a namespace this object created: ours by construction.
@@ -504,7 +515,13 @@ class EmulatedCluster:
         env["SLIPSTREAM_EMULATED_NODE"] = str(node)
         env["SLIPSTREAM_EMULATED_IFNAME"] = ifname
         env[SNAPSHOT_ENV_ROOT] = self.memory_dir(node)
+        env[ENV_WORKERS_FILE] = self.workers_file(node)
         return env
+
+    def workers_file(self, node: int) -> str:
+        """Where node ``node``'s agent writes down its workers at each start (:mod:`.node_rejoin`
+        starts them again from it); outside the node's memory, which a lost node loses."""
+        return os.path.join(tempfile.gettempdir(), f"slipstream-emulated-{NS_PREFIX}{self.run_id}", f"n{node}.json")
 
     def memory_dir(self, node: int) -> str:
         """Node ``node``'s own host memory for in-memory snapshots (its ``SLIPSTREAM_SNAPSHOT_DIR``).
@@ -560,6 +577,8 @@ class EmulatedCluster:
         ]
         if base.log_level is not None:
             argv += ["--log-level", base.log_level]
+        if _heals(base):
+            argv += ["--heal", "--spares", base.worker_env.get(heal_env.SPARES) or "1"]
         rdzv_conf = getattr(base, "rdzv_conf", None) or {}
         if rdzv_conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())]
@@ -588,18 +607,26 @@ class EmulatedCluster:
         procs: list[subprocess.Popen] = []
         log_file = open(log_path, "ab") if log_path else None
 
-        def start(i: int) -> subprocess.Popen:
+        def start(i: int, argv: list[str] | None = None) -> subprocess.Popen:
             env = self.node_env(i)
             env.update(base.worker_env)
             # All nodes share this machine's cores: split them over every worker.
             env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (self.nodes * procs_per_node))))
             os.makedirs(self.memory_dir(i), mode=0o700, exist_ok=True)
-            return subprocess.Popen(self.exec_argv(i, self.agent_argv(i, base, procs_per_node)),
+            os.makedirs(os.path.dirname(self.workers_file(i)), mode=0o700, exist_ok=True)
+            return subprocess.Popen(self.exec_argv(i, argv or self.agent_argv(i, base, procs_per_node)),
                                     env=env, start_new_session=True, stdout=log_file, stderr=log_file, cwd=cwd)
+
+        def rejoin(i: int) -> subprocess.Popen | None:  # node i back healing; None: it cannot (module docstring)
+            if not _heals(base) or i == 0 or node_rejoin.load(self.workers_file(i)) is None:
+                return None
+            return start(i, [sys.executable, "-m", "slipstream.launch.node_rejoin", self.workers_file(i),
+                             self.rdzv_endpoint])
 
         try:
             procs.extend(start(i) for i in range(self.nodes))
-            return self._wait(procs, timeout_s, failure_grace_s, restart=start, node_restarts=base.max_restarts)
+            return self._wait(procs, timeout_s, failure_grace_s, restart=start, node_restarts=base.max_restarts,
+                              rejoin=rejoin if _heals(base) else None)
         finally:
             # Each agent leads a session of its own (start_new_session): stopping its
             # group reaches its workers too.
@@ -609,21 +636,36 @@ class EmulatedCluster:
                 log_file.close()
 
     def _restart_lost(self, procs: list[subprocess.Popen], codes: list[int | None],
-                      restart: Callable[[int], subprocess.Popen], left: int) -> int:
-        """Start again each node whose agent a signal killed (``codes``: the agents' last poll),
-        while ``left`` node restarts remain; returns how many remain. The node's other processes
-        are killed first (a lost machine keeps none) and its snapshot memory deleted."""
+                      restart: Callable[[int], subprocess.Popen], left: int,
+                      rejoin: Callable[[int], subprocess.Popen | None] | None = None) -> tuple[int, bool]:
+        """Start again each node whose agent (or stand-in) a signal killed (``codes``: the last poll):
+        healing when ``rejoin`` can (:mod:`.node_rejoin`), else by a new agent while ``left`` node
+        restarts remain. Returns (restarts left, whether a node was started). The node's other
+        processes are killed first (a lost machine keeps none) and its snapshot memory deleted."""
+        started = False
         for i, code in enumerate(codes):
-            if code is None or code >= 0 or left <= 0:
+            healing = rejoin is not None and self._node_heals < DEFAULT_HEAL_LIMIT
+            if code is None or code >= 0 or (not healing and left <= 0):
                 continue
-            left -= 1
             self.lose_node(i)
             self._wait_netns_empty(i)
             self.forget_memory(i)
-            log.info(f"slipstream run: node {i} lost (its agent was killed by {signal.Signals(-code).name}); its "
-                     f"memory is gone; starting it again ({left} node restart(s) of --max-restarts left)", extra=CONSOLE)
-            procs[i] = restart(i)
-        return left
+            how = signal.Signals(-code).name
+            back = rejoin(i) if healing and rejoin is not None else None
+            if back is not None:
+                self._node_heals += 1
+                log.info(f"slipstream run: node {i} lost (killed by {how}); its memory is gone; its ranks come back "
+                         "in place as replacements, healing: the other nodes keep their processes", extra=CONSOLE)
+                procs[i], started = back, True
+                continue
+            if left <= 0:
+                continue
+            left -= 1
+            why = " (node 0 hosts the rendezvous and heal stores: it cannot come back healing)" if healing and not i else ""
+            log.info(f"slipstream run: node {i} lost (its agent was killed by {how}); its memory is gone; starting "
+                     f"it again{why} ({left} node restart(s) of --max-restarts left)", extra=CONSOLE)
+            procs[i], started = restart(i), True
+        return left, started
 
     def _wait_netns_empty(self, node: int, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -632,18 +674,21 @@ class EmulatedCluster:
             time.sleep(0.05)
 
     def _wait(self, procs: list[subprocess.Popen], timeout_s: float | None, grace_s: float,
-              restart: Callable[[int], subprocess.Popen] | None = None, node_restarts: int = 0) -> int:
+              restart: Callable[[int], subprocess.Popen] | None = None, node_restarts: int = 0,
+              rejoin: Callable[[int], subprocess.Popen | None] | None = None) -> int:
         started = time.monotonic()
         first_failure: int | None = None
         failed_at: float | None = None
+        self._node_heals = 0
         while True:
             codes = [p.poll() for p in procs]
-            # A node killed by a signal is lost: started again while restarts remain, unless some
-            # node has exited (the job is ending or failed: a new node would wait for gone peers).
-            if (restart is not None and failed_at is None and node_restarts > 0
+            # A node killed by a signal is lost: started again (healing, or while restarts remain), unless
+            # some node has exited (the job is ending or failed: a new node would wait for gone peers).
+            if (restart is not None and failed_at is None and (node_restarts > 0 or rejoin is not None)
                     and any(c is not None and c < 0 for c in codes) and not any(c is not None and c >= 0 for c in codes)):
-                node_restarts = self._restart_lost(procs, codes, restart, node_restarts)
-                continue
+                node_restarts, again = self._restart_lost(procs, codes, restart, node_restarts, rejoin)
+                if again:
+                    continue
             # Record failures before the all-done check: every agent may have
             # exited (some failing) between two polls.
             for c in codes:
@@ -667,6 +712,10 @@ class EmulatedCluster:
                 log.info(f"slipstream run: emulated job ran past {timeout_s:.0f} s; stopping it", extra=CONSOLE)
                 return EXIT_TRAINING_FAILED
             time.sleep(0.1)
+
+
+def _heals(base: LaunchOptions) -> bool:
+    return base.worker_env.get(heal_env.HEAL) == "1"  # --heal: its workers' environment says so
 
 
 class _Terminated(Exception):
