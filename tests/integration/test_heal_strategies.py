@@ -11,6 +11,8 @@ strategy keeps; unit-level, every one: tests/sync/test_heal_rejoin.py):
 * ``bf16``: the direct path (an async all-reduce whose failure reaches DDP through a future);
 * ``auto``: its decision (forced onto PowerSGD: its timings differ run to run) and probed link,
   which the replacement takes from the snapshot instead of probing alone;
+* ``hierarchical+topk``: one node of 2 here, so the node group's reduce-scatter and all-gather
+  (two nodes, the codec's inter-node step: tests/sync/test_heal_rejoin.py);
 * ``diloco``: the outer copy and momentum, each rank's own replica and inner optimizer, the outer
   all-reduce every 3 steps (a kill lands inside a period).
 """
@@ -35,6 +37,7 @@ CASES = {
     "auto": ["--sync", "auto", "--force-auto-codec", "powersgd",
              "--sync-options", json.dumps({"candidates": ["powersgd"], "observe_steps": 2, "verify_steps": 0,
                                            "rank": 1})],
+    "hierarchical+topk": ["--sync", "hierarchical+topk", "--sync-options", json.dumps({"density": 0.25})],
     "diloco": ["--sync", "diloco", "--sync-options", json.dumps({"inner_steps": 3, "outer_momentum": 0.9})],
 }
 
