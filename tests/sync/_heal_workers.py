@@ -118,7 +118,13 @@ def _case(healer, strategy: str, options: dict) -> dict:
         _step(ddp, handle, opt, s)
     got_state = _copy(handle.state_dict())
     handle.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double()
+    lo, hi = flat.clone(), flat.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
     return {
+        "same_on_ranks": bool(torch.equal(lo, hi)),
+        "mode": got_state.get("mode"),
         "bitwise": all(torch.equal(a, b) for a, b in zip(model.parameters(), reference)),
         "state_equal": _tree_equal(got_state, reference_state),
         "decision": handle.decision_summary(),
