@@ -149,6 +149,7 @@ class HookSync:
         # before them (the bucket-order fix after a heal) pass through without communicating.
         self._broken: BaseException | None = None
         self._passthrough = False
+        self._take_saved_link = False  # set by rejoined(): the next load restores auto's link too
         self._set_guard_state()
 
     # -- installation ------------------------------------------------------------------
@@ -295,8 +296,12 @@ class HookSync:
             flat = state.get("flat_choices")
             self.auto.flat_choices = {int(k): v for k, v in flat.items()} if flat else None
             self.auto.hierarchical_off = state.get("hierarchical_off")
-            if state.get("link") is not None:  # older states: the link this run probed at start
+            # Healing in place, every rank goes back to the snapshot's link (a replacement probed
+            # none; a survivor may have re-probed in the failed step). A run started afresh keeps
+            # what it probed at start, on the link it runs on now (so does an older state's load).
+            if state.get("link") is not None and (self._take_saved_link or self.auto.link is None):
                 self.auto.link = link_from_state(state["link"])
+            self._take_saved_link = False
             self.auto.load_window_state(state.get("auto_window"))
         self._load_level(state.get("level"))
         self.fallback_reason = state.get("fallback_reason")
@@ -378,6 +383,7 @@ class HookSync:
         self._open = None
         self._broken = None
         self._passthrough = True  # until the next forward: the bucket-order fix's zeros stay local
+        self._take_saved_link = True
         for codec in self.codecs.values():
             codec.reset_signal()  # the failed step's norms: a step boundary holds none (the guard reset them)
 
