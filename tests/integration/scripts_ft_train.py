@@ -13,6 +13,7 @@ that heal in place (slipstream run --heal) and restarts alike.
 """
 
 import argparse
+import json
 import os
 import signal
 import time
@@ -38,6 +39,10 @@ p.add_argument("--fail-step", type=int, default=5)
 p.add_argument("--step-sleep-s", type=float, default=0.0)
 p.add_argument("--kill-at", default="", metavar="R:S[,R:S]",
                help="SIGKILL rank R at the top of step S, once each (a marker file in OUT), whatever the attempt")
+p.add_argument("--sync", default=None, help="the sync strategy (tests/integration/test_heal_strategies.py)")
+p.add_argument("--sync-options", default=None, help="its options, as JSON")
+p.add_argument("--force-auto-codec", default=None,
+               help="auto's plan forced onto this codec for every bucket (its timings differ run to run)")
 args = p.parse_args()
 
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -62,6 +67,18 @@ if args.mode == "kill-in-save" and inject:
 
     FileSystemWriter.write_data = write_then_die
 
+if args.force_auto_codec:
+    from slipstream.sync import auto as _auto_engine
+
+    _real_decide = _auto_engine.decide
+
+    def _forced(buckets, *a, **k):
+        d = _real_decide(buckets, *a, **k)
+        d.choices = {b.index: args.force_auto_codec for b in buckets}
+        return d
+
+    _auto_engine.decide = _forced
+
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(32, 4))
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -69,6 +86,7 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
 run = slipstream.accelerate(
     model, optimizer, scheduler=scheduler, checkpoint_dir=args.ckpt, checkpoint_every_steps=args.every,
     checkpoint_async=args.async_save, progress=False, log_every_steps=1,
+    sync=args.sync, sync_options=json.loads(args.sync_options) if args.sync_options else None,
 )
 os.makedirs(args.out, exist_ok=True)
 if run.resumed_from_step is not None and rt.rank == 0:
@@ -115,6 +133,7 @@ while run.step_count < args.steps:
 
 run.finish()
 if rt.rank == 0:
-    torch.save({"model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict()},
+    torch.save({"model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict(),
+                "sync_decision": run.sync_state.decision_summary() if run.sync_state is not None else None},
                os.path.join(args.out, "final.pt"))
 slipstream.shutdown(exit_code=0)  # skip interpreter teardown (gloo may abort there)

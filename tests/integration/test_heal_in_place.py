@@ -124,16 +124,3 @@ def test_four_ranks_heal_a_kill_inside_a_checkpoint_save_bitwise(tmp_path):
                                      "--fail-step", "9", every="5")
     _check(healed, ref_out, out, 4, "3:-1")
     _no_leftovers(tmp_path)
-
-
-def test_a_strategy_that_cannot_heal_says_so_and_does_not_arm(tmp_path):
-    # Not armed: a death is passed on to the agent as the signal, whose full restart then runs
-    # (the supervisor's side: tests/launch/test_supervisor.py; the restart: test_fault_tolerance.py).
-    out = tmp_path / "healed"
-    result = launch("--standalone", "-n", "2", "--heal", "--sync", "bf16", SCRIPT, "--out", str(out),
-                    "--ckpt", str(tmp_path / "ckpt"), "--global-batch", "8", "--steps", "2", "--every", "100",
-                    timeout=300)
-    text = result.stdout + result.stderr
-    assert result.returncode == 0, text[-4000:]
-    assert "--heal: sync 'bf16' keeps process groups of its own" in text
-    _no_leftovers(tmp_path)

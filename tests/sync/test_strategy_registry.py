@@ -88,7 +88,7 @@ def test_the_descriptions_answer_as_the_old_name_tests_did(name):
     info = sync.describe(name)
     assert info.fixes_bucket_order == (name != "diloco")          # layout_dp, adopt
     assert info.on_sharded_replicas == (name == "diloco")         # config, layout_mesh
-    assert info.heals_in_place == (name == "allreduce")           # facade's healing
+    assert info.heals_in_place                                     # every built-in strategy heals in place (#43)
     assert (info.kind is SyncKind.REDUCER) == (name == "allreduce")  # config's mesh rule, adopt's hook guard
     assert info.installs_comm_hook == (name != "allreduce")
     assert info.levels == (2 if name.startswith("hierarchical") else 1)
@@ -103,7 +103,7 @@ def test_named_descriptions():
     assert (h_bf16.kind, h_bf16.levels, h_bf16.codec, h_bf16.options) == (SyncKind.HOOK, 2, "bf16", OptionSet.CODEC)
     assert sync.describe("hierarchical").codec == "allreduce"
     assert sync.describe("hierarchical+auto").auto and sync.describe("auto").codec is None
-    assert sync.matching(lambda i: i.heals_in_place) == ("allreduce",)
+    assert sync.matching(lambda i: i.heals_in_place) == tuple(sync._REGISTRY)  # every registered one
 
 
 def test_an_unknown_name_says_which_it_meant():

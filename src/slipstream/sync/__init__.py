@@ -66,7 +66,7 @@ _INFO: dict[str, StrategyInfo] = {}
 def register(name: str, info: StrategyInfo | None = None) -> Callable[[_Strategy], _Strategy]:
     """Register ``fn(ddp_model, **options) -> state`` under ``name``, described by ``info``
     (default: a DDP comm hook that checks its own options, fixes the bucket order, needs DDP
-    and does not heal in place)."""
+    and does not heal in place: slipstream cannot know what it keeps outside its state_dict)."""
     if info is not None and info.name != name:
         raise ValueError(f"strategy {name!r} registered with the description of {info.name!r}")
 
@@ -109,7 +109,7 @@ def matching(question: Callable[[StrategyInfo], bool]) -> tuple[str, ...]:
 
     Example::
 
-        sync.matching(lambda info: info.heals_in_place)     # ('allreduce',)
+        sync.matching(lambda info: info.auto)     # ('auto', 'hierarchical+auto')
     """
     return tuple(n for n, info in _INFO.items() if question(info))
 
@@ -180,6 +180,21 @@ class SyncHandle(Protocol):
 
     def close(self) -> None:
         """Stop background work (the hook engine's ordering thread); idempotent."""
+        ...
+
+    def leave(self) -> None:
+        """Healing in place (:mod:`slipstream.heal`), after the default group failed and was
+        destroyed: stop what runs on the strategy's groups and let go of every one of them, so
+        their sockets close and no peer waits on them. No collective."""
+        ...
+
+    def rejoined(self, group: Any = None) -> None:
+        """Healing in place, once the default group was formed again (a replacement: its first
+        real one): form the strategy's groups again, in the same order on every rank (a
+        collective), and drop what lived only inside the failed step. The state itself then comes
+        back from the snapshot (:meth:`load_state_dict`). ``group``: the group that joins the
+        replicas where it is not the default one (``diloco`` on sharded replicas: the mesh's
+        new ``dp_replicate`` group); None: the default group."""
         ...
 
 
@@ -265,6 +280,12 @@ class AllreduceState:
     def close(self) -> None:
         """Nothing runs in the background."""
 
+    def leave(self) -> None:
+        """No group of its own: DDP's reducer holds the default one (the layout moves it)."""
+
+    def rejoined(self, group: Any = None) -> None:
+        """No group of its own to form again; the step counter comes back with the snapshot."""
+
 
 def _single_rank(ddp_model: DistributedDataParallel) -> bool:
     """One rank: nothing to synchronise, so nothing to compress (a codec would only lose
@@ -277,6 +298,15 @@ def _single_rank(ddp_model: DistributedDataParallel) -> bool:
         return False
     logging.getLogger("slipstream.sync").info("sync: one rank, nothing to synchronise: DDP's reducer left as is")
     return True
+
+
+def _heal_pending() -> bool:
+    """Whether this process replaces a dead rank and has not joined the survivors yet (its default
+    group is a fake one: :mod:`slipstream.heal`)."""
+    from .. import heal
+
+    healer = heal.current()
+    return healer is not None and healer.pending
 
 
 def _model_device(ddp_model: DistributedDataParallel) -> torch.device:
@@ -306,8 +336,9 @@ def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hi
     c = make_codec(codec, **opts.codec_kwargs(codec))
     guard = ConvergenceGuard(**opts.guard_kwargs()) if opts.guard and c.error_feedback else None
     device = _model_device(ddp_model)
-    prober = (lambda: probe_levels(g, device)) if hierarchical else (
-        lambda: probe_link(g.flat, device=device, control=ControlWire(g.control)))
+    # The groups are looked up when a probe runs: after healing in place they are new ones.
+    prober = (lambda: probe_levels(groups(), device)) if hierarchical else (
+        lambda: probe_link(groups().flat, device=device, control=ControlWire(groups().control)))
     return HookSync(name, reducer, {codec: c}, codec, control_group=g.control, guard=guard,
                     options=opts, prober=prober).install(ddp_model)
 
@@ -329,16 +360,17 @@ def _codec_strategy(codec: str) -> _Strategy:
 
 
 for _c in ("bf16", "fp16", "powersgd", "topk", "sign"):
-    register(_c, StrategyInfo(_c, SyncKind.HOOK, codec=_c, options=OptionSet.CODEC))(_codec_strategy(_c))
+    register(_c, StrategyInfo(_c, SyncKind.HOOK, codec=_c, options=OptionSet.CODEC,
+                              heals_in_place=True))(_codec_strategy(_c))
 
 
 @register("hierarchical", StrategyInfo("hierarchical", SyncKind.HOOK, codec="allreduce", levels=2,
-                                      options=OptionSet.CODEC))
+                                      options=OptionSet.CODEC, heals_in_place=True))
 def _hierarchical(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     return _hook_strategy("hierarchical", ddp_model, "allreduce", hierarchical=True, **options)
 
 
-@register("auto", StrategyInfo("auto", SyncKind.HOOK, auto=True, options=OptionSet.AUTO))
+@register("auto", StrategyInfo("auto", SyncKind.HOOK, auto=True, options=OptionSet.AUTO, heals_in_place=True))
 def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **options: Any) -> SyncHandle:
     """Probe the link now; observe ``observe_steps`` uncompressed steps; decide per bucket.
 
@@ -379,28 +411,32 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
     # on each level as on the flat group.
     gradient_bytes = sum(p.numel() * p.element_size() for p in ddp_model.parameters() if p.requires_grad)
     sizes = probe_sizes(gradient_bytes)
+    # The groups are looked up when a probe runs: after healing in place they are new ones.
     if hierarchical:
-        reducer, prober = Hierarchical(g), (lambda: probe_levels(g, device, sizes))
+        reducer, prober = Hierarchical(g), (lambda: probe_levels(groups(), device, sizes))
     elif has_two_levels(g.topology):
         # Both levels exist: build both reducers and probe both; the decision takes the
         # level predicted faster (flat until then: the observed steps run flat).
         reducer = FlatReducer(g.flat)
         levels = {FLAT: reducer, HIERARCHICAL: Hierarchical(g)}
-        prober = lambda: probe_both(g, device, sizes)  # noqa: E731
+        prober = lambda: probe_both(groups(), device, sizes)  # noqa: E731
     else:
-        reducer, prober = FlatReducer(g.flat), flat_prober(g.flat, ControlWire(g.control), device, gradient_bytes)
-    link = prober()
+        reducer = FlatReducer(g.flat)
+        prober = lambda: flat_prober(groups().flat, ControlWire(groups().control), device, gradient_bytes)()  # noqa: E731
+    # A replacement healing in place runs on a fake group until it joins: nothing to measure
+    # there. Its link comes with its predecessor's state (the snapshot every rank goes back to).
+    link = None if _heal_pending() else prober()
     codecs = {c: make_codec(c, **opts.codec_kwargs(c)) for c in opts.auto_candidates}
     guard = ConvergenceGuard(**opts.guard_kwargs()) if opts.guard else None
     state = HookSync(name, reducer, codecs, "allreduce", control_group=g.control, guard=guard,
                      options=opts, auto=True, link=link, prober=prober, levels=levels)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and link is not None:
         logging.getLogger("slipstream.sync").info("sync %s: probed link: %s", name, link.summary())
     return state.install(ddp_model)
 
 
 @register("diloco", StrategyInfo("diloco", SyncKind.OUTER_LOOP, options=OptionSet.DILOCO, fixes_bucket_order=False,
-                                on_sharded_replicas=True))
+                                on_sharded_replicas=True, heals_in_place=True))
 def _diloco(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     """Local steps, and every ``inner_steps`` an outer step (:mod:`.diloco`)."""
     from .diloco import on_ddp
@@ -445,6 +481,6 @@ _ON_REPLICAS: dict[str, Callable[..., SyncHandle]] = {"diloco": _diloco_on_repli
 
 
 @register("hierarchical+auto", StrategyInfo("hierarchical+auto", SyncKind.HOOK, levels=2, auto=True,
-                                           options=OptionSet.AUTO))
+                                           options=OptionSet.AUTO, heals_in_place=True))
 def _hierarchical_auto(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
     return _auto(ddp_model, hierarchical=True, **options)

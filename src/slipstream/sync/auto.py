@@ -185,6 +185,27 @@ class AutoPolicy:
         self._lossy_plan, self._cast_measured = None, None
         self.level, self.flat_choices = FLAT, None
 
+    def window_state(self) -> dict[str, Any]:
+        """A verification under way, as plain data for the sync state (the plan, ``choices``, is
+        saved beside it): its baseline, the plan still to time and the cast plan's figure."""
+        cast = self._cast_measured
+        return {"verify_baseline_s": self._verify_baseline_s, "lossy_plan": self._lossy_plan,
+                "cast_measured": None if cast is None else {"choices": cast[0], "s": cast[1]},
+                "lossy": sorted(self._lossy)}
+
+    def load_window_state(self, state: dict[str, Any] | None) -> None:
+        """Restore :meth:`window_state`'s figures; the measurement windows start again here, on
+        every rank alike: the observed and verified steps' marks were this process's own (a
+        replacement healing in place has none, and its peers' would count the failed step)."""
+        self._observed, self._verify_samples, self._previous = [], [], None
+        state = state or {}
+        self._verify_baseline_s = state.get("verify_baseline_s")
+        plan = state.get("lossy_plan")
+        self._lossy_plan = {int(k): v for k, v in plan.items()} if plan else None
+        cast = state.get("cast_measured")
+        self._cast_measured = ({int(k): v for k, v in cast["choices"].items()}, float(cast["s"])) if cast else None
+        self._lossy = set(state.get("lossy", ()))
+
     def retreat_to_flat(self, reason: str) -> bool:
         """The guard tripped under a plan on the hierarchical level: take the flat level's plan
         of the same decision instead, and the hierarchical level no more this run. False (the

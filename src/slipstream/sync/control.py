@@ -30,7 +30,9 @@ class ControlWire:
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         if group is not None and dist.is_initialized():
             backend = str(dist.get_backend(group))
-            if backend != "gloo":
+            # The fake backend of a replacement healing in place (slipstream.heal) moves nothing
+            # until the replacement joins; its control group is a gloo one from then on.
+            if backend != "gloo" and not _replacement_pending():
                 raise ValueError(f"the control group must be a gloo group (CPU tensors), got backend {backend!r}")
         self.collectives = 0
 
@@ -49,6 +51,13 @@ class ControlWire:
     def agree(self, values: Sequence[float], op: Any = None) -> list[float]:
         """The ``op`` (default sum) over ranks of a list of floats, as floats."""
         return self.allreduce(torch.tensor(list(values), dtype=torch.float64), op).tolist()
+
+
+def _replacement_pending() -> bool:
+    from .. import heal
+
+    healer = heal.current()
+    return healer is not None and healer.pending
 
 
 __all__ = ["ControlWire"]

@@ -394,6 +394,26 @@ class DiLoCo:
         for flight in self.pending.values():
             self._finish(flight)
 
+    def leave(self) -> None:
+        """Healing in place, the group destroyed: an outer all-reduce in flight is dropped, not
+        waited for (its peer is gone; the snapshot's state, loaded next, holds what was reduced
+        by then), and the group is let go so its sockets close."""
+        self.pending = {}
+        self.group = self.wire.group = None
+
+    def rejoined(self, group: Any = None) -> None:
+        """Healing in place: the outer step runs over ``group`` from now on (None: the new default
+        group, the DDP model's; on sharded replicas the mesh's new ``dp_replicate`` group). Its
+        size is the old one's (the same ranks came back). No collective: the schedule, the outer
+        copy and momentum, this rank's parameters and inner-optimizer state come back from the
+        snapshot (:meth:`load_state_dict`)."""
+        group = dist.group.WORLD if group is None else group
+        size = dist.get_world_size(group)
+        if size != self.wire.size:
+            raise ValueError(f"diloco rejoined a group of {size} ranks; it joined {self.wire.size}")
+        self.pending = {}
+        self.group = self.wire.group = group
+
 
 class _InFlight:
     """One fragment's outer all-reduce started at some step and applied at ``due``."""

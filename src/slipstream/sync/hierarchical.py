@@ -37,6 +37,14 @@ class FlatReducer:
     def bytes_sent(self) -> float:
         return self.wire.bytes_sent
 
+    def let_go(self) -> None:
+        """Drop the group (healing in place: it was destroyed); :meth:`regroup` gives the new one."""
+        self.wire.group = None
+
+    def regroup(self, groups: Groups) -> None:
+        """Reduce on ``groups.flat`` from now on (the same ranks: counters kept)."""
+        self.wire.group = groups.flat
+
     def reduce(self, flat: torch.Tensor, codec: Codec, key: Hashable, layout: Layout | None) -> torch.Tensor:
         return codec.reduce(flat, self.wire, key, layout)
 
@@ -53,6 +61,16 @@ class Hierarchical:
     @property
     def bytes_sent(self) -> float:
         return self.intra.bytes_sent + self.inter.bytes_sent
+
+    def let_go(self) -> None:
+        """Drop both groups (healing in place: they were destroyed); :meth:`regroup` gives the new ones."""
+        self.intra.group = self.inter.group = None
+
+    def regroup(self, groups: Groups) -> None:
+        """Reduce on ``groups``' node and peer groups from now on (the same topology: counters kept)."""
+        if groups.topology != self.topology:
+            raise ValueError(f"regroup: topology {groups.topology} is not this reducer's {self.topology}")
+        self.intra.group, self.inter.group = groups.intra, groups.inter
 
     def reduce(self, flat: torch.Tensor, codec: Codec, key: Hashable, layout: Layout | None) -> torch.Tensor:
         k = self.intra.size

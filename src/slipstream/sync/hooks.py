@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -58,7 +59,7 @@ from .modes import Mode
 from .options import SyncOptions
 from .ordering import OrderedQueue
 from .policy import Decision, FlatCost, HierarchicalCost
-from .probe import probe_link
+from .probe import link_from_state, link_state, probe_link
 
 log = logging.getLogger("slipstream.sync")
 
@@ -143,11 +144,18 @@ class HookSync:
         # stream the codecs run on (see _job).
         self._loaded: list[torch.Tensor] = []
         self._loss_scale: Callable[[], torch.Tensor | None] | None = None  # use_loss_scale
+        # Healing in place (leave/rejoined): a collective of this step failed, so the step's later
+        # jobs fail at once instead of touching the broken groups; and backwards with no forward
+        # before them (the bucket-order fix after a heal) pass through without communicating.
+        self._broken: BaseException | None = None
+        self._passthrough = False
+        self._take_saved_link = False  # set by rejoined(): the next load restores auto's link too
         self._set_guard_state()
 
     # -- installation ------------------------------------------------------------------
     def install(self, ddp: DistributedDataParallel) -> HookSync:
         def on_forward(module: Any, args: Any, output: Any) -> None:
+            self._passthrough = False
             self._t_forward_end = self.clock.mark()
 
         params = list(ddp.module.parameters())
@@ -271,6 +279,9 @@ class HookSync:
             "bytes_sent_total": self.bytes_sent_total,
             "codecs": {k: c.state_dict() for k, c in self.codecs.items()},
             "guard": self.guard.state_dict() if self.guard is not None else None,
+            # auto: the probed link every rank decides from, and a verification under way
+            "link": link_state(self.auto.link) if self.auto is not None else None,
+            "auto_window": self.auto.window_state() if self.auto is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -285,6 +296,13 @@ class HookSync:
             flat = state.get("flat_choices")
             self.auto.flat_choices = {int(k): v for k, v in flat.items()} if flat else None
             self.auto.hierarchical_off = state.get("hierarchical_off")
+            # Healing in place, every rank goes back to the snapshot's link (a replacement probed
+            # none; a survivor may have re-probed in the failed step). A run started afresh keeps
+            # what it probed at start, on the link it runs on now (so does an older state's load).
+            if state.get("link") is not None and (self._take_saved_link or self.auto.link is None):
+                self.auto.link = link_from_state(state["link"])
+            self._take_saved_link = False
+            self.auto.load_window_state(state.get("auto_window"))
         self._load_level(state.get("level"))
         self.fallback_reason = state.get("fallback_reason")
         self.ledger.bytes_sent_total = float(state.get("bytes_sent_total", 0.0))
@@ -294,6 +312,8 @@ class HookSync:
                 # written on another device (or loaded to the CPU) is moved here once.
                 self.codecs[k].load_state_dict(_to_device(sd, self.device))
         self._loaded = [t for c in self.codecs.values() for t in c.state_tensors()]
+        for c in self.codecs.values():
+            c.reset_signal()  # a saved step's norms were checked and reset by the guard already
         if self.guard is not None and state.get("guard") is not None:
             self.guard.load_state_dict(state["guard"])
 
@@ -322,6 +342,58 @@ class HookSync:
             self._queued_before += self._queue.jobs_submitted
             self._queue.close()
             self._queue = None
+
+    # -- healing in place (slipstream.heal) -----------------------------------------------------
+    def leave(self) -> None:
+        """The default group failed and was destroyed: stop the ordering thread (a job still queued
+        fails at once, without a collective) and let go of every group this engine holds, the
+        cached ones of :func:`.topology.groups` included, so their sockets close and no peer waits
+        on them. The groups are formed again in :meth:`rejoined`."""
+        if self._broken is None:
+            self._broken = RuntimeError(f"sync {self.name}: the process group was destroyed (healing in place)")
+        self.close()
+        if self._broken.__traceback__ is not None:  # its frames hold the broken group (dist.all_reduce's locals)
+            traceback.clear_frames(self._broken.__traceback__)
+        for reducer in self._reducers():
+            reducer.let_go()
+        self.control = ControlWire(None)
+        if self.auto is not None:
+            self.auto.control = self.control
+        from .topology import forget
+
+        forget()
+
+    def rejoined(self, group: Any = None) -> None:
+        """The default group was formed again (healing in place; a replacement's first real one):
+        the topology's groups are built again, in the same order on every rank (a collective), and
+        every reducer, the control wire and ``auto``'s policy move onto them. The strategy's state
+        is then loaded from the snapshot (:meth:`load_state_dict`); what lives between a step's
+        buckets is dropped here. ``group`` is for the :class:`SyncHandle` signature: the hook
+        engine's groups follow the default group."""
+        from .topology import forget, groups
+
+        self.close()
+        forget()
+        g = groups()
+        for reducer in self._reducers():
+            reducer.regroup(g)
+        self.control = ControlWire(g.control)
+        if self.auto is not None:
+            self.auto.control = self.control
+        self._open = None
+        self._broken = None
+        self._passthrough = True  # until the next forward: the bucket-order fix's zeros stay local
+        self._take_saved_link = True
+        for codec in self.codecs.values():
+            codec.reset_signal()  # the failed step's norms: a step boundary holds none (the guard reset them)
+
+    def _reducers(self) -> list[Reducer]:
+        """Every reducer this engine may use (one, or ``auto``'s two levels), each once."""
+        out: list[Reducer] = [self.reducer]
+        for r in (self.levels or {}).values():
+            if not any(r is o for o in out):
+                out.append(r)
+        return out
 
     def fallback(self, reason: str) -> None:
         """Synchronise uncompressed from the next step on (call on every rank at the same step)."""
@@ -385,6 +457,10 @@ class HookSync:
     def on_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         # The backward's stream reached this point: on GPUs an event, which the comm
         # thread's stream waits for before it touches the bucket.
+        if self._passthrough:  # a backward without a forward after a heal: the bucket-order fix's zeros
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
         now = self.clock.mark()
         if self._open is None:
             self._open = StepRecord(t_backward_start=self._t_forward_end)
@@ -461,6 +537,16 @@ class HookSync:
                 for t in self._loaded:
                     t.record_stream(stream)
         self._loaded = []
+        if self._broken is not None:  # an earlier bucket's collective failed (healing in place): that error
+            raise self._broken
+        try:
+            return self._reduce_job(reducer, index, key, buf, name, layout, step, last)
+        except Exception as exc:
+            self._broken = exc  # the step's later jobs fail with it at once: nothing more on the broken groups
+            raise
+
+    def _reduce_job(self, reducer: Reducer, index: int, key: Hashable, buf: torch.Tensor, name: str,
+                    layout: Layout | None, step: StepRecord, last: bool) -> torch.Tensor:
         t0 = self.clock.mark()
         before = reducer.bytes_sent
         inter = reducer.inter if isinstance(reducer, Hierarchical) else None

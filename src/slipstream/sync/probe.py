@@ -137,3 +137,53 @@ def probe_both(g: Any, device: torch.device | str = "cpu", sizes_bytes: tuple[in
 
     flat = probe_link(g.flat, sizes_bytes=sizes_bytes, device=device, control=ControlWire(g.control))
     return LevelLinks(flat, probe_levels(g, device, sizes_bytes))
+
+
+def link_state(model: Any) -> dict[str, Any] | None:
+    """A probed link model (:class:`~slipstream.link.Link`, :class:`~.policy.FlatCost`,
+    :class:`~.policy.HierarchicalCost`, :class:`~.levels.LevelLinks`) as plain data, for the
+    sync state: a replacement healing in place takes its predecessor's figures instead of
+    probing alone (every rank must decide from the same ones). None stays None.
+
+    Example::
+
+        link_from_state(link_state(link)) == link     # a Link, LevelLinks: equal
+    """
+    from .levels import LevelLinks
+    from .policy import FlatCost, HierarchicalCost
+
+    if model is None:
+        return None
+    if isinstance(model, Link):
+        return {"kind": "link", "bytes_per_s": model.bytes_per_s, "hop_latency_s": model.hop_latency_s,
+                "efficiency": model.efficiency, "fabric": model.fabric, "ranks": model.ranks,
+                "samples": [[int(s), float(t)] for s, t in model.samples]}
+    if isinstance(model, FlatCost):
+        return {"kind": "flat", "link": link_state(model.link), "world_size": model.world_size}
+    if isinstance(model, HierarchicalCost):
+        return {"kind": "hierarchical", "intra": link_state(model.intra), "inter": link_state(model.inter),
+                "local_world_size": model.local_world_size, "num_nodes": model.num_nodes}
+    if isinstance(model, LevelLinks):
+        return {"kind": "levels", "flat": link_state(model.flat), "hierarchical": link_state(model.hierarchical)}
+    raise TypeError(f"not a link model: {type(model).__name__}")
+
+
+def link_from_state(state: dict[str, Any] | None) -> Any:
+    """The link model :func:`link_state` wrote (None stays None)."""
+    from .levels import LevelLinks
+    from .policy import FlatCost, HierarchicalCost
+
+    if state is None:
+        return None
+    kind = state["kind"]
+    if kind == "link":
+        return Link(float(state["bytes_per_s"]), float(state["hop_latency_s"]), float(state["efficiency"]),
+                    str(state["fabric"]), int(state["ranks"]), tuple((int(s), float(t)) for s, t in state["samples"]))
+    if kind == "flat":
+        return FlatCost(link_from_state(state["link"]), int(state["world_size"]))
+    if kind == "hierarchical":
+        return HierarchicalCost(link_from_state(state["intra"]), link_from_state(state["inter"]),
+                                int(state["local_world_size"]), int(state["num_nodes"]))
+    if kind == "levels":
+        return LevelLinks(link_from_state(state["flat"]), link_from_state(state["hierarchical"]))
+    raise ValueError(f"sync state: unknown link kind {kind!r}")

@@ -76,7 +76,10 @@ class StrategyInfo:
     """Whether it can join replicas that FSDP2 shards inside (``dp_shard``) over ``dp_replicate``
     (:func:`slipstream.sync.apply_to_replicas`); every other strategy needs DDP."""
     heals_in_place: bool = False
-    """Whether a run with it can heal in place: only DDP's reducer keeps no process group of its own."""
+    """Whether a run with it can heal in place: its handle forms its groups again after a lost rank
+    (:meth:`slipstream.sync.SyncHandle.leave` / ``rejoined``) and its checkpoint state is all that
+    changes results (a snapshot restores it). Every built-in strategy does; one registered
+    outside slipstream does not, unless its description says so."""
 
     def __post_init__(self) -> None:
         if self.levels not in (1, 2):
@@ -102,7 +105,7 @@ class UnknownStrategy(ConfigError, KeyError):
 def two_level(info: StrategyInfo, codec: str) -> StrategyInfo:
     """``hierarchical+codec``: the two-level form of a codec strategy ``info``."""
     return StrategyInfo(f"{TWO_LEVELS_PREFIX}{codec}", SyncKind.HOOK, codec=codec, levels=2,
-                        options=info.options)
+                        options=info.options, heals_in_place=info.heals_in_place)
 
 
 def split_two_level(name: str) -> str | None:

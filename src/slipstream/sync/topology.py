@@ -139,6 +139,24 @@ def groups(topo: Topology | None = None) -> Groups:
         g = dist.new_group(topo.peer_ranks(local_index), timeout=timeout)
         if local_index == topo.local_rank:
             inter = g
-    control = dist.new_group(list(range(topo.world_size)), backend="gloo", timeout=timeout)
+    control = dist.new_group(list(range(topo.world_size)), backend=_control_backend(), timeout=timeout)
     _CACHE[key] = Groups(topo, flat, intra, inter, control)
     return _CACHE[key]
+
+
+def _control_backend() -> str | None:
+    """gloo; None (the default group's backend) in a replacement healing in place until it joined
+    the survivors: its default group is a fake one there, and a gloo group would wait for peers
+    that are not making it (:meth:`slipstream.heal.Healer.side_group_backend`)."""
+    from .. import heal
+
+    healer = heal.current()
+    return healer.side_group_backend() if healer is not None else "gloo"
+
+
+def forget() -> None:
+    """Drop every cached group (healing in place: the default group they were made under was
+    destroyed). The cache is keyed by the default group's ``id()``, which a new default group
+    may reuse once the old one is freed, so it is cleared, not left to miss. The next
+    :func:`groups` builds them again, a collective in the same order on every rank."""
+    _CACHE.clear()

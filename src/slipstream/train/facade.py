@@ -307,8 +307,8 @@ class Accelerated:
             # step follows the count of steps. Before the checkpoint, which then holds its result.
             try:
                 self.layout.sync.after_optimizer_step()
-            except Exception as exc:  # noqa: BLE001 - an outer all-reduce a peer never joined: the hang report
-                self._raise_diagnosed(exc)  # (no heal: diloco does not heal in place)
+            except Exception as exc:  # noqa: BLE001 - an outer all-reduce a peer never joined: healed, or
+                return self._healed_step(exc)  # the hang report (_heal_or_raise)
         self.recorder.end("optimizer", timing)
         self.step_count += 1
         saved = stop = False
@@ -532,8 +532,8 @@ def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
     if not isinstance(run.layout, DataParallelLayout):
         return "the layout is not plain data parallelism"
     if not sync.describe(run.config.sync.strategy).heals_in_place:
-        healing = " or ".join(repr(n) for n in sync.matching(lambda info: info.heals_in_place))
-        return f"sync {run.config.sync.strategy!r} keeps process groups of its own (only {healing} heals)"
+        return (f"sync {run.config.sync.strategy!r} is registered without heals_in_place: slipstream cannot form "
+                "its process groups again or know what it keeps outside its state_dict")
     if mgr is None:
         return "no checkpoint_dir: there is no snapshot to go back to"
     if mgr.snapshots is None or not mgr.snapshots.enabled:

@@ -132,11 +132,15 @@ class DataParallelLayout:
         """After the broken group was destroyed (healing in place, :meth:`slipstream.heal.Healer.leave`):
         DDP lets go of it for the fake default group, so its sockets close and no peer waits on them."""
         self.model._update_process_group(dist.group.WORLD)
+        if self.sync is not None:
+            self.sync.leave()  # the strategy's own groups (sync.SyncHandle.leave)
 
     def rejoined(self) -> None:
         """After the default group was formed again (healing in place, :mod:`slipstream.heal`):
         DDP moves onto the new group and rebuilds its buckets in the run's order. Collective."""
-        self.model._update_process_group(dist.group.WORLD)  # DDP's own hook for this; no comm hook to move
+        self.model._update_process_group(dist.group.WORLD)  # DDP's own hook for this; the comm hook stays
+        if self.sync is not None:
+            self.sync.rejoined()  # its groups formed again, before the bucket-order fix's backward
         if self._fixes_order:
             fix_bucket_order_again(self.model)
 

@@ -287,6 +287,10 @@ class ErrorFeedback(Codec):
         self._whole_key: dict[Hashable, Hashable] = {}  # unit -> the _whole entry holding it
         self._pending_grad_sq: torch.Tensor | None = None
 
+    def reset_signal(self) -> None:
+        super().reset_signal()
+        self._pending_grad_sq = None  # a call that never reached _store (its step failed) adds nothing
+
     def forget_residuals(self) -> None:
         """Drop every carried residual (other state, e.g. PowerSGD's warm-start factors, stays):
         the next reduce compresses the fresh input alone. ``auto`` uses it to measure how much

@@ -1,0 +1,65 @@
+"""Healing in place with every mechanism of the sync strategies (issue #43 item 2), at 2 ranks.
+
+Each case runs the fault-injection worker under ``slipstream run --heal`` with two SIGKILLs
+(rank 1 at step 3, rank 0 at step 7) beside an uninterrupted reference run with the same
+strategy, and checks what tests/integration/test_heal_in_place.py checks: final parameters and
+optimizer state bitwise equal, the sample ledger, each dead rank replaced in place and no full
+restart, nothing left running. The cases cover the mechanisms (the groups and the state each
+strategy keeps; unit-level, every one: tests/sync/test_heal_rejoin.py):
+
+* ``powersgd``: its Q factors and error-feedback residuals, on the ordering thread;
+* ``bf16``: the direct path (an async all-reduce whose failure reaches DDP through a future);
+* ``auto``: its decision (forced onto PowerSGD: its timings differ run to run) and probed link,
+  which the replacement takes from the snapshot instead of probing alone;
+* ``hierarchical+topk``: one node of 2 here, so the node group's reduce-scatter and all-gather
+  (two nodes, the codec's inter-node step: tests/sync/test_heal_rejoin.py);
+* ``diloco``: the outer copy and momentum, each rank's own replica and inner optimizer, the outer
+  all-reduce every 3 steps (a kill lands inside a period).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integration.test_fault_tolerance import SCRIPT, launch
+from tests.integration.test_heal_in_place import REPO, STEPS, _check, _no_leftovers
+
+KILLS = "1:3,0:7"
+
+CASES = {
+    "powersgd": ["--sync", "powersgd", "--sync-options", json.dumps({"rank": 1})],
+    "bf16": ["--sync", "bf16"],
+    "auto": ["--sync", "auto", "--force-auto-codec", "powersgd",
+             "--sync-options", json.dumps({"candidates": ["powersgd"], "observe_steps": 2, "verify_steps": 0,
+                                           "rank": 1})],
+    "hierarchical+topk": ["--sync", "hierarchical+topk", "--sync-options", json.dumps({"density": 0.25})],
+    "diloco": ["--sync", "diloco", "--sync-options", json.dumps({"inner_steps": 3, "outer_momentum": 0.9})],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_heal_with_the_strategy_bitwise(tmp_path, case):
+    ref_out, out = tmp_path / "ref", tmp_path / "healed"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    common = ["--global-batch", "8", "--steps", str(STEPS), "--every", "100", *CASES[case]]
+    reference = subprocess.Popen(
+        [sys.executable, "-m", "slipstream", "run", "--standalone", "-n", "2", SCRIPT, "--out", str(ref_out),
+         "--ckpt", str(tmp_path / "ref_ckpt"), *common],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    healed = launch("--standalone", "-n", "2", "--heal", SCRIPT, "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
+                    "--kill-at", KILLS, *common, env={"SLIPSTREAM_HEAL_PID_DIR": str(pids)}, timeout=300)
+    ref_log, _ = reference.communicate(timeout=300)
+    assert reference.returncode == 0, ref_log[-3000:]
+    text = healed.stdout + healed.stderr
+    assert "--heal:" not in text, text[-4000:]  # no refusal: the strategy heals
+    _check(healed, ref_out, out, 2, KILLS)
+    _no_leftovers(tmp_path)
+    if case == "auto":  # the forced plan ran to the end in both (and came back with each heal's snapshot)
+        for run_out in (ref_out, out):
+            assert torch.load(run_out / "final.pt", weights_only=True)["sync_decision"] == "powersgd:1", run_out

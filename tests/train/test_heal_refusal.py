@@ -1,0 +1,35 @@
+"""Which runs heal in place: every built-in sync strategy does; one registered without
+``heals_in_place`` is refused in one line that says why (facade._heal_refusal)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from slipstream import sync
+from slipstream.train import facade
+from slipstream.train.layout_dp import DataParallelLayout
+
+
+def _run(strategy: str) -> SimpleNamespace:
+    """What _heal_refusal reads of a run: a data-parallel layout, the strategy, snapshots on."""
+    return SimpleNamespace(
+        layout=object.__new__(DataParallelLayout), describe_layout=lambda: "pp(1) x dp_replicate(2)",
+        config=SimpleNamespace(sync=SimpleNamespace(strategy=strategy)),
+        checkpoints=SimpleNamespace(snapshots=SimpleNamespace(enabled=True, peer=None)),
+    )
+
+
+@pytest.mark.parametrize("strategy", sync.available())
+def test_every_built_in_strategy_heals_in_place(strategy):
+    assert facade._heal_refusal(_run(strategy), plain=True) is None
+
+
+def test_a_strategy_registered_without_heals_in_place_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(sync, "_REGISTRY", dict(sync._REGISTRY))
+    monkeypatch.setattr(sync, "_INFO", dict(sync._INFO))
+    sync.register("mine")(lambda ddp_model, **options: None)
+    why = facade._heal_refusal(_run("mine"), plain=True)
+    assert why is not None and "\n" not in why
+    assert why.startswith("sync 'mine' is registered without heals_in_place: ")
