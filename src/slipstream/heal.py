@@ -259,11 +259,11 @@ class Healer:
                 else:
                     now = time.monotonic()
                     if now >= next_look and now - waiting_since > self.timeout.total_seconds():
-                        self._evict_hung(generation, now - waiting_since)
+                        self._evict_hung(generation)
                         next_look = now + _EVICT_LOOK_S
                     time.sleep(_POLL_S)
 
-    def _evict_hung(self, generation: int, waited_s: float) -> None:
+    def _evict_hung(self, generation: int) -> None:
         """Kill the ranks that hang: still in an older generation (they neither left its group nor
         died) one collective timeout after this rank began waiting for ``generation``. A hung rank
         (SIGSTOPped, deadlocked) never fails a collective itself, so it would never come, and the
@@ -282,12 +282,9 @@ class Healer:
                 continue  # left (it fails over to the protocol by itself), or a replacement on its way
             if self.store.add(self._key(f"{generation}/evict{r}"), 1) != 1:
                 continue  # another rank asked already
-            pid = self.store.get(self._key(f"rank{r}/pid")).decode()
-            self.store.set(self._key(f"rank{r}/evict"), pid)
-            print(f"[slipstream] rank {r} (pid {pid}) hangs: it has not left generation {what.rsplit(' ', 1)[1]} "
-                  f"{waited_s:.1f} s after rank {self.rank} began forming generation {generation} (the collective "
-                  f"timeout is {self.timeout.total_seconds():g} s); its supervisor kills it and replaces it in place",
-                  flush=True)
+            # No line here: a rank that died and whose replacement is slow looks the same from
+            # the store; the spare says so when it finds the process alive and kills it.
+            self.store.set(self._key(f"rank{r}/evict"), self.store.get(self._key(f"rank{r}/pid")))
 
     def _timeout_message(self, generation: int, joined: int) -> str:
         """Which ranks did not join ``generation`` and where each was last seen."""
@@ -339,6 +336,9 @@ def watch_for_eviction(environ: Mapping[str, str], stop: threading.Event) -> thr
                 pid = int(store.get(key).decode())
                 store.delete_key(key)
                 if pid != os.getpid() and _parent_of(pid) == supervisor:
+                    print(f"[slipstream] rank {environ['RANK']}: the training process (pid {pid}) hangs: it never "
+                          "left the group whose collective timed out on the others; killing it, so it is replaced "
+                          "in place", flush=True)
                     os.kill(pid, signal.SIGKILL)
         except (OSError, RuntimeError, ValueError):  # the store went (the job ends): nothing to watch
             return
