@@ -156,5 +156,7 @@ def default_comm_hook(chaos: Chaos, ddp: Any) -> None:
     default reduction, written in Python) with the fault. Its state None: it reduces over the
     default group of the moment, so it follows a heal's new group."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
 
-    ddp.register_comm_hook(None, allreduce_hook)
+    if isinstance(ddp, DistributedDataParallel):  # FSDP2 has no comm hook: the phase does not apply there
+        ddp.register_comm_hook(None, allreduce_hook)
