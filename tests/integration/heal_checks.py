@@ -72,7 +72,9 @@ def check(healed: subprocess.CompletedProcess, ref_out: Path, out: Path, nproc: 
         assert (out / marker).exists(), f"{marker}: the fault never fired\n{text[-4000:]}"
     # Each dead rank was replaced in place by its supervisor, and every survivor healed.
     assert text.count("replacing it in place") == faults, text[-4000:]
-    assert "healed in place" in text
+    # Rank 0's survivor line; where rank 0 itself died while the group formed again, no survivor
+    # of that heal is left to say it, and the replacements' resume line stands for it.
+    assert "healed in place" in text or "resumed from an in-memory snapshot" in text, text[-4000:]
     assert "Sending process" not in text and "attempt 1" not in text.lower(), text[-4000:]  # no full restart
     # Bitwise: parameters and optimizer state.
     ref = torch.load(ref_out / "final.pt", weights_only=True)
