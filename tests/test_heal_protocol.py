@@ -215,7 +215,7 @@ def test_the_spare_kills_its_supervisors_hung_child_and_nothing_else(store, monk
         assert stranger.poll() is None and hung.poll() is None
         store.set("slipstream/heal/attempt0/rank1/evict", str(hung.pid))
         assert hung.wait(timeout=10) == -9
-        assert f"rank 1: the training process (pid {hung.pid}) hangs" in capsys.readouterr().out
+        assert f"rank 1: the training process (pid {hung.pid}) hangs" in capsys.readouterr().err
     finally:
         stop.set()
         for proc in (hung, stranger):

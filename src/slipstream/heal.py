@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
 import signal
 import threading
@@ -59,6 +60,7 @@ import torch.distributed as dist
 
 from . import heal_env
 from .errors import ConfigError, TrainingFailed
+from .log import CONSOLE
 from .snapshot_dirs import restart_count
 
 ENV_HEAL = heal_env.HEAL
@@ -72,6 +74,7 @@ _EVICT_LOOK_S = 0.5  # how often a waiting rank looks for a hung one (a few stor
 _WATCH_POLL_S = 0.2  # how often a warm spare looks for an eviction of its rank
 
 _CURRENT: "Healer | None" = None
+log = logging.getLogger(__name__)
 
 
 def requested(environ: Mapping[str, str] | None = None) -> bool:
@@ -336,9 +339,9 @@ def watch_for_eviction(environ: Mapping[str, str], stop: threading.Event) -> thr
                 pid = int(store.get(key).decode())
                 store.delete_key(key)
                 if pid != os.getpid() and _parent_of(pid) == supervisor:
-                    print(f"[slipstream] rank {environ['RANK']}: the training process (pid {pid}) hangs: it never "
-                          "left the group whose collective timed out on the others; killing it, so it is replaced "
-                          "in place", flush=True)
+                    log.info(f"[slipstream] rank {environ['RANK']}: the training process (pid {pid}) hangs: it "
+                             "never left the group whose collective timed out on the others; killing it, so it is "
+                             "replaced in place", extra=CONSOLE)
                     os.kill(pid, signal.SIGKILL)
         except (OSError, RuntimeError, ValueError):  # the store went (the job ends): nothing to watch
             return
