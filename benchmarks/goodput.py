@@ -240,6 +240,9 @@ def main() -> None:
                    help=f"comma-separated, of {', '.join(MODES)} (default heal,disk,torchft)")
     p.add_argument("--json", default=None, help="also write the rows here")
     args = p.parse_args()
+    # A SIGTERM (timeout, CI) unwinds through run_once's finally, which kills the run's process group
+    # (without this a timed-out benchmark left its `slipstream run` training on).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - set(MODES):
         p.error(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
