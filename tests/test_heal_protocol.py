@@ -8,6 +8,9 @@ survivors and replacements always meet in one generation, whoever comes first.
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -36,8 +39,8 @@ class RecordingHealer(heal.Healer):
             self._left, self.generation = self.generation, None
 
 
-def make(store, rank, world, formed, replacement=False, timeout_s=20.0) -> RecordingHealer:
-    h = RecordingHealer(store, "t", rank, world, "gloo", datetime.timedelta(seconds=30),
+def make(store, rank, world, formed, replacement=False, timeout_s=20.0, collective_timeout_s=30.0) -> RecordingHealer:
+    h = RecordingHealer(store, "t", rank, world, "gloo", datetime.timedelta(seconds=collective_timeout_s),
                         replacement=replacement, join_timeout_s=timeout_s)
     h.formed = formed
     return h
@@ -163,3 +166,63 @@ def test_a_replacement_that_never_reaches_accelerate_is_named(store):
     make(store, 1, 2, formed, replacement=True).form()  # started, still in the script
     with pytest.raises(TrainingFailed, match="rank 1 last said 'a replacement, running the script up to accelerate"):
         first[0].rejoin()
+
+
+def test_a_rank_that_hangs_in_the_failed_generation_is_evicted(store):
+    # Rank 1 is SIGSTOPped: it never fails its collective, never leaves generation 0. One
+    # collective timeout after rank 0 began forming generation 1, rank 0 asks rank 1's
+    # supervisor (through the store) to kill the process rank 1 recorded, once.
+    formed: dict[int, list[int]] = {}
+    first = [make(store, r, 2, formed, timeout_s=1.0, collective_timeout_s=0.2) for r in range(2)]
+    form_all(first)
+    with pytest.raises(TrainingFailed):  # nothing replaces it here: the join still times out
+        first[0].rejoin()
+    assert store.get("t/rank1/evict").decode() == str(os.getpid())
+
+
+def test_a_rank_that_left_or_is_replaced_is_not_evicted(store):
+    formed: dict[int, list[int]] = {}
+    first = [make(store, r, 3, formed, timeout_s=1.0, collective_timeout_s=0.2) for r in range(3)]
+    form_all(first)
+    first[1]._note("left generation 0")  # failed its collective too, on its way to the protocol
+    make(store, 2, 3, formed, replacement=True).form()  # a replacement still in the script
+    with pytest.raises(TrainingFailed):
+        first[0].rejoin()
+    assert not store.check(["t/rank1/evict"]) and not store.check(["t/rank2/evict"])
+
+
+def test_the_spare_kills_its_supervisors_hung_child_and_nothing_else(store, monkeypatch, capsys):
+    # This test process plays the supervisor: the watcher kills a pid only when its parent is the
+    # spare's parent (a pid from the store may be another node's).
+    monkeypatch.setattr(heal.os, "getppid", os.getpid)
+    host, port = "127.0.0.1", store.port
+    env = {heal.heal_env.STORE: f"{host}:{port}", "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    stranger = subprocess.Popen([sys.executable, "-c", "import os, signal, subprocess, sys; "
+                                 "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                                 "print(p.pid, flush=True); p.wait()"], stdout=subprocess.PIPE, text=True)
+    grandchild = int(stranger.stdout.readline())  # not the supervisor's child
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stop = threading.Event()
+    try:
+        watcher = heal.watch_for_eviction(env, stop)
+        assert watcher is not None
+        store.set("slipstream/heal/attempt0/rank1/evict", str(grandchild))
+        store.set("slipstream/heal/attempt0/rank0/evict", str(hung.pid))  # another rank's: not this spare's
+        deadline = 50
+        while store.check(["slipstream/heal/attempt0/rank1/evict"]) and deadline:  # consumed, not acted on
+            stop.wait(0.1)
+            deadline -= 1
+        assert stranger.poll() is None and hung.poll() is None
+        store.set("slipstream/heal/attempt0/rank1/evict", str(hung.pid))
+        assert hung.wait(timeout=10) == -9
+        assert f"rank 1: the training process (pid {hung.pid}) hangs" in capsys.readouterr().err
+    finally:
+        stop.set()
+        for proc in (hung, stranger):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        try:
+            os.kill(grandchild, 9)
+        except ProcessLookupError:
+            pass

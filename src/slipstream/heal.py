@@ -48,7 +48,10 @@ from __future__ import annotations
 
 import datetime
 import gc
+import logging
 import os
+import signal
+import threading
 import time
 from collections.abc import Mapping
 
@@ -57,6 +60,8 @@ import torch.distributed as dist
 
 from . import heal_env
 from .errors import ConfigError, TrainingFailed
+from .log import CONSOLE
+from .snapshot_dirs import restart_count
 
 ENV_HEAL = heal_env.HEAL
 ENV_REPLACEMENT = heal_env.REPLACEMENT
@@ -65,8 +70,11 @@ ENV_JOIN_TIMEOUT = heal_env.JOIN_TIMEOUT
 DEFAULT_JOIN_TIMEOUT_S = 120.0
 _FAKE_BACKEND = "slipstream_replay"
 _POLL_S = 0.005
+_EVICT_LOOK_S = 0.5  # how often a waiting rank looks for a hung one (a few store reads per rank)
+_WATCH_POLL_S = 0.2  # how often a warm spare looks for an eviction of its rank
 
 _CURRENT: "Healer | None" = None
+log = logging.getLogger(__name__)
 
 
 def requested(environ: Mapping[str, str] | None = None) -> bool:
@@ -134,6 +142,8 @@ class Healer:
         """The first default group: generation 0 for a rank of the first start, the fake group
         for a replacement (which joins the survivors later, in :meth:`rejoin`)."""
         global _CURRENT
+        # Which process is this rank's now: a hung one is killed by that pid (see _evict_hung).
+        self.store.set(self._key(f"rank{self.rank}/pid"), str(os.getpid()))
         if self.replacement:
             self._note("a replacement, running the script up to accelerate()")
             self._init_fake_group()
@@ -150,6 +160,7 @@ class Healer:
         if self.pending:
             return
         self._left = self.generation
+        self._note(f"left generation {self.generation}")
         if self.backend == "nccl":
             # A NCCL collective that lost its peer never returns: abort it (and every group) first.
             dist.distributed_c10d._abort_process_group()
@@ -228,6 +239,7 @@ class Healer:
         that imports slowly) is never taken for a lost rank."""
         deadline = time.monotonic() + self.join_timeout_s
         while True:
+            waiting_since = next_look = time.monotonic()
             self.store.add(self._key(f"{generation}/joined"), 1)
             self.store.set(self._key(f"{generation}/rank{self.rank}"), "joined")
             self._note(f"joined generation {generation}")
@@ -248,7 +260,34 @@ class Healer:
                 elif time.monotonic() > deadline:
                     raise TrainingFailed(self._timeout_message(generation, joined))
                 else:
+                    now = time.monotonic()
+                    if now >= next_look and now - waiting_since > self.timeout.total_seconds():
+                        self._evict_hung(generation)
+                        next_look = now + _EVICT_LOOK_S
                     time.sleep(_POLL_S)
+
+    def _evict_hung(self, generation: int) -> None:
+        """Kill the ranks that hang: still in an older generation (they neither left its group nor
+        died) one collective timeout after this rank began waiting for ``generation``. A hung rank
+        (SIGSTOPped, deadlocked) never fails a collective itself, so it would never come, and the
+        join would time out into a full restart. The others cannot form a group without it (the
+        world size is fixed), so they do not evict it from the group: its own supervisor kills it
+        (the pid it recorded; the supervisor's warm spare watches the store for this, see
+        :func:`watch_for_eviction`), and its replacement then joins like any dead rank's."""
+        for r in range(self.world_size):
+            if r == self.rank or self.store.check([self._key(f"{generation}/rank{r}")]):
+                continue
+            state_key = self._key(f"rank{r}/state")
+            if not self.store.check([state_key]):
+                continue
+            _stamp, _, what = self.store.get(state_key).decode().partition(" ")
+            if not what.startswith("joined generation ") or int(what.rsplit(" ", 1)[1]) >= generation:
+                continue  # left (it fails over to the protocol by itself), or a replacement on its way
+            if self.store.add(self._key(f"{generation}/evict{r}"), 1) != 1:
+                continue  # another rank asked already
+            # No line here: a rank that died and whose replacement is slow looks the same from
+            # the store; the spare says so when it finds the process alive and kills it.
+            self.store.set(self._key(f"rank{r}/evict"), self.store.get(self._key(f"rank{r}/pid")))
 
     def _timeout_message(self, generation: int, joined: int) -> str:
         """Which ranks did not join ``generation`` and where each was last seen."""
@@ -276,6 +315,48 @@ class Healer:
         except RuntimeError as exc:
             raise TrainingFailed(f"rank {self.rank}: the process group of generation {generation} failed to "
                                  f"form: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
+
+
+def watch_for_eviction(environ: Mapping[str, str], stop: threading.Event) -> threading.Thread | None:
+    """In a warm spare (:mod:`slipstream.launch.spare`): a thread that kills this rank's hung
+    training process when the others ask for it (:meth:`Healer._evict_hung`), until ``stop``.
+    Only a process of this spare's own supervisor is killed (its parent's child: the pid came
+    through the store, from another node perhaps); its supervisor then replaces it in place with
+    this spare, as after any death. The spare is the watcher because it has torch (the store
+    client) and is idle; the supervisor stays torch-free. None without a heal store."""
+    if not environ.get(heal_env.STORE) or "RANK" not in environ:
+        return None
+    host, _, port = environ[heal_env.STORE].rpartition(":")
+    key = f"slipstream/heal/attempt{restart_count(environ)}/rank{environ['RANK']}/evict"
+    supervisor = os.getppid()
+
+    def watch() -> None:
+        try:
+            store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+            while not stop.wait(_WATCH_POLL_S):
+                if not store.check([key]):
+                    continue
+                pid = int(store.get(key).decode())
+                store.delete_key(key)
+                if pid != os.getpid() and _parent_of(pid) == supervisor:
+                    log.info(f"[slipstream] rank {environ['RANK']}: the training process (pid {pid}) hangs: it "
+                             "never left the group whose collective timed out on the others; killing it, so it is "
+                             "replaced in place", extra=CONSOLE)
+                    os.kill(pid, signal.SIGKILL)
+        except (OSError, RuntimeError, ValueError):  # the store went (the job ends): nothing to watch
+            return
+
+    thread = threading.Thread(target=watch, name="slipstream-evict-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rpartition(")")[2].split()[1])  # after "pid (comm)": state, ppid
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def from_env(rank: int, world_size: int, backend: str, timeout: datetime.timedelta, attempt: int,

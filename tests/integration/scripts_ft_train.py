@@ -43,7 +43,18 @@ p.add_argument("--sync", default=None, help="the sync strategy (tests/integratio
 p.add_argument("--sync-options", default=None, help="its options, as JSON")
 p.add_argument("--force-auto-codec", default=None,
                help="auto's plan forced onto this codec for every bucket (its timings differ run to run)")
+p.add_argument("--chaos", default="", metavar="R:S:PHASE[:SIG][,...]",
+               help="SIG (KILL or STOP) to rank R inside PHASE of step S, once each (scripts_chaos.py)")
+p.add_argument("--wrap-comm-hook", action="store_true",
+               help="run DDP's reduction through a Python comm hook (the comm-hook phase; give it to the reference too)")
 args = p.parse_args()
+
+import scripts_chaos  # noqa: E402 - this script's folder is on sys.path
+
+chaos = scripts_chaos.Chaos(args.chaos, args.out, int(os.environ.get("RANK", "0")))
+os.makedirs(args.out, exist_ok=True)
+chaos.install_early()
+hooks = scripts_chaos.wrap_comm_hooks(chaos) if args.wrap_comm_hook else None
 
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 rt = slipstream.init()
@@ -82,13 +93,16 @@ if args.force_auto_codec:
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(32, 4))
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+chaos.install_on_model(model)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
 run = slipstream.accelerate(
     model, optimizer, scheduler=scheduler, checkpoint_dir=args.ckpt, checkpoint_every_steps=args.every,
     checkpoint_async=args.async_save, progress=False, log_every_steps=1,
     sync=args.sync, sync_options=json.loads(args.sync_options) if args.sync_options else None,
 )
-os.makedirs(args.out, exist_ok=True)
+chaos.install_on_run(run)
+if hooks == []:  # no strategy hook: DDP's reduction through torch's Python one
+    scripts_chaos.default_comm_hook(chaos, run.model)
 if run.resumed_from_step is not None and rt.rank == 0:
     torch.save({"step": run.resumed_from_step, "model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict()},
                os.path.join(args.out, f"resumed_{attempt}.pt"))
@@ -98,6 +112,7 @@ B = G // W
 
 
 def sample(i: int):
+    chaos.point("data")
     g = torch.Generator().manual_seed(i)
     return torch.randn(8, generator=g), i % 4
 
@@ -105,7 +120,7 @@ def sample(i: int):
 log = open(os.path.join(args.out, f"ids_rank{rt.rank}.log"), "a")
 kills = set(filter(None, args.kill_at.split(",")))
 while run.step_count < args.steps:
-    step = run.step_count
+    step = chaos.step = run.step_count
     if f"{rt.rank}:{step}" in kills and not os.path.exists(os.path.join(args.out, f"killed_{rt.rank}_{step}")):
         open(os.path.join(args.out, f"killed_{rt.rank}_{step}"), "w").close()
         os.kill(os.getpid(), signal.SIGKILL)

@@ -15,90 +15,27 @@ beside an uninterrupted reference run, and checks:
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-import torch
-
+from tests.integration.heal_checks import check, no_leftovers, run_pair
 from tests.integration.test_fault_tolerance import SCRIPT, launch
 
-REPO = Path(__file__).resolve().parent.parent.parent
 STEPS = 14
 
 
-def _ledger(out: Path, rank: int) -> list[tuple[int, int, int, int]]:
-    lines = (out / f"ids_rank{rank}.log").read_text().split("\n")
-    return [tuple(map(int, line.split())) for line in lines if line.strip()]  # type: ignore[misc]
+def _run_pair(tmp_path: Path, nproc: int, kills: str, *fault: str, every: str = "100"):
+    return run_pair(tmp_path, nproc, STEPS, [*(["--kill-at", kills] if kills else []), *fault],
+                    common=["--every", every])
 
 
-def _last_per_step(rows: list[tuple[int, int, int, int]]) -> dict[int, tuple[int, int]]:
-    last: dict[int, tuple[int, int]] = {}
-    for step, _world, first, final in rows:
-        last[step] = (first, final)
-    return last
-
-
-def _run_pair(tmp_path: Path, nproc: int, kills: str, *fault: str,
-              every: str = "100") -> tuple[subprocess.CompletedProcess, Path, Path]:
-    ref_out, out = tmp_path / "ref", tmp_path / "healed"
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    common = ["--global-batch", "8", "--steps", str(STEPS), "--every", every]
-    reference = subprocess.Popen(
-        [sys.executable, "-m", "slipstream", "run", "--standalone", "-n", str(nproc), SCRIPT, "--out", str(ref_out),
-         "--ckpt", str(tmp_path / "ref_ckpt"), *common],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    healed = launch("--standalone", "-n", str(nproc), "--heal", SCRIPT, "--out", str(out), "--ckpt",
-                    str(tmp_path / "ckpt"), *(["--kill-at", kills] if kills else []), *fault, *common,
-                    env={"SLIPSTREAM_HEAL_PID_DIR": str(pids)}, timeout=300)
-    ref_log, _ = reference.communicate(timeout=300)
-    assert reference.returncode == 0, ref_log[-3000:]
-    return healed, ref_out, out
-
-
-def _check(healed: subprocess.CompletedProcess, ref_out: Path, out: Path, nproc: int, kills: str) -> None:
-    text = healed.stdout + healed.stderr
-    assert healed.returncode == 0, text[-4000:]
+def _check(healed, ref_out: Path, out: Path, nproc: int, kills: str) -> None:
     killed = [tuple(map(int, k.split(":"))) for k in kills.split(",")]
-    marked = [k for k in killed if k[1] >= 0]  # step -1: a kill inside a save (no marker file)
-    # Each dead rank was replaced in place by its supervisor, and every survivor healed.
-    assert text.count("replacing it in place") == len(killed), text[-4000:]
-    assert "healed in place" in text
-    assert "Sending process" not in text and "attempt 1" not in text.lower(), text[-4000:]  # no full restart
-    # Bitwise: parameters and optimizer state.
-    ref = torch.load(ref_out / "final.pt", weights_only=True)
-    got = torch.load(out / "final.pt", weights_only=True)
-    for name, tensor in ref["model"].items():
-        assert torch.equal(tensor, got["model"][name]), name
-    for pid, state in ref["optimizer"]["state"].items():
-        for key, value in state.items():
-            other = got["optimizer"]["state"][pid][key]
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (pid, key)
-    # The sample ledger: the last run of every step used the reference's samples.
-    for rank in range(nproc):
-        expected = _last_per_step(_ledger(ref_out, rank))
-        rows = _ledger(out, rank)
-        assert _last_per_step(rows) == expected, rank
-        assert sorted(expected) == list(range(STEPS))
-        # At most one step redone per kill (a dropped micro-step counts as one line too).
-        assert len(rows) - STEPS <= len(killed), (rank, rows)
-    for rank, step in marked:
-        assert (out / f"killed_{rank}_{step}").exists()
+    # step -1: a kill inside a save (no marker file)
+    check(healed, ref_out, out, nproc, STEPS, len(killed),
+          markers=[f"killed_{rank}_{step}" for rank, step in killed if step >= 0])
 
 
-def _no_leftovers(tmp_path: Path) -> None:
-    left = subprocess.run(["pgrep", "-f", str(tmp_path / "healed")], capture_output=True, text=True).stdout.split()
-    assert not left, f"processes left behind: {left}"
-    spares = subprocess.run(["pgrep", "-f", "slipstream.launch.spare"], capture_output=True, text=True).stdout.split()
-    mine = []
-    for pid in spares:
-        try:
-            if str(tmp_path) in Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace"):
-                mine.append(pid)
-        except OSError:  # ended meanwhile
-            pass
-    assert not mine, f"spares left behind: {mine}"
+_no_leftovers = no_leftovers
 
 
 def test_two_ranks_heal_three_kills_bitwise(tmp_path):

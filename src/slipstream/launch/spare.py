@@ -6,7 +6,9 @@ modules (the seconds a replacement would otherwise spend at the failure), then b
 on stdin for one line of JSON: ``{"argv": [...], "replacement": bool}``. It then runs
 the script as the worker entry does (:func:`slipstream.launch.worker.main`), as a
 replacement when told so (:mod:`slipstream.heal`). An end of input without a line (the
-supervisor stopping) ends it quietly.
+supervisor stopping) ends it quietly. While it waits it also watches the heal store for an
+eviction of its rank (:func:`slipstream.heal.watch_for_eviction`): the others found that rank's
+training process hung, and the spare kills it, so the supervisor replaces it.
 
 Example::
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 
 def main() -> None:
@@ -31,8 +34,14 @@ def main() -> None:
 
     import slipstream.data  # noqa: F401 - the loader and datasets
     import slipstream.train  # noqa: F401 - accelerate() and the checkpoint package
+    from slipstream import heal
 
+    # While it waits, the spare kills its rank's training process if that one hangs (the
+    # others found it so: slipstream.heal's eviction); the supervisor then hands over to it.
+    stop_watching = threading.Event()
+    heal.watch_for_eviction(os.environ, stop_watching)
     line = sys.stdin.readline()
+    stop_watching.set()
     if not line.strip():
         return
     order = json.loads(line)
