@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from slipstream.launch import LaunchOptions, emulate
-from slipstream.launch.emulate import EmulatedCluster, list_namespaces, run_emulated
+from slipstream.launch.emulate import EmulatedCluster, list_namespaces
+from slipstream.launch.emulate_job import run_emulated
 from tests.conftest import require_root
 
 pytestmark = pytest.mark.root

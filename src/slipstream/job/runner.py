@@ -12,7 +12,7 @@ path as a cluster run):
   processes run on CPU (gloo); with too few, NCCL is refused (one GPU per
   process) and gloo shares them on purpose (``--backend gloo --device cuda``,
   or SLIPSTREAM_BACKEND/SLIPSTREAM_DEVICE in the spec's ``env``).
-* ``--emulate`` hands the same shape to ``slipstream.launch.emulate.run_emulated``
+* ``--emulate`` hands the same shape to ``slipstream.launch.emulate_job.run_emulated``
   (one network namespace per replica, shaped links).
 * Training options reach the workers as SLIPSTREAM_* variables; ``--sync``,
   ``--precision`` and the other training flags of ``slipstream run`` override
@@ -333,7 +333,7 @@ def parse_emulate(value: str | bool | None, spec: JobSpec) -> None:
 def _run_emulated(spec: JobSpec, request: JobRun, env: dict[str, str], extra: list[str], max_restarts: int) -> int:
     parse_emulate(request.emulate, spec)
     try:
-        from ..launch.emulate import run_emulated
+        from ..launch.emulate_job import run_emulated
     except ImportError as exc:
         raise UsageError(f"--emulate is not available in this installation (slipstream.launch.emulate: {exc})") from None
     from ..launch.api import LaunchOptions

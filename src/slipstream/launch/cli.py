@@ -728,7 +728,8 @@ def main(args: argparse.Namespace) -> int:
     """
     opts = launch_options_from_args(args)
     if args.emulate:
-        from .emulate import parse_shape, run_emulated
+        from .emulate import parse_shape
+        from .emulate_job import run_emulated
 
         nodes, procs = parse_shape(args.emulate)
         return run_emulated(nodes, procs, args.link or "unshaped", opts)

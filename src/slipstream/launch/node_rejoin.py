@@ -38,6 +38,7 @@ Example (what :class:`~.emulate.EmulatedCluster` runs inside the lost node's nam
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -45,7 +46,10 @@ import sys
 import time
 
 from .. import heal_env, snapshot_dirs
+from ..log import CONSOLE
 from .parent_death import ENV_AGENT_PID
+
+log = logging.getLogger("slipstream.launch")
 
 BARRIER_TIMEOUT_S = 300.0
 """The exit barrier's timeout, torch's agents' default (``exit_barrier_timeout``)."""
@@ -109,7 +113,7 @@ def run(record: dict, endpoint: str) -> int:
         return 128 + int(forwarded["signal"])
     if any(codes):
         failed = failed if failed is not None else next(c for c in codes if c)
-        print(f"slipstream run: a replacement on this node failed (exit {failed})", file=sys.stderr, flush=True)
+        log.error(f"slipstream run: a replacement on this node failed (exit {failed})", extra=CONSOLE)
         return 2 if failed == 2 else 1
     _exit_barrier(record["store"], endpoint)
     return 0
@@ -135,8 +139,7 @@ def _exit_barrier(store_info: dict, endpoint: str) -> None:
         store_util.barrier(store=store, world_size=int(store_info["nodes"]), key_prefix=key,
                            barrier_timeout=BARRIER_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the training succeeded; only the others' exit waits longer
-        print(f"slipstream run: this node's exit barrier with the other nodes failed: {exc}", file=sys.stderr,
-              flush=True)
+        log.error(f"slipstream run: this node's exit barrier with the other nodes failed: {exc}", extra=CONSOLE)
         return
     say_left(store)
 
@@ -144,12 +147,12 @@ def _exit_barrier(store_info: dict, endpoint: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m slipstream.launch.node_rejoin WORKERS_JSON RDZV_HOST:PORT", file=sys.stderr)
+        log.error("usage: python -m slipstream.launch.node_rejoin WORKERS_JSON RDZV_HOST:PORT", extra=CONSOLE)
         return 2
     record = load(args[0])
     if record is None:
-        print(f"slipstream run: {args[0]} does not describe this node's workers: it cannot come back healing",
-              file=sys.stderr)
+        log.error(f"slipstream run: {args[0]} does not describe this node's workers: it cannot come back healing",
+                  extra=CONSOLE)
         return 1
     try:
         return run(record, args[1])
