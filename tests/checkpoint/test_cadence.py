@@ -128,3 +128,30 @@ def test_two_ranks_with_different_stalls_agree_on_one_cadence(tmp_path):
     for r in ranks:  # every step until the choice at step 5, then every 4th: the same steps on both ranks
         assert r["held"] == [8, 12]
         assert r["shm"] == ["slipstream-snapshots"]  # no checkpoint_dir: the snapshots are all there is
+
+
+def test_a_device_copy_is_timed_on_its_events_not_by_the_hosts_wait(tmp_path, monkeypatch):
+    # On CUDA a copy to the host first waits for the step's queued kernels: that wait (0.3 s here,
+    # made in the end event's synchronize) is the step's time; the copies' own time is the events'
+    # (2 ms here). The events are faked: this machine has no GPU (docs/gpu.md).
+    import time
+
+    import torch
+
+    from slipstream.checkpoint import snapshots
+    from slipstream.checkpoint.snapshots import MemorySnapshots
+
+    class Event:
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            time.sleep(0.3)  # stands for the queued kernels the copy waited for
+
+        def elapsed_time(self, end: "Event") -> float:
+            return 2.0  # milliseconds, as torch.cuda.Event.elapsed_time
+
+    monkeypatch.setattr(snapshots, "_copy_events", lambda tensors: (Event(), Event()))
+    snaps = MemorySnapshots.for_run(None, 0, 1, None, environ={"SLIPSTREAM_SNAPSHOT_DIR": str(tmp_path)})
+    snaps.take(1, {"model": torch.nn.Linear(4, 2)}, {})
+    assert 0.002 <= snaps.stall_s[-1] < 0.2, snaps.stall_s
