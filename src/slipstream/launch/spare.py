@@ -8,6 +8,12 @@ the script as the worker entry does (:func:`slipstream.launch.worker.main`), as 
 replacement when told so (:mod:`slipstream.heal`). An end of input without a line (the
 supervisor stopping) ends it quietly.
 
+``--idle`` (a spare made ahead, beside a training process): the imports run under
+``SCHED_IDLE``, the lowest CPU priority, so they take only CPU the training leaves; once
+activated, every thread goes back to ``SCHED_OTHER``. Not ``os.nice``: an unprivileged
+process can raise its nice value but never lower it again, and the spare becomes the
+training process. Linux only; elsewhere the spare imports at normal priority.
+
 Example::
 
     echo '{"argv": ["train.py"], "replacement": false}' | python -m slipstream.launch.spare
@@ -20,10 +26,29 @@ import os
 import sys
 
 
-def main() -> None:
+def set_policy(policy: int, pid: int | None = None) -> None:
+    """Set the CPU scheduling policy of every thread of process ``pid`` (None: this one), those the
+    imports started included (they inherited the policy of the thread that started them). Linux
+    only: elsewhere nothing changes."""
+    task = f"/proc/{pid or 'self'}/task"
+    try:
+        ids = [int(tid) for tid in os.listdir(task)]
+    except OSError:
+        ids = [pid or 0]
+    for tid in ids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or a thread that ended meanwhile
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
     from slipstream.launch.parent_death import die_with_agent
 
     die_with_agent()
+    idle = "--idle" in (sys.argv[1:] if argv is None else argv)
+    if idle and hasattr(os, "SCHED_IDLE"):
+        set_policy(os.SCHED_IDLE)
     import torch  # noqa: F401 - the warm part: imported before the failure, not after
     import torch._dynamo  # noqa: F401 - DistributedDataParallel.__init__ imports it lazily: seconds (measured)
     import torch.distributed  # noqa: F401
@@ -35,6 +60,8 @@ def main() -> None:
     line = sys.stdin.readline()
     if not line.strip():
         return
+    if idle and hasattr(os, "SCHED_OTHER"):
+        set_policy(os.SCHED_OTHER)  # the training process now (the supervisor did so too, at once)
     order = json.loads(line)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # the script gets no stdin, as under the agent

@@ -365,8 +365,8 @@ class Accelerated:
         from now on, as ``extra_state={name: obj}`` would, and, when this run resumed, load its
         saved state now. Returns ``obj``. For what can only be built once the run exists: a data
         loader split by ``run.dp_rank``, whose position then resumes with the model, so no
-        sample is read twice or skipped. Without ``checkpoint_dir`` there is nothing to keep:
-        ``obj`` comes back unchanged. Every rank registers the same names in the same order.
+        sample is read twice or skipped. Without ``checkpoint_dir`` there is nothing to keep, unless
+        the run heals in place (its in-memory snapshots keep it): ``obj`` comes back unchanged. Every rank registers the same names in the same order.
 
         Example::
 
