@@ -54,6 +54,17 @@ if mode == "lazy" and n == 0:
         time.sleep(0.02)
     open(os.path.join(out, "spare_after_s"), "w").write(str(time.monotonic() - armed))
     os.kill(os.getpid(), signal.SIGKILL)
+if mode == "raised":
+    armed = arm()
+    deadline = time.monotonic() + 60
+    while os.SCHED_IDLE not in others().values():
+        assert time.monotonic() < deadline, others()
+        time.sleep(0.02)
+    while os.SCHED_OTHER not in others().values():
+        assert time.monotonic() < deadline, others()
+        time.sleep(0.02)
+    open(os.path.join(out, "normal_after_s"), "w").write(str(time.monotonic() - armed))
+    sys.exit(0)
 if mode == "exit3":
     sys.exit(3)
 if mode in ("armed-kill", "unarmed-kill") and n == 0:
@@ -72,7 +83,8 @@ if mode == "term":
 '''
 
 
-def supervise(tmp_path: Path, mode: str, spares: str = "1", wait: bool = True, spare_after_s: str | None = None):
+def supervise(tmp_path: Path, mode: str, spares: str = "1", wait: bool = True, spare_after_s: str | None = None,
+              idle_s: str | None = None):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
     out = tmp_path / "out"
@@ -80,9 +92,10 @@ def supervise(tmp_path: Path, mode: str, spares: str = "1", wait: bool = True, s
     env = {**os.environ, "SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": spares, "RANK": "0",
            "SLIPSTREAM_HEAL_PID_DIR": str(tmp_path), "PYTHONPATH": f"{REPO / 'src'}:{REPO}"}
     env.pop("SLIPSTREAM_AGENT_PID", None)
-    env.pop("SLIPSTREAM_HEAL_SPARE_AFTER_S", None)
-    if spare_after_s is not None:
-        env["SLIPSTREAM_HEAL_SPARE_AFTER_S"] = spare_after_s
+    for name, value in (("SLIPSTREAM_HEAL_SPARE_AFTER_S", spare_after_s), ("SLIPSTREAM_HEAL_SPARE_IDLE_S", idle_s)):
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
     proc = subprocess.Popen([sys.executable, "-m", "slipstream.launch.worker", str(script), str(out), mode],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if not wait:
@@ -137,6 +150,13 @@ def test_without_spares_the_replacement_starts_cold(tmp_path):
     assert code == 0, err
     assert runs(out) == ["0", "1"]
     assert "a new process (no spare left)" in err
+
+
+def test_a_spare_idle_too_long_gets_a_normal_share_of_the_cpu(tmp_path):
+    # Under SCHED_IDLE a spare beside a training that keeps every core busy would never be ready.
+    code, out, err = supervise(tmp_path, "raised", spare_after_s="0", idle_s="1")
+    assert code == 0, err
+    assert 1.0 <= float((out / "normal_after_s").read_text()) < 30  # idle (seen) for at most 1 s once started
 
 
 def test_sigterm_reaches_the_training_process_and_no_spare_stays(tmp_path):
