@@ -135,9 +135,8 @@ class CheckpointManager:
         # fsspec is the same ConfigError everywhere); None for a local directory.
         self.fs = remote.filesystem(directory, storage_options) if directory and remote.is_url(directory) else None
         self.storage_options = dict(storage_options or {})
-        if directory is None:
-            handle_sigterm = False  # nothing to write at a preemption: the script's own handling stands
-        elif self.fs is None and os.path.exists(directory) and not os.path.isdir(directory):
+        handle_sigterm = handle_sigterm and directory is not None  # none: nothing to write at a preemption
+        if directory is not None and self.fs is None and os.path.exists(directory) and not os.path.isdir(directory):
             raise ConfigError(f"checkpoint_dir exists and is not a directory: {directory}")
         self.directory = directory
         self.every_steps = every_steps
@@ -256,20 +255,10 @@ class CheckpointManager:
         """Snapshot ``step`` in host memory when one is due (the peer copy, if any, travels in the
         background). True when this rank took one. Call it at every optimizer step on every rank:
         a measured cadence (:mod:`.cadence`) times the steps, and agrees once (a collective)."""
-        snaps = self.snapshots
-        if snaps is None:
+        if self.snapshots is None:
             return False
-        cadence = snaps.cadence
-        cadence.step_began()
-        took = False
-        if snaps.scheduled(step):
-            taken = len(snaps.stall_s)
-            snaps.take(step, self._shared, self._per_rank)  # with snapshots off: tells the peer so
-            took = snaps.enabled
-            if len(snaps.stall_s) > taken:
-                cadence.took(step, snaps.stall_s[-1])
         many = self.group is not None and self.world_size > 1
-        choice = cadence.step_ended(step, self._agree_cadence if many else None)
+        took, choice = self.snapshots.on_step(step, self._shared, self._per_rank, self._agree_cadence if many else None)
         if choice is not None and self.rank == 0 and choice != self._said_cadence:
             self._said_cadence = choice
             log.info(choice.line(), extra=CONSOLE)
@@ -387,8 +376,7 @@ class CheckpointManager:
         failed and one whose write succeeded reach the same collectives.
         """
         if self.directory is None:
-            raise ConfigError("this checkpoint manager keeps in-memory snapshots only (no checkpoint_dir): "
-                              "it saves nothing to disk")
+            raise ConfigError("this checkpoint manager keeps in-memory snapshots only (no checkpoint_dir)")
         started = time.perf_counter()
         self.wait()
         self._check_lease()

@@ -68,7 +68,7 @@ from .. import pids
 from .. import heal
 from ..snapshot_dirs import ENV_ROOT, SUBDIR, owner_pid, restart_count, root_dir, sweep
 from . import peer as peer_copy
-from .cadence import Cadence
+from .cadence import Agree, Cadence, Choice
 
 __all__ = ["ENV_ROOT", "SUBDIR", "MemorySnapshots", "Slots", "decode", "root_dir", "sweep"]
 
@@ -367,6 +367,21 @@ class MemorySnapshots:
         if self.peer is not None:
             self.peer.offer(step, buffer, index.getvalue())
         self.stall_s.append(time.perf_counter() - started + device_s)
+
+    def on_step(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any],
+                agree: Agree | None) -> tuple[bool, Choice | None]:
+        """Every optimizer step, on every rank: :meth:`take` when scheduled, timed for a measured
+        cadence, which ``agree`` (a collective; None: one rank) settles once. Returns (whether this
+        rank took a snapshot, the cadence chosen at this step or None)."""
+        self.cadence.step_began()
+        took = False
+        if self.scheduled(step):
+            taken = len(self.stall_s)
+            self.take(step, shared, per_rank)  # with snapshots off: tells the peer so
+            took = self.enabled
+            if len(self.stall_s) > taken:
+                self.cadence.took(step, self.stall_s[-1])
+        return took, self.cadence.step_ended(step, agree)
 
     def _turn_off(self, why: str) -> None:
         self.enabled = False
