@@ -33,6 +33,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("data/test_sampler.py", "__getitem__"): "stand-in read latency of a slow storage, the prefetch's subject",
     ("data/test_sampler.py", "run"): "stand-in compute per step, so the prefetch has something to overlap",
     ("checkpoint/test_save_agreement.py", "_loop"): "stand-in compute per step between save agreements",
+    ("checkpoint/test_cadence.py", "synchronize"): "stand-in for the step's kernels a device copy waits for: the time the stall must leave out",
     ("checkpoint/test_async_commit.py", "slow_prune"): "a slow file system: the writer thread must still be busy when the next save comes",
     ("launch/test_agent_exit.py", "other_node"): "a node that leaves 0.3 s late on purpose: the host's wait for it is the subject",
     ("data/test_cache.py", "test_fetch_ahead_downloads_the_coming_shards"): (

@@ -22,6 +22,10 @@ at the next interval, up to ``max_failures`` times in a row.
 ``directory`` may be an fsspec URL (``s3://bucket/run1``): the same files go
 to the object store, committed by a marker put last instead of a rename
 (:mod:`.remote`).
+
+``directory=None`` (a run healing in place with no ``checkpoint_dir``): the same registry
+kept in in-memory snapshots only (:mod:`.snapshots`), for a heal to go back to; nothing
+is written to disk, no lease is taken, and SIGTERM is left to the script.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .. import heal, runtime
 from ..errors import EXIT_PREEMPTED, ConfigError
+from ..log import CONSOLE
 from . import layout, lease, peer, remote, safe_load, snapshots, storage
 from . import verify as integrity  # the name `verify` is the constructor's option
 
@@ -84,7 +89,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        directory: str,
+        directory: str | None,
         *,
         every_steps: int | None = None,
         every_s: float | None = None,
@@ -101,9 +106,13 @@ class CheckpointManager:
         storage_options: Mapping[str, Any] | None = None,
         snapshot_every_steps: int | None = None,
         snapshot_peer_copy: bool = True,
+        snapshot_auto: bool = False,
     ) -> None:
-        if not directory:
+        if directory == "":
             raise ConfigError("checkpoint_dir must be a path, got an empty string")
+        if directory is None and snapshot_every_steps is None and not snapshot_auto:
+            raise ConfigError("a checkpoint manager without a directory keeps in-memory snapshots only: "
+                              "give snapshot_every_steps or snapshot_auto")
         if every_steps is not None and every_steps < 1:
             raise ConfigError(f"checkpoint_every_steps must be >= 1, got {every_steps}")
         if every_s is not None and every_s <= 0:
@@ -121,12 +130,13 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint_max_failures must be >= 1, got {max_failures}")
         if snapshot_every_steps is not None and snapshot_every_steps < 1:
             raise ConfigError(f"snapshot_every_steps must be >= 1 or None, got {snapshot_every_steps}")
-        directory = remote.local_path(directory)
+        directory = remote.local_path(directory) if directory is not None else None
         # An object store (a URL): the filesystem, made on every rank alike (a missing
         # fsspec is the same ConfigError everywhere); None for a local directory.
-        self.fs = remote.filesystem(directory, storage_options) if remote.is_url(directory) else None
+        self.fs = remote.filesystem(directory, storage_options) if directory and remote.is_url(directory) else None
         self.storage_options = dict(storage_options or {})
-        if self.fs is None and os.path.exists(directory) and not os.path.isdir(directory):
+        handle_sigterm = handle_sigterm and directory is not None  # none: nothing to write at a preemption
+        if directory is not None and self.fs is None and os.path.exists(directory) and not os.path.isdir(directory):
             raise ConfigError(f"checkpoint_dir exists and is not a directory: {directory}")
         self.directory = directory
         self.every_steps = every_steps
@@ -175,18 +185,19 @@ class CheckpointManager:
         # agreement, so a branch before a collective may read it (save_final does).
         self.last_saved_step: int | None = None
         self.blocking_s: list[float] = []  # time each save held the training loop
-        if self.rank == 0 and self.fs is None:
+        if self.rank == 0 and self.fs is None and directory is not None:
             os.makedirs(directory, exist_ok=True)
         # Before any write, and agreed by all ranks (a refusal raises on every rank).
         healer = heal.current()
         # A replacement healing in place decides alone (its group is the fake one until it joins).
         agree_on = None if healer is not None and healer.pending else self.group
-        self.lease = lease.take_for_job(directory, rank=self.rank, world_size=self.world_size, group=agree_on,
-                                        interval_s=lease_interval_s, stale_after_s=lease_stale_after_s,
-                                        storage_options=storage_options)
+        self.lease = None if directory is None else lease.take_for_job(
+            directory, rank=self.rank, world_size=self.world_size, group=agree_on, interval_s=lease_interval_s,
+            stale_after_s=lease_stale_after_s, storage_options=storage_options)
         if handle_sigterm and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
-        self.snapshots = self._open_snapshots(snapshot_every_steps, snapshot_peer_copy)
+        self._said_cadence: object = None  # rank 0: the cadence line printed last (cadence.Choice)
+        self.snapshots = self._open_snapshots(snapshot_every_steps, snapshot_auto, snapshot_peer_copy)
         self.restored_from: str | None = None  # what restore_latest() loaded: a checkpoint's path or a snapshot
         # What the run was, kept in each checkpoint's marker beside its step (plain JSON; see
         # train/resume.py), and rank 0's copy of the one restore_latest() loaded from disk.
@@ -212,26 +223,23 @@ class CheckpointManager:
             self.snapshots.peer.left()  # its group went with the default group too
 
     def rejoined(self) -> None:
-        """After the default group was formed again (healing in place, :mod:`slipstream.heal`): the
-        old side groups went with it, so new ones are made (a collective, every rank in the same
-        order). An asynchronous save in flight is let go: its collectives failed with the group,
-        so it commits nothing unless every rank's part was written before the failure."""
+        """After a heal in place (:mod:`slipstream.heal`): new side groups (a collective, every rank in
+        one order). A save in flight is let go: it commits only if every rank's part was written."""
         self._pending = self._pending_step = None
         self._committed.set()
-        # should_save's agreement schedule starts over, as in the replacement's new manager.
-        self._agreed_step, self._next_agreement_step, self._agreed_at = None, 0, time.monotonic()
+        self._agreed_step, self._next_agreement_step, self._agreed_at = None, 0, time.monotonic()  # as a new manager's
         self._make_groups(self.async_save)
         if self.snapshots is not None:
             self.snapshots.mark_restarted()
             if self._peer_copy_wanted:  # a new copy on the new group (a collective, as at the start)
                 self.snapshots.peer = peer.PeerCopy.for_job(self.rank, self.group, self.snapshots.peer_slots)
 
-    def _open_snapshots(self, every_steps: int | None, peer_copy: bool) -> snapshots.MemorySnapshots | None:
-        """This rank's in-memory snapshots (:mod:`.snapshots`), when asked for and an elastic agent
-        (``slipstream run``, torchrun) would restart a failed worker to use them; with ``peer_copy``
-        and more than one node, also copied to a rank on another node (:mod:`.peer`; a collective)."""
+    def _open_snapshots(self, every_steps: int | None, auto: bool,
+                        peer_copy: bool) -> snapshots.MemorySnapshots | None:
+        """In-memory snapshots (every ``every_steps``, or ``auto``: :mod:`.cadence`) when an elastic agent
+        would restart a failed worker to use them; ``peer_copy``: also on another node (:mod:`.peer`)."""
         self._peer_copy_wanted = False
-        if every_steps is None:
+        if every_steps is None and not auto:
             return None
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             if self.rank == 0:
@@ -240,19 +248,28 @@ class CheckpointManager:
             return None
         snaps = snapshots.MemorySnapshots.for_run(self.directory, self.rank, self.world_size, every_steps)
         self._peer_copy_wanted = peer_copy and self.group is not None and self.world_size > 1
-        healer = heal.current()
-        # A replacement healing in place makes its copy once it joined (rejoined()): its group is fake until then.
+        healer = heal.current()  # a replacement healing in place makes its copy in rejoined(): its group is fake
         if self._peer_copy_wanted and not (healer is not None and healer.pending):
             snaps.peer = peer.PeerCopy.for_job(self.rank, self.group, snaps.peer_slots)
         return snaps
 
     def maybe_snapshot(self, step: int) -> bool:
-        """Snapshot ``step`` in host memory when one is due (no collective; the peer copy, if any,
-        travels in the background). True when this rank took one."""
-        if self.snapshots is None or not self.snapshots.scheduled(step):
+        """Snapshot ``step`` in host memory when due (True: taken). Call it at every optimizer step on
+        every rank: a measured cadence (:mod:`.cadence`) times the steps and agrees once (a collective)."""
+        if self.snapshots is None:
             return False
-        self.snapshots.take(step, self._shared, self._per_rank)  # with snapshots off: tells the peer so
-        return self.snapshots.enabled
+        many = self.group is not None and self.world_size > 1
+        took, choice = self.snapshots.on_step(step, self._shared, self._per_rank, self._agree_cadence if many else None)
+        if choice is not None and self.rank == 0 and choice != self._said_cadence:
+            self._said_cadence = choice
+            log.info(choice.line(), extra=CONSOLE)
+        return took
+
+    def _agree_cadence(self, stall_s: float, step_s: float) -> tuple[float, float]:
+        """(the largest stall, the smallest step time) of every rank: one all-reduce."""
+        values = torch.tensor([stall_s, -step_s], dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return float(values[0]), -float(values[1])
 
     # --- registry ----------------------------------------------------------------------
     def register(self, name: str, obj: Any, per_rank: bool = False) -> None:
@@ -321,6 +338,8 @@ class CheckpointManager:
 
             save, preempted = mgr.should_save(step)   # every rank, every step, same step numbers
         """
+        if self.directory is None:  # in-memory snapshots only: nothing to save, no stop request to agree on
+            return False, False
         due = self.every_steps is not None and step % self.every_steps == 0
         if self.group is None or self.world_size == 1:
             timed = self.every_s is not None and time.monotonic() - self._last_save_time >= self.every_s
@@ -357,6 +376,8 @@ class CheckpointManager:
         phase ends with all ranks agreeing on success, so a rank whose write
         failed and one whose write succeeded reach the same collectives.
         """
+        if self.directory is None:
+            raise ConfigError("this checkpoint manager keeps in-memory snapshots only (no checkpoint_dir)")
         started = time.perf_counter()
         self.wait()
         self._check_lease()
@@ -427,7 +448,7 @@ class CheckpointManager:
             mgr.save_final(run.step_count)   # in every rank's run.finish()
         """
         ok = self.wait()
-        if step > 0 and self.last_saved_step != step:
+        if step > 0 and self.last_saved_step != step and self.directory is not None:
             ok = self.save(step, blocking=True)
         return ok
 
@@ -602,25 +623,36 @@ class CheckpointManager:
         that fails verification is moved aside (``step_N.corrupt-<time>``) and
         the next older one is tried; when none is left, every rank raises
         :class:`NoUsableCheckpoint` (exit 2) rather than start from scratch.
+
+        A measured snapshot cadence (:mod:`.cadence`) starts measuring again from the step restored.
         """
+        step = self._restore_latest()
+        if self.snapshots is not None:
+            self.snapshots.cadence.restart(step)
+        return step
+
+    def _restore_latest(self) -> int:
         snapshot = self.snapshots.agreed_newest(self.group) if self.snapshots is not None else None
         if snapshot is not None:
-            newest: list = [None]
-            if self.rank == 0:
+            newest: list = [0 if self.directory is None else None]
+            if self.rank == 0 and self.directory is not None:
                 try:
                     latest = layout.find_latest(self.directory, self.fs)
                     newest[0] = latest.step if latest is not None else 0
                 except Exception:  # noqa: BLE001 - a store that cannot be listed: the snapshot is the newest known
                     newest[0] = 0
-            if self.group is not None and self.world_size > 1:
+            if self.group is not None and self.world_size > 1 and self.directory is not None:
                 dist.broadcast_object_list(newest, src=0, group=self.group)
             if snapshot >= newest[0] and self._restore_snapshot(snapshot):
                 via = "".join(f"rank {r} from its peer copy on rank {h}; "
                               for r, h in sorted(self.snapshots.from_peers.items()))
-                self.restored_from = (f"an in-memory snapshot ({via}newest checkpoint in {self.directory}: "
-                                      f"{f'step {newest[0]}' if newest[0] else 'none'})")
+                disk = ("no checkpoint_dir" if self.directory is None else
+                        f"newest checkpoint in {self.directory}: {f'step {newest[0]}' if newest[0] else 'none'}")
+                self.restored_from = f"an in-memory snapshot ({via}{disk})"
                 self._last_save_time = time.monotonic()
                 return snapshot
+        if self.directory is None:  # no disk to fall back to
+            return 0
         choice: list = [None]
         if self.rank == 0:
             try:

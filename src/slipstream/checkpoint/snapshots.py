@@ -68,12 +68,15 @@ from .. import pids
 from .. import heal
 from ..snapshot_dirs import ENV_ROOT, SUBDIR, owner_pid, restart_count, root_dir, sweep
 from . import peer as peer_copy
+from .cadence import Agree, Cadence, Choice
 
 __all__ = ["ENV_ROOT", "SUBDIR", "MemorySnapshots", "Slots", "decode", "root_dir", "sweep"]
 
 log = logging.getLogger("slipstream.checkpoint")
 
 SLOTS = 2
+MEMORY_ONLY = "memory-only"
+"""The job key of snapshots with no checkpoint directory (in place of the directory's hash)."""
 TENSOR = "__snapshot_tensor__"  # the index's stand-in for a tensor: {TENSOR: its number}
 ALIGN = 64
 
@@ -137,6 +140,16 @@ def _places(tensors: list[torch.Tensor]) -> tuple[list[tuple[int, str, tuple[int
         places.append((offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)))
         offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
     return places, max(offset, ALIGN)
+
+
+def _copy_events(tensors: list[torch.Tensor]) -> "tuple[torch.cuda.Event, torch.cuda.Event] | None":
+    """(start, end) timing events on the current CUDA stream, the start recorded now, when a tensor
+    to copy is on a CUDA device; else None (a copy on the host is timed by the wall clock)."""
+    if not any(t.is_cuda for t in tensors):
+        return None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    return start, end
 
 
 class Slots:
@@ -250,10 +263,12 @@ def decode(index: bytes, data: torch.Tensor) -> dict:
 class MemorySnapshots:
     """One rank's snapshots of one job (see the module docstring)."""
 
-    def __init__(self, directory: str, rank: int, world_size: int, every_steps: int, restart_count: int) -> None:
+    def __init__(self, directory: str, rank: int, world_size: int, every_steps: int | None,
+                 restart_count: int) -> None:
         self.directory = directory
         self.rank, self.world_size = rank, world_size
-        self.every_steps = every_steps
+        # every_steps None: measured and agreed (healing in place without snapshot_every_steps; .cadence)
+        self.cadence = Cadence(every_steps)
         self.restart_count = restart_count
         self.enabled = True
         self.stall_s: list[float] = []  # time each snapshot held the training loop
@@ -270,13 +285,22 @@ class MemorySnapshots:
         except OSError as exc:  # off on this rank alone: it still answers agreed_newest() (with nothing)
             self._turn_off(f"{directory} cannot be made: {exc}")
 
+    @property
+    def every_steps(self) -> int:
+        """The current cadence: a snapshot of every step divisible by it."""
+        return self.cadence.every_steps
+
     @classmethod
-    def for_run(cls, checkpoint_dir: str, rank: int, world_size: int, every_steps: int,
+    def for_run(cls, checkpoint_dir: str | None, rank: int, world_size: int, every_steps: int | None,
                 environ: Mapping[str, str] | None = None) -> "MemorySnapshots":
-        """This rank's snapshots for a job checkpointing to ``checkpoint_dir`` (a path or URL)."""
+        """This rank's snapshots for a job checkpointing to ``checkpoint_dir`` (a path or URL; None: a
+        job with no checkpoints on disk, healing in place from snapshots alone)."""
         env = os.environ if environ is None else environ
-        where = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
-        key = hashlib.sha256(where.encode()).hexdigest()[:16]
+        if checkpoint_dir is None:
+            key = MEMORY_ONLY  # the launcher's pid below tells such jobs apart
+        else:
+            where = checkpoint_dir if "://" in checkpoint_dir else os.path.abspath(checkpoint_dir)
+            key = hashlib.sha256(where.encode()).hexdigest()[:16]
         # The launcher's pid in the path: a worker orphaned by a launcher killed with SIGKILL, still
         # alive for a moment, can never write into the slots of the job relaunched on this directory.
         directory = os.path.join(root_dir(env), f"{key}-ws{world_size}", f"launcher{owner_pid(env)}", f"rank{rank}")
@@ -295,7 +319,7 @@ class MemorySnapshots:
 
     def scheduled(self, step: int) -> bool:
         """Whether ``step`` is a snapshot step (the same on every rank, snapshots off or not)."""
-        return step > 0 and step % self.every_steps == 0
+        return self.cadence.scheduled(step)
 
     def due(self, step: int) -> bool:
         """Whether this rank takes a snapshot of ``step``."""
@@ -314,12 +338,22 @@ class MemorySnapshots:
         tree = {"shared": {name: _flatten(_state_of(obj), tensors) for name, obj in shared.items()},
                 "per_rank": {name: _flatten(_state_of(obj), tensors) for name, obj in per_rank.items()}}
         places, size = _places(tensors)
+        device_s = 0.0
         try:
             slot = self.slots.claim()
             buffer = self.slots.buffer(slot, size)
+            copy_started = time.perf_counter()
+            events = _copy_events(tensors)
             for t, (offset, _, _) in zip(tensors, places):
                 nbytes = t.numel() * t.element_size()
                 buffer[offset:offset + nbytes].view(t.dtype).view(t.shape).copy_(t)
+            if events is not None:
+                # A copy from the device first waits for the step's queued kernels: that wait is the
+                # step's time, not the snapshot's. The copies' own time is between their events.
+                events[1].record()
+                events[1].synchronize()
+                device_s = events[0].elapsed_time(events[1]) / 1e3
+                started += time.perf_counter() - copy_started  # the host's wall time of the copies left out
             index = io.BytesIO()
             torch.save({"step": step, "world_size": self.world_size, "size": size, "places": places, "tree": tree},
                        index)
@@ -332,7 +366,22 @@ class MemorySnapshots:
             return
         if self.peer is not None:
             self.peer.offer(step, buffer, index.getvalue())
-        self.stall_s.append(time.perf_counter() - started)
+        self.stall_s.append(time.perf_counter() - started + device_s)
+
+    def on_step(self, step: int, shared: Mapping[str, Any], per_rank: Mapping[str, Any],
+                agree: Agree | None) -> tuple[bool, Choice | None]:
+        """Every optimizer step, on every rank: :meth:`take` when scheduled, timed for a measured
+        cadence, which ``agree`` (a collective; None: one rank) settles once. Returns (whether this
+        rank took a snapshot, the cadence chosen at this step or None)."""
+        self.cadence.step_began()
+        took = False
+        if self.scheduled(step):
+            taken = len(self.stall_s)
+            self.take(step, shared, per_rank)  # with snapshots off: tells the peer so
+            took = self.enabled
+            if len(self.stall_s) > taken:
+                self.cadence.took(step, self.stall_s[-1])
+        return took, self.cadence.step_ended(step, agree)
 
     def _turn_off(self, why: str) -> None:
         self.enabled = False

@@ -10,6 +10,12 @@ supervisor stopping) ends it quietly. While it waits it also watches the heal st
 eviction of its rank (:func:`slipstream.heal.watch_for_eviction`): the others found that rank's
 training process hung, and the spare kills it, so the supervisor replaces it.
 
+``--idle`` (a spare made ahead, beside a training process): the imports run under
+``SCHED_IDLE``, the lowest CPU priority, so they take only CPU the training leaves; once
+activated, every thread goes back to ``SCHED_OTHER``. Not ``os.nice``: an unprivileged
+process can raise its nice value but never lower it again, and the spare becomes the
+training process. Linux only; elsewhere the spare imports at normal priority.
+
 Example::
 
     echo '{"argv": ["train.py"], "replacement": false}' | python -m slipstream.launch.spare
@@ -23,10 +29,29 @@ import sys
 import threading
 
 
-def main() -> None:
+def set_policy(policy: int, pid: int | None = None) -> None:
+    """Set the CPU scheduling policy of every thread of process ``pid`` (None: this one), those the
+    imports started included (they inherited the policy of the thread that started them). Linux
+    only: elsewhere nothing changes."""
+    task = f"/proc/{pid or 'self'}/task"
+    try:
+        ids = [int(tid) for tid in os.listdir(task)]
+    except OSError:
+        ids = [pid or 0]
+    for tid in ids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or a thread that ended meanwhile
+            pass
+
+
+def main(argv: list[str] | None = None) -> None:
     from slipstream.launch.parent_death import die_with_agent
 
     die_with_agent()
+    idle = "--idle" in (sys.argv[1:] if argv is None else argv)
+    if idle and hasattr(os, "SCHED_IDLE"):
+        set_policy(os.SCHED_IDLE)
     import torch  # noqa: F401 - the warm part: imported before the failure, not after
     import torch._dynamo  # noqa: F401 - DistributedDataParallel.__init__ imports it lazily: seconds (measured)
     import torch.distributed  # noqa: F401
@@ -44,6 +69,8 @@ def main() -> None:
     stop_watching.set()
     if not line.strip():
         return
+    if idle and hasattr(os, "SCHED_OTHER"):
+        set_policy(os.SCHED_OTHER)  # the training process now (the supervisor did so too, at once)
     order = json.loads(line)
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # the script gets no stdin, as under the agent

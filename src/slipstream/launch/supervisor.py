@@ -13,6 +13,14 @@ ahead, Python and torch already imported, blocked on a pipe until it is told to 
 script. With ``--spares 0`` a new process is started at the failure instead (it imports
 torch then: seconds).
 
+A spare is started lazily: only once the training process armed itself and then trained
+``SPARE_AFTER_ARMED_S`` more, and it imports at the lowest CPU priority (``SCHED_IDLE``,
+given back when it is activated, or after ``SPARE_IDLE_AT_MOST_S`` on a host with no idle
+CPU), so a short run never pays for one (a spare's imports
+are about 276 MB and 1-2 s of CPU per rank) and a long one pays while the training does not
+need the CPU. A death before the spare is ready is replaced by a new process, as with
+``--spares 0``.
+
 Everything else goes to the agent as before, so the full restart stays the fallback:
 an exit with a code (a Python exception, a configuration error, a heal that failed, the
 preemption's 143), a death before the child armed, a death once the per-rank limit of
@@ -39,10 +47,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from typing import IO
 
 from .. import heal_env
 from ..log import CONSOLE
+from . import spare
 from .parent_death import ENV_AGENT_PID, die_with_agent
 from ..snapshot_dirs import ENV_OWNER
 
@@ -50,17 +61,41 @@ log = logging.getLogger("slipstream.launch")
 
 DEFAULT_HEAL_LIMIT = 100
 """Heals per rank before a death goes to the agent (a crash that repeats at one step would loop)."""
+SPARE_AFTER_ARMED_S = 3.0
+"""How long the training process runs armed before its spare starts: runs shorter than this (tests,
+smoke runs, most of a test suite's) never start one, and a longer run's spare imports while the
+first steps' compilation and warm-up are over."""
+SPARE_IDLE_AT_MOST_S = 10.0
+"""How long a spare imports at idle priority before it is given a normal share of the CPU. Under
+SCHED_IDLE a spare gets no CPU at all while the training keeps every core busy (CPU training, or a
+shared host): it would never be ready, and each heal would start cold. A run that goes on this
+long pays the spare's 1-2 s of CPU once, as every run did before spares started lazily."""
+ENV_SPARE_AFTER_S = "SLIPSTREAM_HEAL_SPARE_AFTER_S"
+"""Overrides ``SPARE_AFTER_ARMED_S`` (seconds; 0: as soon as armed): for tests and benchmarks."""
+ENV_SPARE_IDLE_S = "SLIPSTREAM_HEAL_SPARE_IDLE_S"
+"""Overrides ``SPARE_IDLE_AT_MOST_S`` (seconds): for tests."""
+_ARMED_POLL_S = 0.2
+"""How often the supervisor looks for the armed file until the spare is started (a stat: no cost)."""
 _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 
 
 class Spare:
     """A started ``slipstream.launch.spare`` process, waiting on its stdin for what to run."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-u", "-m", "slipstream.launch.spare"], stdin=subprocess.PIPE,
-                                     env=env, close_fds=True)
+    def __init__(self, env: dict[str, str], idle: bool = False) -> None:
+        """``idle``: import at the lowest CPU priority (a spare made ahead, beside the training)."""
+        argv = [sys.executable, "-u", "-m", "slipstream.launch.spare"] + (["--idle"] if idle else [])
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, close_fds=True)
+        self.idle = idle
+
+    def normal_priority(self) -> None:
+        """Give a spare made at idle priority a normal share of the CPU (every thread of it)."""
+        if self.idle and hasattr(os, "SCHED_OTHER") and self.proc.poll() is None:
+            spare.set_policy(os.SCHED_OTHER, self.proc.pid)
+        self.idle = False
 
     def activate(self, argv: list[str], replacement: bool) -> subprocess.Popen:
+        self.normal_priority()  # a replacement now: a spare still importing finishes at a normal share
         stdin: IO[bytes] = self.proc.stdin  # type: ignore[assignment]
         stdin.write((json.dumps({"argv": argv, "replacement": replacement}) + "\n").encode())
         stdin.close()
@@ -86,6 +121,8 @@ def supervise(argv: list[str]) -> int:
     env = os.environ
     rank = env.get("RANK", "?")
     spares = int(env.get(heal_env.SPARES) or 1)
+    timing = _SpareTiming(float(env.get(ENV_SPARE_AFTER_S) or SPARE_AFTER_ARMED_S),
+                          float(env.get(ENV_SPARE_IDLE_S) or SPARE_IDLE_AT_MOST_S))
     limit = DEFAULT_HEAL_LIMIT
     armed_file = os.path.join(tempfile.gettempdir(), f"slipstream-heal-{os.getpid()}.armed")
     child_env = dict(env)
@@ -116,9 +153,7 @@ def supervise(argv: list[str]) -> int:
             state["active"], warm = child, None
             if pid_file:
                 _write(pid_file, str(child.pid))
-            if spares > 0 and not state["stopping"]:
-                warm = Spare(child_env)  # the next replacement imports torch now, not at the failure
-            rc = child.wait()
+            rc, warm = _wait(child, armed_file, spares > 0, timing, child_env, state)
             armed = os.path.exists(armed_file)
             _remove(armed_file)
             if state["stopping"] or rc >= 0 or not armed or heals >= limit:
@@ -128,7 +163,8 @@ def supervise(argv: list[str]) -> int:
                 return rc
             heals += 1
             replacement = True
-            how = "a warm spare" if warm is not None else "a new process (no spare left)"
+            how = ("a warm spare" if warm is not None else "a new process (no spare left)" if spares == 0 else
+                   f"a new process (the spare starts {timing.after_armed_s:g} s after the training process arms)")
             log.info(f"[slipstream] rank {rank}: the training process (pid {child.pid}) died ({_signal_name(rc)}); "
                      f"replacing it in place with {how}, heal {heals}", extra=CONSOLE)
             if warm is None:
@@ -137,6 +173,41 @@ def supervise(argv: list[str]) -> int:
         if warm is not None:
             warm.discard()
         _remove(armed_file)
+
+
+@dataclass(frozen=True)
+class _SpareTiming:
+    after_armed_s: float  # SPARE_AFTER_ARMED_S
+    idle_at_most_s: float  # SPARE_IDLE_AT_MOST_S
+
+
+def _wait(child: subprocess.Popen, armed_file: str, want_spare: bool, timing: _SpareTiming,
+          child_env: dict[str, str], state: dict) -> tuple[int, Spare | None]:
+    """Wait for ``child`` to end; meanwhile, when ``want_spare``, start the spare (idle priority) once
+    the child has been armed ``timing.after_armed_s``, and give it a normal priority
+    ``timing.idle_at_most_s`` later. Returns (the child's exit code, the spare or None)."""
+    armed_at: float | None = None
+    while want_spare:
+        try:
+            return child.wait(timeout=_ARMED_POLL_S), None
+        except subprocess.TimeoutExpired:
+            pass
+        if state["stopping"]:
+            break
+        if armed_at is None and os.path.exists(armed_file):
+            armed_at = time.monotonic()
+        if armed_at is not None and time.monotonic() - armed_at >= timing.after_armed_s:
+            made = Spare(child_env, idle=True)  # the next replacement imports torch now, not at the failure
+            try:
+                try:
+                    return child.wait(timeout=timing.idle_at_most_s), made
+                except subprocess.TimeoutExpired:
+                    made.normal_priority()  # done importing or not: it must be ready for the next failure
+                return child.wait(), made
+            except BaseException:
+                made.discard()
+                raise
+    return child.wait(), None
 
 
 def _write(path: str, text: str) -> None:

@@ -54,10 +54,13 @@ def open_checkpoints(
     counters: CallbackState,
     extra_state: Mapping[str, Any],
     sync: SyncHandle | None,
+    snapshot_auto: bool = False,
 ) -> CheckpointManager:
     """The run's checkpoint registry: model and optimizer, the step counters (with the
     scaler and scheduler), ``extra_state``, and per rank the RNG streams and the sync
-    strategy's state. Call ``restore_latest()`` on it to resume."""
+    strategy's state. Call ``restore_latest()`` on it to resume. ``snapshot_auto``: in-memory snapshots
+    at a measured cadence when ``snapshot_every_steps`` is not set (healing in place); with no
+    ``checkpoint_dir``, they are all the manager keeps."""
     ckpt = config.checkpoint
     mgr = CheckpointManager(
         ckpt.dir,  # type: ignore[arg-type]
@@ -70,6 +73,7 @@ def open_checkpoints(
         max_failures=ckpt.max_failures,
         snapshot_every_steps=ckpt.snapshot_every_steps,
         snapshot_peer_copy=ckpt.snapshot_peer_copy,
+        snapshot_auto=snapshot_auto,
     )
     mgr.register("model_optimizer", model_optimizer)
     mgr.register("train", counters)

@@ -26,7 +26,6 @@ A Hugging Face model that computes its own loss takes its dict batch as is:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -345,7 +344,8 @@ class Accelerated:
         Writes a last checkpoint when the newest one is older than the current step. A resumed
         run whose loop took no step says that there was nothing left to train."""
         if (self.runtime.is_main and self.resumed_from_step is not None and self.step_count == self.resumed_from_step
-                and not self._stop_reported and not self._said_complete and self.checkpoints is not None):
+                and not self._stop_reported and not self._said_complete and self.checkpoints is not None
+                and self.checkpoints.directory is not None):  # in-memory snapshots only: no run on disk to name
             print(resume.complete_line(self.checkpoints.directory, self.step_count, self.config.run.total_steps),
                   flush=True)
         if self.checkpoints is not None:
@@ -365,8 +365,8 @@ class Accelerated:
         from now on, as ``extra_state={name: obj}`` would, and, when this run resumed, load its
         saved state now. Returns ``obj``. For what can only be built once the run exists: a data
         loader split by ``run.dp_rank``, whose position then resumes with the model, so no
-        sample is read twice or skipped. Without ``checkpoint_dir`` there is nothing to keep:
-        ``obj`` comes back unchanged. Every rank registers the same names in the same order.
+        sample is read twice or skipped. Without ``checkpoint_dir`` there is nothing to keep, unless
+        the run heals in place (its in-memory snapshots keep it): ``obj`` comes back unchanged. Every rank registers the same names in the same order.
 
         Example::
 
@@ -535,7 +535,7 @@ def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
         return (f"sync {run.config.sync.strategy!r} is registered without heals_in_place: slipstream cannot form "
                 "its process groups again or know what it keeps outside its state_dict")
     if mgr is None:
-        return "no checkpoint_dir: there is no snapshot to go back to"
+        return "there is no snapshot to go back to"
     if mgr.snapshots is None or not mgr.snapshots.enabled:
         return "in-memory snapshots are off (snapshot_every_steps)"
     # The snapshots' peer copy heals too: its group is formed again with the others
@@ -616,7 +616,7 @@ def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, 
             check_parameter_dtype(config, name)
     if extra_state and config.checkpoint.dir is None:
         raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
-    if config.checkpoint.snapshot_every_steps is not None and config.checkpoint.dir is None:
+    if config.checkpoint.snapshot_every_steps is not None and config.checkpoint.dir is None and heal.current() is None:
         raise ConfigError("snapshot_every_steps keeps in memory what checkpoints keep on disk, and a restarted "
                           "worker chooses between the two: set checkpoint_dir too")
 
@@ -674,10 +674,9 @@ def accelerate(
         for override in overrides:
             log.info(override.line(), extra=CONSOLE)
     adopt.mark_accelerate_called()  # under `slipstream run`, the options reach this loop
-    ckpt = config.checkpoint
-    if heal.current() is not None and ckpt.dir is not None and ckpt.snapshot_every_steps is None:
-        # Healing in place goes back to the last snapshot: one every step, at most one step redone.
-        config = dataclasses.replace(config, checkpoint=dataclasses.replace(ckpt, snapshot_every_steps=1))
+    # Healing in place goes back to the last in-memory snapshot: unless the user chose a cadence, it is
+    # measured so that snapshots take under 1% of the step time (slipstream.checkpoint.cadence).
+    snapshot_auto = heal.current() is not None and config.checkpoint.snapshot_every_steps is None
     plain = config.is_plain_data_parallel(runtime.world_size)
     _check_inputs(model, optimizer, scheduler, extra_state, config, plain)
 
@@ -708,14 +707,18 @@ def accelerate(
     if layout.sync is not None:
         recorder.sources.append(layout.sync.stats)
     run = Accelerated(layout, built, config, runtime, recorder, micro, reporter, scheduler=built_scheduler)
-    if config.checkpoint.dir is not None:
+    healer = heal.current()
+    if config.checkpoint.dir is not None or healer is not None:
+        # Healing with no checkpoint_dir: a manager of in-memory snapshots only, which a heal goes back to.
         run.checkpoints = open_checkpoints(
             config, layout.checkpoint_state(built), CallbackState(run.counters_state, run.load_counters_state),
-            extra_state or {}, layout.sync,
+            extra_state or {}, layout.sync, snapshot_auto=snapshot_auto,
         )
-    healer = heal.current()
     if healer is not None:
         _start_healing(run, healer, plain)
+        if run.healer is None and config.checkpoint.dir is None:  # cannot heal: its snapshots would serve nothing
+            run.checkpoints.close()  # type: ignore[union-attr]
+            run.checkpoints = None
     if run.checkpoints is not None:
         mgr = run.checkpoints
         mgr.describe_run = lambda: resume.describe(config, runtime.world_size, layout.dp_size, micro.step_samples)
