@@ -53,8 +53,7 @@ from . import verify as integrity  # the name `verify` is the constructor's opti
 
 log = logging.getLogger("slipstream.checkpoint")
 
-# The most steps between two agreements of the stop flag and the save clock: with
-# steps of 1 ms, one small all-reduce per 100 steps, and a stop request seen 0.1 s later.
+# The most steps between two agreements of the stop flag and the save clock (1 ms steps: a stop seen 0.1 s later).
 STOP_CHECK_MAX_STEPS = 100
 
 

@@ -92,3 +92,19 @@ def stop_processes(
             p.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
+
+
+def set_policy(policy: int, pid: int | None = None) -> None:
+    """Set the CPU scheduling policy of every thread of process ``pid`` (None: this one), those the
+    imports started included (they inherited the policy of the thread that started them). Linux
+    only: elsewhere nothing changes."""
+    task = f"/proc/{pid or 'self'}/task"
+    try:
+        ids = [int(tid) for tid in os.listdir(task)]
+    except OSError:
+        ids = [pid or 0]
+    for tid in ids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux, or a thread that ended meanwhile
+            pass

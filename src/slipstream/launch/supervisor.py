@@ -53,7 +53,7 @@ from typing import IO
 
 from .. import heal_env
 from ..log import CONSOLE
-from . import spare
+from .proc import set_policy
 from .parent_death import ENV_AGENT_PID, die_with_agent
 from ..snapshot_dirs import ENV_OWNER
 
@@ -91,7 +91,7 @@ class Spare:
     def normal_priority(self) -> None:
         """Give a spare made at idle priority a normal share of the CPU (every thread of it)."""
         if self.idle and hasattr(os, "SCHED_OTHER") and self.proc.poll() is None:
-            spare.set_policy(os.SCHED_OTHER, self.proc.pid)
+            set_policy(os.SCHED_OTHER, self.proc.pid)
         self.idle = False
 
     def activate(self, argv: list[str], replacement: bool) -> subprocess.Popen:
