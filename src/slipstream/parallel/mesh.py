@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ..config import DEGREES, TrainConfig
+from ..errors import TrainingFailed
 
 
 @dataclass(frozen=True)
@@ -30,15 +32,55 @@ class ParallelDims:
     dp_shard: int
     tp: int
     mesh: DeviceMesh
+    first_group_index: int = 0
+    """torch's group counter when the mesh made its groups (their names count from it): see
+    :meth:`reform_groups`."""
 
     @classmethod
     def build(cls, config: TrainConfig, world_size: int, device_type: str) -> ParallelDims:
         """Resolve ``config``'s degrees against ``world_size`` (ConfigError with the numbers
         when they do not multiply to it) and build the mesh with ``init_device_mesh``."""
         degrees = config.degrees(world_size)
+        first = distributed_c10d._world.group_count
         mesh = init_device_mesh(device_type, tuple(degrees[d] for d in DEGREES), mesh_dim_names=DEGREES)
         _apply_run_timeout(mesh)
-        return cls(mesh=mesh, **degrees)
+        return cls(mesh=mesh, first_group_index=first, **degrees)
+
+    def release_groups(self) -> None:
+        """Healing in place, once the broken groups were destroyed: the mesh lets go of the group
+        objects it caches for torch.compile (it resolves names otherwise), so their sockets close
+        with their last reference. :meth:`reform_groups` fills the cache again."""
+        self.mesh._pg_registry.clear()
+
+    def reform_groups(self) -> None:
+        """Make the mesh's process groups again after healing in place formed a new default group
+        (:mod:`slipstream.heal`; the old groups were destroyed with the old default one). A
+        collective: every rank, in the same order, before any other group is made.
+
+        Why names: a DeviceMesh keeps its groups by *name* and looks each one up at every use
+        (``get_group``, and DTensor's functional collectives pass the name), and every submesh
+        (``mesh["tp"]``, FSDP2's dp mesh, a DTensor's spec) copied the root's names. Destroying the
+        default group resets torch's group counter, so making the groups again in the same order
+        from the same counter value gives them the same names: every mesh object, wherever it is
+        held, then resolves to the new groups, with nothing to find and rewrite. What holds group
+        *objects* (FSDP2's mesh infos) is re-pointed by :func:`~slipstream.parallel.fully_shard.repoint_groups`.
+        Raises :class:`TrainingFailed` (the launcher's full restart) when the names come out
+        different, rather than train on groups that are not the mesh's."""
+        mesh = self.mesh
+        world = distributed_c10d._world
+        if world.group_count > self.first_group_index:
+            raise TrainingFailed(
+                f"the device mesh cannot form its groups again under their names: {world.group_count} groups "
+                f"were made since the heal, more than the {self.first_group_index} made before the mesh")
+        world.group_count = self.first_group_index
+        names = DeviceMesh._init_process_groups(mesh._layout, mesh._rank_map, mesh._mesh_dim_names,
+                                                ((None, None),) * mesh.ndim)
+        if list(names) != list(mesh._dim_group_names):
+            raise TrainingFailed(f"the device mesh's groups formed again under other names ({list(names)}, "
+                                 f"not {list(mesh._dim_group_names)})")
+        for name in names:  # the objects torch.compile reads (a running program resolves the names)
+            mesh._pg_registry[name] = distributed_c10d._resolve_process_group(name)
+        _apply_run_timeout(mesh)
 
     @property
     def dp_size(self) -> int:
@@ -84,4 +126,8 @@ def _apply_run_timeout(mesh: DeviceMesh) -> None:
         return
     timeout = group_timeout()
     for name in mesh.mesh_dim_names or ():
-        set_timeout(timeout, mesh.get_group(name))
+        group = mesh.get_group(name)
+        # A replacement that heals in place builds its mesh on the fake default group first (made
+        # again for real in reform_groups): torch sets timeouts on gloo and NCCL groups only.
+        if distributed_c10d.get_backend(group) in ("gloo", "nccl"):
+            set_timeout(timeout, group)

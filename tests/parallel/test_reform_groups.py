@@ -1,0 +1,67 @@
+"""The mesh's groups formed again after a heal (ParallelDims.reform_groups) and FSDP2 re-pointed at
+them (parallel.fully_shard.release_groups / repoint_groups), in one process: a heal destroys every
+group with the default one and forms a new default group; these put the mesh and FSDP2 back on it.
+(Across ranks, bitwise: tests/integration/test_heal_layouts.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slipstream.config import TrainConfig
+from slipstream.errors import TrainingFailed
+from slipstream.parallel import ParallelDims, apply_fully_shard
+from slipstream.parallel.fully_shard import release_groups, repoint_groups, reset_after_failure
+
+
+def _new_default_group() -> None:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+@pytest.fixture()
+def group():
+    _new_default_group()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _heal() -> None:
+    """What Healer.leave + rejoin do to this process's groups: all destroyed, a new default one."""
+    dist.destroy_process_group()
+    _new_default_group()
+
+
+def test_the_mesh_and_fsdp2_move_onto_the_new_groups(group):
+    dist.new_group([0])  # a group made before the mesh, as a run's side groups are
+    dims = ParallelDims.build(TrainConfig(), world_size=1, device_type="cpu")
+    model = apply_fully_shard(nn.Sequential(nn.Linear(4, 4)), dims.mesh["dp_shard"])
+    info = model._get_fsdp_state()._fsdp_param_group.mesh_info
+    before = info.shard_process_group
+    model(torch.ones(2, 4)).sum().backward()
+
+    _heal()
+    reset_after_failure(model)
+    release_groups(model)
+    dims.release_groups()
+    assert info.shard_process_group is None and not dims.mesh._pg_registry  # nothing holds the broken groups
+    dims.reform_groups()
+    repoint_groups(model)
+
+    group = info.shard_process_group
+    assert group is not None and group is not before
+    assert group is dims.mesh["dp_shard"].get_group()  # the name a submesh copied resolves to the new group
+    assert dims.mesh.get_group("dp_shard").group_name in dims.mesh._pg_registry
+    model(torch.ones(2, 4)).sum().backward()  # FSDP2 runs on them
+
+
+def test_groups_made_after_the_heal_before_the_mesh_are_refused(group):
+    dist.new_group([0])
+    dims = ParallelDims.build(TrainConfig(), world_size=1, device_type="cpu")
+    _heal()
+    dist.new_group([0])
+    dist.new_group([0])  # now past the counter the mesh's names started from
+    with pytest.raises(TrainingFailed, match="cannot form its groups again under their names"):
+        dims.reform_groups()
