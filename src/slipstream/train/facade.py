@@ -473,14 +473,14 @@ class Accelerated:
 
     def _leave(self) -> None:
         """Every holder of the broken group lets go of it, so its sockets close (see heal.Healer.leave)."""
-        self.layout.leave()  # type: ignore[attr-defined]  (only the data-parallel layout heals)
+        self.layout.leave()
         self.recorder.rejoined()
         if self.checkpoints is not None:
             self.checkpoints.left()
 
     def _rejoined(self) -> None:
         """Everything that held the old default group moves to the new one (same order on every rank)."""
-        self.layout.rejoined()  # type: ignore[attr-defined]  (only the data-parallel layout heals)
+        self.layout.rejoined()
         if self.checkpoints is not None:
             self.checkpoints.rejoined()
         self.recorder.rejoined()
@@ -523,14 +523,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:120]}" if first else type(exc).__name__
 
 
-def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
+def _heal_refusal(run: Accelerated) -> str | None:
     """Why this run cannot heal in place (None: it can). Deterministic, so a replacement decides as
     its predecessor did."""
     mgr = run.checkpoints
-    if not plain:
-        return f"the layout {run.describe_layout()} is not plain data parallelism"
-    if not isinstance(run.layout, DataParallelLayout):
-        return "the layout is not plain data parallelism"
+    why = run.layout.heal_refusal()
+    if why is not None:
+        return why
     if not sync.describe(run.config.sync.strategy).heals_in_place:
         healing = " or ".join(repr(n) for n in sync.matching(lambda info: info.heals_in_place))
         return f"sync {run.config.sync.strategy!r} keeps process groups of its own (only {healing} heals)"
@@ -543,10 +542,10 @@ def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
     return None
 
 
-def _start_healing(run: Accelerated, healer: heal.Healer, plain: bool) -> None:
+def _start_healing(run: Accelerated, healer: heal.Healer) -> None:
     """Arm healing in place for this run, or say in one line why not (the launcher's full restart
     stays); a replacement joins the survivors here, before the restore every rank then makes."""
-    why = _heal_refusal(run, plain)
+    why = _heal_refusal(run)
     if why is not None:
         healer.disarm()
         if healer.pending:
@@ -715,7 +714,7 @@ def accelerate(
         )
     healer = heal.current()
     if healer is not None:
-        _start_healing(run, healer, plain)
+        _start_healing(run, healer)
     if run.checkpoints is not None:
         mgr = run.checkpoints
         mgr.describe_run = lambda: resume.describe(config, runtime.world_size, layout.dp_size, micro.step_samples)
