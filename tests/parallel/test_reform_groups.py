@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 
 from slipstream.config import TrainConfig
-from slipstream.errors import TrainingFailed
 from slipstream.parallel import ParallelDims, apply_fully_shard
 from slipstream.parallel.fully_shard import release_groups, repoint_groups, reset_after_failure
 
@@ -57,11 +56,13 @@ def test_the_mesh_and_fsdp2_move_onto_the_new_groups(group):
     model(torch.ones(2, 4)).sum().backward()  # FSDP2 runs on them
 
 
-def test_groups_made_after_the_heal_before_the_mesh_are_refused(group):
-    dist.new_group([0])
+def test_a_mesh_whose_groups_come_back_under_other_names_is_renamed_everywhere(group):
+    # As a replacement's mesh on NCCL: built on the fake default group (counted names), formed again
+    # on the bound NCCL group (names hashed from the ranks). Here: names the mesh cannot get back.
     dims = ParallelDims.build(TrainConfig(), world_size=1, device_type="cpu")
+    dims.mesh._dim_group_names = ["9"] * dims.mesh.ndim
+    taken_before = dims.mesh["tp"]  # a copy of the root's names, as FSDP2 and DTensor specs hold
     _heal()
-    dist.new_group([0])
-    dist.new_group([0])  # now past the counter the mesh's names started from
-    with pytest.raises(TrainingFailed, match="cannot form its groups again under their names"):
-        dims.reform_groups()
+    dims.reform_groups()
+    assert taken_before._dim_group_names == [dist.group.WORLD.group_name]
+    assert taken_before.get_group() is dist.group.WORLD

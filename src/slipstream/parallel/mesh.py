@@ -55,29 +55,28 @@ class ParallelDims:
     def reform_groups(self) -> None:
         """Make the mesh's process groups again after healing in place formed a new default group
         (:mod:`slipstream.heal`; the old groups were destroyed with the old default one). A
-        collective: every rank, in the same order, before any other group is made.
+        collective: every rank, in the same order.
 
         Why names: a DeviceMesh keeps its groups by *name* and looks each one up at every use
         (``get_group``, and DTensor's functional collectives pass the name), and every submesh
         (``mesh["tp"]``, FSDP2's dp mesh, a DTensor's spec) copied the root's names. Destroying the
         default group resets torch's group counter, so making the groups again in the same order
-        from the same counter value gives them the same names: every mesh object, wherever it is
-        held, then resolves to the new groups, with nothing to find and rewrite. What holds group
-        *objects* (FSDP2's mesh infos) is re-pointed by :func:`~slipstream.parallel.fully_shard.repoint_groups`.
-        Raises :class:`TrainingFailed` (the launcher's full restart) when the names come out
-        different, rather than train on groups that are not the mesh's."""
+        from the counter value the mesh started at gives them the same names: every mesh object,
+        wherever it is held, then resolves to the new groups, with nothing to find and rewrite.
+        Where they come out under other names (on NCCL torch names a bound group's subgroups by
+        their ranks, and a replacement built its mesh on the fake default group, which counts;
+        or more groups were made since the heal than before the mesh), every DeviceMesh of the
+        process is renamed instead (:func:`_rename_groups`). What holds group *objects* (FSDP2's
+        mesh infos) is re-pointed by :func:`~slipstream.parallel.fully_shard.repoint_groups`."""
         mesh = self.mesh
         world = distributed_c10d._world
-        if world.group_count > self.first_group_index:
-            raise TrainingFailed(
-                f"the device mesh cannot form its groups again under their names: {world.group_count} groups "
-                f"were made since the heal, more than the {self.first_group_index} made before the mesh")
-        world.group_count = self.first_group_index
-        names = DeviceMesh._init_process_groups(mesh._layout, mesh._rank_map, mesh._mesh_dim_names,
-                                                ((None, None),) * mesh.ndim)
-        if list(names) != list(mesh._dim_group_names):
-            raise TrainingFailed(f"the device mesh's groups formed again under other names ({list(names)}, "
-                                 f"not {list(mesh._dim_group_names)})")
+        if world.group_count <= self.first_group_index:
+            world.group_count = self.first_group_index
+        old = list(mesh._dim_group_names)
+        names = list(DeviceMesh._init_process_groups(mesh._layout, mesh._rank_map, mesh._mesh_dim_names,
+                                                     ((None, None),) * mesh.ndim))
+        if names != old:
+            _rename_groups(old, names)
         for name in names:  # the objects torch.compile reads (a running program resolves the names)
             mesh._pg_registry[name] = distributed_c10d._resolve_process_group(name)
         _apply_run_timeout(mesh)
@@ -107,6 +106,24 @@ class ParallelDims:
 
     def describe(self) -> str:
         return f"pp({self.pp}) x dp_replicate({self.dp_replicate}) x dp_shard({self.dp_shard}) x tp({self.tp})"
+
+
+def _rename_groups(old: list[str], new: list[str]) -> None:
+    """Every DeviceMesh of this process (the root, its submeshes, FSDP2's and each DTensor's) that
+    names a group of ``old`` names the group of ``new`` at the same mesh dimension instead. A scan
+    of the process's objects (a submesh is a copy, held wherever it was taken): only when the
+    groups could not be made again under their names."""
+    import gc
+
+    renames: dict[str, str] = {}
+    for was, now in zip(old, new):
+        if renames.setdefault(was, now) != now:
+            raise TrainingFailed(f"the device mesh's groups formed again under names that do not map one to "
+                                 f"one onto the old ones ({new}, was {old})")
+    for obj in gc.get_objects():
+        # (by type, not isinstance: DeviceMesh's metaclass would ask every object of the process)
+        if type(obj) is DeviceMesh and hasattr(obj, "_dim_group_names"):
+            obj._dim_group_names = [renames.get(name, name) for name in obj._dim_group_names]
 
 
 def _apply_run_timeout(mesh: DeviceMesh) -> None:
