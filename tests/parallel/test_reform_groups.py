@@ -66,3 +66,30 @@ def test_a_mesh_whose_groups_come_back_under_other_names_is_renamed_everywhere(g
     dims.reform_groups()
     assert taken_before._dim_group_names == [dist.group.WORLD.group_name]
     assert taken_before.get_group() is dist.group.WORLD
+
+
+class _Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])  # FSDP2 units (shard_units)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_step_cut_short_leaves_no_gradient_and_every_parameter_sharded(group):
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    from slipstream.parallel.fully_shard import _param_groups
+
+    dims = ParallelDims.build(TrainConfig(), world_size=1, device_type="cpu")
+    model = apply_fully_shard(_Stack(), dims.mesh["dp_shard"])
+    model(torch.ones(2, 4)).sum().backward()  # the gradients a backward cut short had already reduced
+    model.layers[0].unshard()  # a unit gathered when the failure came
+    _heal()
+    reset_after_failure(model)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.sharded_state == ShardedState.SHARDED for g in _param_groups(model) for p in g.fsdp_params)

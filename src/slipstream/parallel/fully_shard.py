@@ -99,15 +99,19 @@ def reset_after_failure(model: nn.Module) -> None:
     step that never began (every parameter sharded, no collective in flight), with torch's own
     recovery call (``FSDPModule.reset_iter_state``, documented for an exception in forward or
     backward). Its results of the failed collectives are dropped first: they belong to the
-    destroyed group, and waiting on them (as the reset would) raises its failure again."""
+    destroyed group, and waiting on them (as the reset would) raises its failure again.
+    The gradients go too: the reset drops the reductions in flight, but a backward cut short
+    had already given some parameters their reduced gradient, which the next backward would add
+    to (the step the heal goes back to begins with none: every step ends in zero_grad(set_to_none))."""
     from torch.distributed.fsdp import FSDPModule
 
-    if not isinstance(model, FSDPModule):
-        return
-    for group in _param_groups(model):
-        group._all_gather_result = None
-    model._get_fsdp_state()._comm_ctx.all_gather_state = None
-    model.reset_iter_state()
+    if isinstance(model, FSDPModule):
+        for group in _param_groups(model):
+            group._all_gather_result = None
+        model._get_fsdp_state()._comm_ctx.all_gather_state = None
+        model.reset_iter_state()
+    for param in model.parameters():  # after the reset: the sharded parameters are the module's again
+        param.grad = None
 
 
 def _mesh_infos(model: nn.Module) -> list:
