@@ -34,8 +34,7 @@ def test_the_facade_takes_the_layouts_refusal_and_heals_a_mesh_layout_that_can()
     snapshots = SimpleNamespace(enabled=True, peer=None)
     run = SimpleNamespace(layout=SimpleNamespace(heal_refusal=lambda: None),
                           config=SimpleNamespace(sync=SimpleNamespace(strategy="allreduce")),
-                          checkpoints=SimpleNamespace(snapshots=snapshots),
-                          describe_layout=lambda: "pp(1) x dp_replicate(1) x dp_shard(2) x tp(1)")
+                          checkpoints=SimpleNamespace(snapshots=snapshots))
     assert facade._heal_refusal(run) is None  # type: ignore[arg-type]
     run.layout = SimpleNamespace(heal_refusal=lambda: "the reason")
     assert facade._heal_refusal(run) == "the reason"  # type: ignore[arg-type]
