@@ -41,11 +41,11 @@ def test_the_mesh_and_fsdp2_move_onto_the_new_groups(group):
     before = info.shard_process_group
     model(torch.ones(2, 4)).sum().backward()
 
-    _heal()
-    reset_after_failure(model)
     release_groups(model)
     dims.release_groups()
     assert info.shard_process_group is None and not dims.mesh._pg_registry  # nothing holds the broken groups
+    _heal()
+    reset_after_failure(model)
     dims.reform_groups()
     repoint_groups(model)
 

@@ -12,7 +12,7 @@ from slipstream.train.layout import Layout
 from slipstream.train.layout_dp import DataParallelLayout
 from slipstream.train.layout_mesh import MeshLayout
 
-HEALING = ("heal_refusal", "leave", "rejoined")
+HEALING = ("heal_refusal", "release", "leave", "rejoined")
 
 
 @pytest.mark.parametrize("layout", [DataParallelLayout, MeshLayout])

@@ -47,10 +47,25 @@ class ParallelDims:
         return cls(mesh=mesh, first_group_index=first, **degrees)
 
     def release_groups(self) -> None:
-        """Healing in place, once the broken groups were destroyed: the mesh lets go of the group
-        objects it caches for torch.compile (it resolves names otherwise), so their sockets close
-        with their last reference. :meth:`reform_groups` fills the cache again."""
+        """Healing in place, before the broken default group is destroyed: the mesh lets go of the
+        group objects it caches for torch.compile (it resolves names otherwise) and, on gloo, its
+        own groups are destroyed first, so their sockets close now. Why first: a survivor can be
+        blocked in a collective of a group that did not break (a tp group of two survivors)
+        with a peer whose destroy of *every* group waits for its own in-flight work, such as
+        the metrics' asynchronous all-gather on the default group, which waits for the blocked
+        survivor: a deadlock until the join timeout (seen at 4 ranks, tp 2 x dp_shard 2, about
+        one run in three). Closing the mesh's groups first fails the blocked one at once, and it
+        heals too. (On NCCL the healer aborts every communicator instead: not done here.)
+        :meth:`reform_groups` fills the cache again."""
         self.mesh._pg_registry.clear()
+        default = distributed_c10d._get_default_group()
+        groups = {}
+        for name in self.mesh.mesh_dim_names or ():
+            group = self.mesh.get_group(name)
+            if group is not default and distributed_c10d.get_backend(group) == "gloo":
+                groups[id(group)] = group
+        for group in groups.values():
+            distributed_c10d.destroy_process_group(group)
 
     def reform_groups(self) -> None:
         """Make the mesh's process groups again after healing in place formed a new default group

@@ -448,6 +448,7 @@ class Accelerated:
             traceback.clear_frames(cause.__traceback__)
             cause = cause.__cause__ or cause.__context__
         try:
+            self.layout.release()
             self.healer.leave()
             self._leave()
             seconds = self.healer.rejoin()

@@ -71,6 +71,12 @@ class Layout(Protocol):
         a replacement decides as its predecessor did."""
         ...
 
+    def release(self) -> None:
+        """After a failed collective, before the healer destroys the broken default group: drop
+        the references to groups of the layout's own and close them, so a peer blocked in one
+        of them fails now instead of waiting on this rank."""
+        ...
+
     def leave(self) -> None:
         """After a failed collective, once the broken default group (every group with it) was
         destroyed: let go of every reference to those groups, so their sockets close, and drop

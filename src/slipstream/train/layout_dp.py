@@ -132,6 +132,9 @@ class DataParallelLayout:
         """None: DDP heals in place (whether the sync strategy does is the facade's question)."""
         return None
 
+    def release(self) -> None:
+        """Nothing: DDP holds the default group alone, which the healer destroys (then :meth:`leave`)."""
+
     def leave(self) -> None:
         """After the broken group was destroyed (healing in place, :meth:`slipstream.heal.Healer.leave`):
         DDP lets go of it for the fake default group, so its sockets close and no peer waits on them."""

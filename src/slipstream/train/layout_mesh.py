@@ -275,15 +275,19 @@ class MeshLayout:
             return "diloco's outer step over the dp_shard replicas keeps the dp_replicate group"
         return None
 
-    def leave(self) -> None:
-        """After the broken groups were destroyed: FSDP2 back to a step that never began (the failed
-        collectives' results dropped, every parameter sharded), and every reference to the broken
-        groups dropped (FSDP2's, the mesh's cache, the host gather's side groups), so their sockets
-        close and a peer blocked on one of them fails and heals too."""
-        reset_after_failure(self.module)
+    def release(self) -> None:
+        """Before the broken default group is destroyed: every reference to the mesh's groups dropped
+        (FSDP2's, the mesh's cache, the host gather's side groups) and the mesh's own groups
+        destroyed first, so their sockets close and a peer blocked on one of them fails and heals
+        too (why first: ParallelDims.release_groups)."""
         release_groups(self.module)
         self.dims.release_groups()
         self._gather = None
+
+    def leave(self) -> None:
+        """After the broken groups were destroyed: FSDP2 back to a step that never began (the failed
+        collectives' results dropped, every parameter sharded, no gradient)."""
+        reset_after_failure(self.module)
 
     def rejoined(self) -> None:
         """After the default group was formed again: the mesh's groups made again under their names,
