@@ -47,7 +47,20 @@ p.add_argument("--chaos", default="", metavar="R:S:PHASE[:SIG][,...]",
                help="SIG (KILL or STOP) to rank R inside PHASE of step S, once each (scripts_chaos.py)")
 p.add_argument("--wrap-comm-hook", action="store_true",
                help="run DDP's reduction through a Python comm hook (the comm-hook phase; give it to the reference too)")
+p.add_argument("--dp-shard", type=int, default=None, help="a mesh layout (FSDP2): its dp_shard degree")
+p.add_argument("--dp-replicate", type=int, default=None, help="with --dp-shard: HSDP's replica count")
+p.add_argument("--tp", type=int, default=None, help="a mesh layout: tensor parallelism over the two Linears")
 args = p.parse_args()
+# A mesh layout (FSDP2 / tensor parallel) shards the state: its collectives run on every rank, and the
+# optimizer takes the GPU's foreach default as the suite does (tests/gpu_defaults.py).
+mesh = args.dp_shard is not None or args.tp is not None
+if mesh:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+    from tests.gpu_defaults import take_gpu_optimizer_defaults
+
+    take_gpu_optimizer_defaults()
 
 import scripts_chaos  # noqa: E402 - this script's folder is on sys.path
 
@@ -95,19 +108,39 @@ model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(args.dropout), nn.
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 chaos.install_on_model(model)
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.9)
+if mesh:  # the layout rebuilds the optimizer over the sharded parameters: a scheduler factory
+    scheduler = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.9)  # noqa: E731
+layout = dict(dp_shard=args.dp_shard, dp_replicate=args.dp_replicate, tp=args.tp, tp_plan={"0": "colwise", "3": "rowwise"} if args.tp else None)
 run = slipstream.accelerate(
     model, optimizer, scheduler=scheduler, checkpoint_dir=args.ckpt, checkpoint_every_steps=args.every,
-    checkpoint_async=args.async_save, progress=False, log_every_steps=1,
+    checkpoint_async=args.async_save, progress=False, log_every_steps=1, **(layout if mesh else {}),
     sync=args.sync, sync_options=json.loads(args.sync_options) if args.sync_options else None,
 )
+if mesh:
+    optimizer = run.optimizer  # the layout rebuilt it over the sharded parameters
 chaos.install_on_run(run)
 if hooks == []:  # no strategy hook: DDP's reduction through torch's Python one
     scripts_chaos.default_comm_hook(chaos, run.model)
-if run.resumed_from_step is not None and rt.rank == 0:
-    torch.save({"step": run.resumed_from_step, "model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict()},
-               os.path.join(args.out, f"resumed_{attempt}.pt"))
 
-W, G = rt.world_size, args.global_batch
+
+def final_state():
+    """Model (whole) and optimizer state; on a mesh layout this rank's shards (DTensors as local tensors)."""
+    state = optimizer.state_dict()
+    if mesh:
+        from torch.distributed.tensor import DTensor
+
+        state = {"state": {k: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in s.items()}
+                           for k, s in state["state"].items()}}
+    return {"model": run.unwrapped_state_dict(), "optimizer": state}  # a collective on a mesh layout
+
+
+# On a mesh layout a collective: not in a replacement that healed in place (the others did not resume).
+if run.resumed_from_step is not None and (mesh and not replacement or rt.rank == 0 and not mesh):
+    resumed = final_state()
+    if rt.rank == 0:
+        torch.save({"step": run.resumed_from_step, **resumed}, os.path.join(args.out, f"resumed_{attempt}.pt"))
+
+W, G = (run.dp_size, args.global_batch) if mesh else (rt.world_size, args.global_batch)
 B = G // W
 
 
@@ -135,7 +168,7 @@ while run.step_count < args.steps:
             time.sleep(3600)
         elif args.mode == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
-    first = step * G + rt.rank * B
+    first = step * G + (run.dp_rank if mesh else rt.rank) * B
     xs, ys = zip(*(sample(i) for i in range(first, first + B)))
     loss = F.cross_entropy(run.model(torch.stack(xs)), torch.tensor(ys))
     run.backward(loss)
@@ -147,7 +180,9 @@ while run.step_count < args.steps:
         time.sleep(args.step_sleep_s)
 
 run.finish()
-if rt.rank == 0:
+if mesh:
+    torch.save(final_state(), os.path.join(args.out, f"final_rank{rt.rank}.pt"))
+elif rt.rank == 0:
     torch.save({"model": run.unwrapped_state_dict(), "optimizer": optimizer.state_dict(),
                 "sync_decision": run.sync_state.decision_summary() if run.sync_state is not None else None},
                os.path.join(args.out, "final.pt"))

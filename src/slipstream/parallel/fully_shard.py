@@ -79,3 +79,79 @@ def apply_fully_shard(
     # backward: resharding them after forward would only gather them again.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **root_kwargs)
     return model
+
+
+def _param_groups(model: nn.Module) -> list:
+    """Every FSDPParamGroup under ``model`` (one per ``fully_shard`` call that got parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                groups.append(group)
+    return groups
+
+
+def reset_after_failure(model: nn.Module) -> None:
+    """Healing in place, after the broken groups were destroyed: put FSDP2 back in the state of a
+    step that never began (every parameter sharded, no collective in flight), with torch's own
+    recovery call (``FSDPModule.reset_iter_state``, documented for an exception in forward or
+    backward). Its results of the failed collectives are dropped first: they belong to the
+    destroyed group, and waiting on them (as the reset would) raises its failure again.
+    The gradients go too: the reset drops the reductions in flight, but a backward cut short
+    had already given some parameters their reduced gradient, which the next backward would add
+    to (the step the heal goes back to begins with none: every step ends in zero_grad(set_to_none))."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        for group in _param_groups(model):
+            group._all_gather_result = None
+        model._get_fsdp_state()._comm_ctx.all_gather_state = None
+        model.reset_iter_state()
+    for param in model.parameters():  # after the reset: the sharded parameters are the module's again
+        param.grad = None
+
+
+def _mesh_infos(model: nn.Module) -> list:
+    """FSDP2's mesh infos under ``model``, each once: shared by a param group and its parameters,
+    or a parameter's own (a custom shard placement)."""
+    infos: dict[int, object] = {}
+    for group in _param_groups(model):
+        for holder in (group, *group.fsdp_params):
+            for info in (holder.mesh_info, holder.post_forward_mesh_info):
+                if info is not None:
+                    infos[id(info)] = info
+    return list(infos.values())
+
+
+def release_groups(model: nn.Module) -> None:
+    """Healing in place, once the broken groups were destroyed: FSDP2 lets go of its group objects,
+    so their last references go and their sockets close: a peer blocked in a collective with this
+    rank (one that is alive, and healing) then fails at once and heals too, instead of waiting out
+    the collective timeout. :func:`repoint_groups` sets them again."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+
+    for info in _mesh_infos(model):
+        if isinstance(info, FSDPMeshInfo):
+            info.shard_process_group = None
+        if isinstance(info, DDPMeshInfo):
+            info.replicate_process_group = None
+
+
+def repoint_groups(model: nn.Module) -> None:
+    """After the mesh formed its groups again (:meth:`~slipstream.parallel.ParallelDims.reform_groups`):
+    FSDP2 resolved its process groups into objects at ``fully_shard`` time (each mesh info's
+    ``shard_process_group`` / ``replicate_process_group``: its all-gathers, reduce-scatters and
+    HSDP all-reduces run on them), so each is looked up again from its mesh, whose names now
+    resolve to the new groups."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
+
+    for info in _mesh_infos(model):
+        if isinstance(info, FSDPMeshInfo):
+            if info.reduce_scatter_process_group is not None:  # set_separate_reduce_scatter_group: not ours
+                raise RuntimeError("FSDP2's separate reduce-scatter group cannot be formed again in place")
+            info.shard_process_group = info.mesh.get_group(info.shard_mesh_dim)
+        if isinstance(info, DDPMeshInfo):
+            info.replicate_process_group = info.mesh.get_group(info.replicate_mesh_dim)

@@ -448,6 +448,7 @@ class Accelerated:
             traceback.clear_frames(cause.__traceback__)
             cause = cause.__cause__ or cause.__context__
         try:
+            self.layout.release()
             self.healer.leave()
             self._leave()
             seconds = self.healer.rejoin()
@@ -473,14 +474,14 @@ class Accelerated:
 
     def _leave(self) -> None:
         """Every holder of the broken group lets go of it, so its sockets close (see heal.Healer.leave)."""
-        self.layout.leave()  # type: ignore[attr-defined]  (only the data-parallel layout heals)
+        self.layout.leave()
         self.recorder.rejoined()
         if self.checkpoints is not None:
             self.checkpoints.left()
 
     def _rejoined(self) -> None:
         """Everything that held the old default group moves to the new one (same order on every rank)."""
-        self.layout.rejoined()  # type: ignore[attr-defined]  (only the data-parallel layout heals)
+        self.layout.rejoined()
         if self.checkpoints is not None:
             self.checkpoints.rejoined()
         self.recorder.rejoined()
@@ -523,14 +524,13 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:120]}" if first else type(exc).__name__
 
 
-def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
+def _heal_refusal(run: Accelerated) -> str | None:
     """Why this run cannot heal in place (None: it can). Deterministic, so a replacement decides as
     its predecessor did."""
     mgr = run.checkpoints
-    if not plain:
-        return f"the layout {run.describe_layout()} is not plain data parallelism"
-    if not isinstance(run.layout, DataParallelLayout):
-        return "the layout is not plain data parallelism"
+    why = run.layout.heal_refusal()
+    if why is not None:
+        return why
     if not sync.describe(run.config.sync.strategy).heals_in_place:
         return (f"sync {run.config.sync.strategy!r} is registered without heals_in_place: slipstream cannot form "
                 "its process groups again or know what it keeps outside its state_dict")
@@ -543,10 +543,10 @@ def _heal_refusal(run: Accelerated, plain: bool) -> str | None:
     return None
 
 
-def _start_healing(run: Accelerated, healer: heal.Healer, plain: bool) -> None:
+def _start_healing(run: Accelerated, healer: heal.Healer) -> None:
     """Arm healing in place for this run, or say in one line why not (the launcher's full restart
     stays); a replacement joins the survivors here, before the restore every rank then makes."""
-    why = _heal_refusal(run, plain)
+    why = _heal_refusal(run)
     if why is not None:
         healer.disarm()
         if healer.pending:
@@ -715,7 +715,7 @@ def accelerate(
             extra_state or {}, layout.sync, snapshot_auto=snapshot_auto,
         )
     if healer is not None:
-        _start_healing(run, healer, plain)
+        _start_healing(run, healer)
         if run.healer is None and config.checkpoint.dir is None:  # cannot heal: its snapshots would serve nothing
             run.checkpoints.close()  # type: ignore[union-attr]
             run.checkpoints = None

@@ -65,6 +65,30 @@ class Layout(Protocol):
     dp_size: int
     """How many data-parallel ranks there are (global batch = per-rank batch * dp_size)."""
 
+    # --- healing in place (slipstream.heal): the facade calls these, in this order ------------
+    def heal_refusal(self) -> str | None:
+        """Why this layout cannot heal in place, in one line (None: it can). Deterministic:
+        a replacement decides as its predecessor did."""
+        ...
+
+    def release(self) -> None:
+        """After a failed collective, before the healer destroys the broken default group: drop
+        the references to groups of the layout's own and close them, so a peer blocked in one
+        of them fails now instead of waiting on this rank."""
+        ...
+
+    def leave(self) -> None:
+        """After a failed collective, once the broken default group (every group with it) was
+        destroyed: let go of every reference to those groups, so their sockets close, and drop
+        what the failed step left in flight."""
+        ...
+
+    def rejoined(self) -> None:
+        """After the default group was formed again: everything that held the old groups moves
+        to new ones. A collective: every rank calls it, in the same order, before the facade
+        restores the in-memory snapshot."""
+        ...
+
     def describe(self) -> str:
         """The layout in words, e.g. ``pp(1) x dp_replicate(2) x dp_shard(1) x tp(1)``."""
         ...

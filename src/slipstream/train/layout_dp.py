@@ -128,6 +128,13 @@ class DataParallelLayout:
         except (TypeError, ValueError) as exc:  # an option the strategy does not take, or a bad value
             raise ConfigError(f"sync_options for {strategy!r}: {exc}") from None
 
+    def heal_refusal(self) -> str | None:
+        """None: DDP heals in place (whether the sync strategy does is the facade's question)."""
+        return None
+
+    def release(self) -> None:
+        """Nothing: DDP holds the default group alone, which the healer destroys (then :meth:`leave`)."""
+
     def leave(self) -> None:
         """After the broken group was destroyed (healing in place, :meth:`slipstream.heal.Healer.leave`):
         DDP lets go of it for the fake default group, so its sockets close and no peer waits on them."""

@@ -36,20 +36,22 @@ Example::
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from .. import sync
 from ..checkpoint.states import ModelOptimizerState
 from ..config import TrainConfig
-from ..errors import ConfigError, SlipstreamError
+from ..errors import ConfigError, SlipstreamError, TrainingFailed
 from ..fault import progress
 from ..log import CONSOLE
 from ..parallel import ParallelDims, Parallelized, build_schedule, parallelize
+from ..parallel.fully_shard import release_groups, repoint_groups, reset_after_failure
 from ..parallel.host_gather import HostGather
 from ..runtime import Runtime
 from ..sync import SyncHandle
@@ -82,6 +84,10 @@ class ParallelModel(nn.Module):
         self._sl_context = context
         self._sl_autocast = autocast_precision
         self._sl_pipeline = pipeline
+        # Set by accelerate() under healing in place: takes an exception of the forward (FSDP2's
+        # all-gathers, TP's collectives) and answers True when the group healed; None: raise it.
+        self.sl_on_failure: Callable[[BaseException], bool] | None = None
+        self._sl_last_output: Any = None  # the last output's shapes (meta tensors): see forward
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._sl_pipeline:
@@ -97,9 +103,50 @@ class ParallelModel(nn.Module):
         count_inputs(ctx.recorder, args, kwargs, ctx.micro)
         timing = ctx.recorder.begin("forward")
         with autocast(self._sl_autocast, ctx.device):
-            out = self.module(*args, **kwargs)
+            try:
+                out = self.module(*args, **kwargs)
+                if self.sl_on_failure is not None:
+                    _wait_collectives(out)
+            except Exception as exc:  # noqa: BLE001 - re-raised unless the run healed in place
+                if self.sl_on_failure is None or not self.sl_on_failure(exc):
+                    raise
+                out = self._dropped_output(exc)
+            else:
+                if self.sl_on_failure is not None:
+                    self._sl_last_output = tree_map_only(torch.Tensor, _meta_like, out)
         ctx.recorder.end("forward", timing)
         return outputs_to_fp32(out)
+
+    def _dropped_output(self, exc: BaseException) -> Any:
+        """The output of a micro-step a heal dropped (backward and step skip it; its loss is never
+        used). The loop still needs one, but a sharded or tensor-parallel forward cannot run
+        without its collectives, which the other ranks are not making (a replacement is already
+        in its first real step): zeros shaped as the last forward's output, made here."""
+        if self._sl_last_output is None:  # no forward completed in this process since it armed
+            raise TrainingFailed("the group healed in place during this process's first forward, which "
+                                 "has no output to stand in for the dropped micro-step") from exc
+        device = self._sl_context.device
+        return tree_map_only(torch.Tensor, lambda m: torch.zeros(m.shape, dtype=m.dtype, device=device),
+                             self._sl_last_output)
+
+
+def _wait_collectives(out: Any) -> None:
+    """Wait here for the collectives whose results the output still holds unwaited: a tensor-parallel
+    output is DTensor's functional all-reduce, waited for at its first use, which is the user's loss
+    function, outside this forward. A lost peer then surfaces inside the forward, where the layout
+    heals, and not in the loss, which nothing catches. (No copy: the output stays the same tensor.)"""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    for leaf in tree_leaves(out):
+        local = leaf._local_tensor if isinstance(leaf, DTensor) else leaf
+        if isinstance(local, AsyncCollectiveTensor):
+            local.trigger_wait()
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's shape and dtype, holding no memory (a DTensor: its global shape)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 class PipelineRunner:
@@ -201,6 +248,7 @@ class MeshLayout:
         self.pipeline = PipelineRunner(parts, config, context, autocast_precision) if dims.pp > 1 else None
         self._selectors: dict[str, torch.Tensor] | None = None  # see global_grad_norm
         self._gather: HostGather | None = None  # see unwrapped_state_dict
+        self._optimizer: torch.optim.Optimizer | None = None  # see rejoined
         if replicas:
             self.sync = self._join_replicas(config)
 
@@ -215,6 +263,47 @@ class MeshLayout:
         return sync.apply_to_replicas(config.sync.strategy, self.module, dims.mesh.get_group("dp_replicate"),
                                       **config.sync.options)
 
+    # --- healing in place (slipstream.heal; the Layout protocol's healing interface) ------------
+    def heal_refusal(self) -> str | None:
+        """Why this layout cannot heal in place (None: it can): pipeline parallelism (its schedule
+        and stages keep point-to-point groups of their own, not formed again yet), and ``diloco``
+        over dp_shard replicas (its outer step holds the dp_replicate group)."""
+        if self.dims.pp > 1:
+            return (f"pipeline parallelism (pp {self.dims.pp}) keeps the schedule's own point-to-point "
+                    "groups, which are not formed again in place")
+        if self.sync is not None:
+            return "diloco's outer step over the dp_shard replicas keeps the dp_replicate group"
+        return None
+
+    def release(self) -> None:
+        """Before the broken default group is destroyed: every reference to the mesh's groups dropped
+        (FSDP2's, the mesh's cache, the host gather's side groups) and the mesh's own groups
+        destroyed first, so their sockets close and a peer blocked on one of them fails and heals
+        too (why first: ParallelDims.release_groups)."""
+        release_groups(self.module)
+        self.dims.release_groups()
+        self._gather = None
+
+    def leave(self) -> None:
+        """After the broken groups were destroyed: FSDP2 back to a step that never began (the failed
+        collectives' results dropped, every parameter sharded, no gradient)."""
+        reset_after_failure(self.module)
+
+    def rejoined(self) -> None:
+        """After the default group was formed again: the mesh's groups made again under their names,
+        and FSDP2's group objects looked up again (see ParallelDims.reform_groups). Collective."""
+        self.dims.reform_groups()
+        repoint_groups(self.module)
+        if self._optimizer is not None and not self._optimizer.state:
+            # A replacement's optimizer has no state yet, and the in-memory snapshot rebuilds each
+            # saved shard as a DTensor only where the current state holds one (else a plain tensor,
+            # which foreach and fused steps refuse beside DTensor parameters): made first, by the
+            # step with zero gradients and lr 0 that torch's own checkpoint load takes (the restore
+            # that follows overwrites every value).
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(self._optimizer)
+
     def describe(self) -> str:
         return self.dims.describe()
 
@@ -226,6 +315,7 @@ class MeshLayout:
         built, note = without_unsupported_fused(built, self.describe())
         if note and dist.get_rank() == 0:
             log.warning(note, extra=CONSOLE)
+        self._optimizer = built
         return built
 
     def global_grad_norm(self) -> torch.Tensor:
