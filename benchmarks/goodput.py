@@ -82,7 +82,7 @@ def run_once(world: int, steps: int, every: int, period_s: float, mode: str, see
             env["SLIPSTREAM_HEAL_PID_DIR"] = str(pid_dir)
         cmd = [sys.executable, "-m", "slipstream", "run", "-n", str(world), "--max-restarts", "100",
                "--run-dir", str(run_dir), "--log-every-steps", "1",
-               *(["--snapshot-every-steps", "1"] if snapshots else []), *(["--heal"] if mode == "heal" else []),
+               *(["--snapshot-every-steps", "1"] if snapshots else []), *(["--heal"] if mode == "heal" else ["--no-heal"]),
                GPT, "--steps", str(steps), "--layers", "2", "--checkpoint-dir", str(ckpt),
                "--checkpoint-every-steps", str(every)]
         started = time.monotonic()

@@ -135,5 +135,5 @@ def test_a_strategy_that_cannot_heal_says_so_and_does_not_arm(tmp_path):
                     timeout=300)
     text = result.stdout + result.stderr
     assert result.returncode == 0, text[-4000:]
-    assert "--heal: sync 'bf16' keeps process groups of its own" in text
+    assert "healing in place is off for this run: sync 'bf16' keeps process groups of its own" in text
     _no_leftovers(tmp_path)

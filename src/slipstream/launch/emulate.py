@@ -560,6 +560,10 @@ class EmulatedCluster:
         ]
         if base.log_level is not None:
             argv += ["--log-level", base.log_level]
+        if base.heal is not None:  # None: each agent's default, which is the launcher's
+            argv.append("--heal" if base.heal else "--no-heal")
+        if base.spares is not None:
+            argv += ["--spares", str(base.spares)]
         rdzv_conf = getattr(base, "rdzv_conf", None) or {}
         if rdzv_conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())]
