@@ -101,6 +101,14 @@ class Restarts:
     max_pod_restarts: int = integer(
         3, minimum=0, maximum=1000, default_from="max_restarts", default_doc="max_restarts",
         doc="Failed pods Kubernetes replaces (per index / JobSet restarts / backoffLimit).")
+    heal: bool = boolean(
+        True, doc="Heal a rank whose process dies in place (slipstream run --heal): the other ranks keep their "
+                  "processes and the group forms again; false (--no-heal): a failed rank restarts every worker. "
+                  "On only where it applies: more than one worker process, and no elastic range of replicas.")
+    spares: int = integer(
+        1, minimum=0, maximum=1,
+        doc="Warm spare processes each rank keeps for healing (slipstream run --spares); 0: a replacement "
+            "starts cold, seconds later, and costs no memory until then.")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -347,6 +347,9 @@ def _run_emulated(spec: JobSpec, request: JobRun, env: dict[str, str], extra: li
         min_nodes=spec.min_replicas, max_nodes=spec.max_replicas,
         rdzv_id=request.rdzv_id or f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
         module=module, worker_env=env, rdzv_conf=dict(request.rdzv_conf),
+        # The spec's departures from the launcher's default, as launcher_flags renders them.
+        heal=None if spec.restarts.heal else False,
+        spares=spec.restarts.spares if spec.restarts.heal and spec.restarts.spares != 1 else None,
     )
     return run_emulated(spec.replicas, spec.procs_per_replica, request.link or "unshaped", base)
 
