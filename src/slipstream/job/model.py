@@ -207,8 +207,9 @@ class Network:
         pattern=_RESOURCE_PATTERN, rule="an extended resource name such as rdma/hca", max_len=253,
         doc="Extended resource of an RDMA device (rdma/hca), requested rdma_count times per replica.")
     rdma_count: int = integer(1, minimum=1, maximum=64, doc="How many rdma_resource devices per replica.")
-    host_network: bool = boolean(False, doc="Pods use the node's network (hostNetwork: true); port 29400 must then "
-                                                          "be free on the nodes.")
+    host_network: bool = boolean(False, doc="Pods use the node's network (hostNetwork: true); port 29400 (and 29401, "
+                                            "the healing store, unless restarts.heal is false) must then be free on "
+                                            "the nodes.")
 
 
 @dataclass(frozen=True, kw_only=True)
