@@ -110,7 +110,9 @@ class Plan:
 def launcher_argv(setup: Setup, wl: Workload, run_dir: Path, out: Path, ckpt: Path) -> list[str]:
     argv = [sys.executable, "-m", "slipstream", "run"]
     argv += ["--emulate", "2x1"] if setup.emulated else ["-n", str(setup.world)]
-    argv += ["--max-restarts", str(wl.max_restarts), "--run-dir", str(run_dir), "--log-every-steps", "1",
+    # --no-heal: the full restart is what these trials measure (healing in place is on by default
+    # wherever it applies: tests/integration/test_heal_in_place.py checks that path).
+    argv += ["--max-restarts", str(wl.max_restarts), "--no-heal", "--run-dir", str(run_dir), "--log-every-steps", "1",
              "--checkpoint-async" if setup.async_save else "--no-checkpoint-async"]
     if wl.snapshot_every is not None:
         argv += ["--snapshot-every-steps", str(wl.snapshot_every)]

@@ -79,7 +79,7 @@ BAD: dict[tuple[str, str], list[Bad]] = {
     ("run", "--log-level"): [bad("--log-level", "loud"), Bad(("-q", "--log-level", "debug"), ("-q", "--log-level debug"))],
     ("run", "--emulate"): [bad("--emulate", "2by2")],
     ("run", "--spares"): [Bad(("--heal", "--spares", "2"), ("--spares", "2")),
-                          Bad(("--spares", "1"), ("--spares", "--heal")), bad("--spares", "x"),
+                          Bad(("--no-heal", "--spares", "1"), ("--spares", "--no-heal")), bad("--spares", "x"),
                           Bad(("--heal", "--no-python", "--spares", "1"), ("--heal", "--no-python"))],
     ("run", "--link"): [bad("--link", "1gbit"), Bad(("--emulate", "2x1", "--link", "1zbit"), ("--link", "1zbit"))]
     + [Bad(("--emulate", "2x1", "--link", v), ("--link", v, why)) for v, why in (

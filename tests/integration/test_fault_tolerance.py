@@ -28,6 +28,9 @@ REPO = HERE.parent.parent
 SCRIPT = str(HERE / "scripts_ft_train.py")
 EVERY = 2
 STEPS = 12
+RESTART = "--no-heal"
+"""The full restart these tests check: healing in place is on by default at 2 ranks and would heal
+these failures instead (tests/integration/test_heal_in_place.py checks that path)."""
 
 
 def launch(*args: str, env: dict | None = None, timeout: float = 240, **kw) -> subprocess.CompletedProcess:
@@ -117,8 +120,9 @@ def check_against_reference(out: Path, reference: Path) -> int:
 @pytest.mark.parametrize("mode,async_save", [("sigkill", False), ("exception", False), ("sigkill", True)])
 def test_failure_resumes_with_bitwise_equal_result(mode, async_save, reference, tmp_path):
     extra = ["--async-save"] if async_save else []
-    proc = launch("-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt"),
-                  "--every", str(EVERY), "--steps", str(STEPS), "--mode", mode, "--fail-step", "5", *extra)
+    proc = launch("-n", "2", "--max-restarts", "1", RESTART, SCRIPT, "--out", str(tmp_path), "--ckpt",
+                  str(tmp_path / "ckpt"), "--every", str(EVERY), "--steps", str(STEPS), "--mode", mode, "--fail-step",
+                  "5", *extra)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout
     redone = check_against_reference(tmp_path, reference)
@@ -132,7 +136,7 @@ def test_a_killed_worker_resumes_from_its_in_memory_snapshot(reference, tmp_path
     """--snapshot-every-steps 1 and no disk checkpoint before the end: the restart loads step 5
     from host memory (not from scratch), redoes no step, and ends bitwise equal, sample for sample."""
     snapshots = tmp_path / "shm"
-    proc = launch("-n", "2", "--max-restarts", "1", "--snapshot-every-steps", "1", SCRIPT, "--out", str(tmp_path),
+    proc = launch("-n", "2", "--max-restarts", "1", RESTART, "--snapshot-every-steps", "1", SCRIPT, "--out", str(tmp_path),
                   "--ckpt", str(tmp_path / "ckpt"), "--every", "100", "--steps", str(STEPS), "--mode", "sigkill",
                   "--fail-step", "5", env={"SLIPSTREAM_SNAPSHOT_DIR": str(snapshots)})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -153,7 +157,10 @@ def test_compressed_sync_state_is_restored_bitwise(tmp_path):
     reference = Background(*common, SCRIPT, "--out", str(ref), "--steps", "8", "--dropout", "0", log=tmp_path / "ref.log")
     try:
         out = tmp_path / "killed"
-        proc = launch(*common, "--max-restarts", "1", SCRIPT, "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
+        # RESTART: under the default a run that cannot heal still snapshots every step (accelerate()), and the
+        # restart would resume from that snapshot, not from the disk checkpoint this test checks.
+        proc = launch(*common, "--max-restarts", "1", RESTART, SCRIPT, "--out", str(out), "--ckpt",
+                      str(tmp_path / "ckpt"),
                       "--every", "2", "--steps", "8", "--dropout", "0", "--mode", "sigkill", "--fail-step", "5")
         reference.wait()
     finally:
@@ -164,8 +171,9 @@ def test_compressed_sync_state_is_restored_bitwise(tmp_path):
 
 
 def test_checkpoint_killed_mid_write_is_never_loaded(reference, tmp_path):
-    proc = launch("-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt"),
-                  "--every", str(EVERY), "--steps", str(STEPS), "--mode", "kill-in-save", "--fail-step", "5")
+    proc = launch("-n", "2", "--max-restarts", "1", RESTART, SCRIPT, "--out", str(tmp_path), "--ckpt",
+                  str(tmp_path / "ckpt"), "--every", str(EVERY), "--steps", str(STEPS), "--mode", "kill-in-save",
+                  "--fail-step", "5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The checkpoint of step 6 was being written when rank 1 died: the restart used step 4's.
     resumed = torch.load(tmp_path / "resumed_1.pt", weights_only=False)
@@ -177,9 +185,9 @@ def test_checkpoint_killed_mid_write_is_never_loaded(reference, tmp_path):
 def test_hang_is_detected_diagnosed_and_recovered(reference, tmp_path):
     timeout_s = 6.0
     run_dir = tmp_path / "run"
-    proc = launch("-n", "2", "--max-restarts", "1", "--collective-timeout-s", str(timeout_s), "--run-dir", str(run_dir),
-                  SCRIPT, "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt"), "--every", str(EVERY),
-                  "--steps", str(STEPS), "--mode", "hang", "--fail-step", "5")
+    proc = launch("-n", "2", "--max-restarts", "1", RESTART, "--collective-timeout-s", str(timeout_s), "--run-dir",
+                  str(run_dir), SCRIPT, "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt"), "--every",
+                  str(EVERY), "--steps", str(STEPS), "--mode", "hang", "--fail-step", "5")
     assert proc.returncode == 0, proc.stderr[-3000:]
     started = float((tmp_path / "hang_started").read_text())
     detected = (run_dir / "hang.txt").stat().st_mtime

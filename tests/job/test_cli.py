@@ -218,3 +218,28 @@ def test_the_spec_commands_answer_under_job_too(capsys, command):
     grouped = run_cli(["job", name, str(EXAMPLES / "local-2x1.yaml"), *flags], capsys)
     assert grouped[0] == 0, grouped
     assert grouped == top
+
+
+def test_heal_flags_go_over_the_specs_restarts_heal_and_spares(base_spec, tmp_path):
+    """`slipstream run [--heal|--no-heal] [--spares N] JOB.yaml`: the flags win over restarts.heal and
+    restarts.spares (the launcher's rule); the local replicas' flags then carry the result."""
+    from slipstream.cli import build_parser
+    from slipstream.errors import UsageError
+    from slipstream.job.cli import job_run_from_args
+    from slipstream.job.commands import launcher_flags
+
+    def flags(*given: str, **restarts) -> list[str]:
+        path = write_spec({**base_spec, "replicas": 2, "restarts": restarts}, str(tmp_path))
+        spec = job_run_from_args(build_parser().parse_args(["run", *given, path])).spec
+        rendered = launcher_flags(spec, "2", "127.0.0.1:1", "0", "r")
+        return rendered[rendered.index("--max-restarts") + 2:]  # what follows: the healing flags
+
+    assert flags() == [] and flags(heal=False) == ["--no-heal"]
+    assert flags("--no-heal") == ["--no-heal"]
+    assert flags("--heal", heal=False) == []  # on: the launcher's default, rendered as no flag
+    assert flags("--spares", "0") == ["--spares", "0"]
+    with pytest.raises(UsageError, match="restarts.heal: false turns off"):
+        flags("--spares", "0", heal=False)
+    path = write_spec({**base_spec, "replicas": 2}, str(tmp_path))
+    with pytest.raises(UsageError, match="--no-heal must come before the job spec"):
+        job_run_from_args(build_parser().parse_args(["run", path, "--no-heal"]))

@@ -216,3 +216,22 @@ def test_a_replica_usage_error_decides_the_exit_code():
         assert [p.returncode for p in procs] == [1, 2], "replica 1 left by itself, after replica 0"
     finally:
         stop_processes(procs, grace_s=runner.KILL_GRACE_S)
+
+
+
+def test_the_local_rendezvous_port_has_the_healing_stores_port_free_after_it(monkeypatch):
+    """Healing is on by default for a spec's local replicas, whose launcher hosts its store on the
+    rendezvous port + 1: run_local's port is one whose next port is free too (here the first
+    port offered has its next one taken, so a second is drawn)."""
+    from slipstream.job import runner
+
+    asked: list[int] = []
+
+    def bindable(host: str, port: int) -> bool:
+        asked.append(port)
+        return len(asked) > 1
+
+    monkeypatch.setattr(runner, "_bindable", bindable)
+    port = runner.free_port(count=2)
+    assert len(asked) == 2 and port + 1 == asked[1]
+    assert runner.free_port() and len(asked) == 2  # one port: nothing after it is asked about

@@ -123,3 +123,48 @@ def test_dry_run_prints_the_script(tmp_path, capsys):
     path = write_spec(SEED, str(tmp_path))
     code, out, _ = run_cli(["submit", path, "--target", "slurm", "--dry-run"], capsys)
     assert code == 0 and out.startswith("# would run: sbatch --parsable") and "#SBATCH --nodes=2" in out
+
+
+def _agent_argv(script: str, tmp_path: Path) -> list[str]:
+    """The words each node's agent is started with: the script's srun line run by bash as srun
+    would (``bash -c 'exec slipstream run ...'``), with stand-ins for ``slipstream`` (it records
+    its arguments) and ``scontrol``, and the variables Slurm sets."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    (line,) = [x for x in script.splitlines() if x.startswith("srun ") and "bash -c" in x]
+    words = shlex.split(line.rstrip(" &"))
+    command = words[words.index("-c") + 1]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "slipstream").write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                                        "json.dump(sys.argv[1:], open(os.environ['ARGV_OUT'], 'w'))\n")
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 'NodeName=n0 NodeAddr=10.0.0.1 State=IDLE'\n")
+    for stub in ("slipstream", "scontrol"):
+        (bin_dir / stub).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "ARGV_OUT": str(tmp_path / "argv.json"), "SLURM_NODEID": "0",
+           "RDZV_HOST": "10.0.0.1", "RDZV_PORT": "29400", "SLURM_JOB_ID": "7", "SLURM_SUBMIT_DIR": str(tmp_path),
+           "SLURMD_NODENAME": "n0"}
+    subprocess.run(["bash", "-c", command], env=env, check=True, timeout=30)
+    return json.loads((tmp_path / "argv.json").read_text())
+
+
+@pytest.mark.parametrize("restarts,expected", [
+    ({}, {"SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": "1"}),  # on by default: no flag rendered
+    ({"heal": False}, {}),
+    ({"spares": 0}, {"SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": "0"}),
+])
+def test_heal_and_spares_round_trip_from_the_spec_to_each_nodes_launcher(restarts, expected, tmp_path, monkeypatch):
+    """restarts.heal / restarts.spares reach every node's `slipstream run` (--no-heal / --spares), and
+    through its parser the workers' environment: no supervisor under heal: false."""
+    from slipstream.cli import build_parser
+    from slipstream.launch.api import _set_heal_env
+    from slipstream.launch.cli import launch_options_from_args
+
+    argv = _agent_argv(render_sbatch(spec_of(restarts=restarts)), tmp_path)
+    assert argv[0] == "run" and ("--no-heal" in argv) == (restarts.get("heal") is False)
+    monkeypatch.delenv("SLIPSTREAM_HEAL", raising=False)
+    _set_heal_env(launch_options_from_args(build_parser().parse_args(argv)))
+    assert {k: v for k, v in os.environ.items() if k.startswith("SLIPSTREAM_HEAL")} == expected

@@ -8,6 +8,7 @@ top-level command calls :func:`run_main` here, which turns those flags into a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ import sys
 
 from ..config import env_text, replaced
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
-from ..launch.cli import (apply_launch_settings, check_launcher_flags, parse_rdzv_conf, run_file,
+from ..launch.cli import (apply_launch_settings, check_launcher_flags, heal_settings, parse_rdzv_conf, run_file,
                           torchrun_option_defaults, training_options, worker_env_from_args)
 from .model import config_values
 from .kubectl import JOB_LABEL, cluster_unreachable
@@ -318,7 +319,7 @@ _TOPOLOGY_FLAGS = (
 # Options only the launcher has: after JOB.yaml they would reach the script
 # (argparse passes everything after the positional through), so they are refused there.
 _LAUNCHER_ONLY = ("--emulate", "--link", "--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint",
-                  "--rdzv-id", "--max-restarts", "--local-addr")
+                  "--rdzv-id", "--max-restarts", "--local-addr", "--heal", "--no-heal", "--spares")
 
 
 def job_run_from_args(args: argparse.Namespace) -> JobRun:
@@ -353,6 +354,7 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
         extra = extra[1:]
     _refuse_misplaced_flags(extra, path)
     worker_env = worker_env_from_args(args)
+    spec = _with_heal_flags(spec, args)
     ours, spec_values = training_options(args), config_values(spec)
     for name in replaced(spec_values, ours):  # the precedence rule, said when it bites (docs/launcher.md)
         print(f"slipstream run: {name} {env_text(ours[name])} (its flags or --config) overrides {path}'s "
@@ -363,6 +365,21 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
         rdzv_id=args.rdzv_id,
         rdzv_conf=parse_rdzv_conf(args.rdzv_conf or ""), emulate=args.emulate, link=args.link,
     )
+
+
+def _with_heal_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
+    """``--heal``/``--no-heal`` and ``--spares`` (flags or run config) over the spec's ``restarts.heal``
+    and ``restarts.spares``, as every launcher setting goes over the spec's value."""
+    heal, spares = heal_settings(args)  # --no-heal with --spares is refused there
+    restarts = spec.restarts
+    if heal is not None:
+        restarts = dataclasses.replace(restarts, heal=heal)
+    if spares is not None:
+        if not restarts.heal:
+            raise UsageError(f"--spares {spares} keeps warm replacements for healing in place, which "
+                             f"{args.script}'s restarts.heal: false turns off: give --heal too, or no --spares")
+        restarts = dataclasses.replace(restarts, spares=spares)
+    return spec if restarts == spec.restarts else dataclasses.replace(spec, restarts=restarts)
 
 
 def _refuse_misplaced_flags(extra: list[str], path: str) -> None:

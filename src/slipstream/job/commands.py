@@ -35,6 +35,12 @@ def launcher_flags(spec: JobSpec, nnodes: str, endpoint: str, node_rank: str | N
     flags += ["--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--max-restarts", str(spec.restarts.max_restarts)]
     if local_addr is not None:
         flags += ["--local-addr", local_addr]
+    # Healing in place is the launcher's default wherever it applies: only a spec that
+    # departs from it says so, and every target (pods, sbatch, local replicas) runs these flags.
+    if not spec.restarts.heal:
+        flags.append("--no-heal")
+    elif spec.restarts.spares != 1:
+        flags += ["--spares", str(spec.restarts.spares)]
     return flags
 
 

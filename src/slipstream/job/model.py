@@ -101,6 +101,14 @@ class Restarts:
     max_pod_restarts: int = integer(
         3, minimum=0, maximum=1000, default_from="max_restarts", default_doc="max_restarts",
         doc="Failed pods Kubernetes replaces (per index / JobSet restarts / backoffLimit).")
+    heal: bool = boolean(
+        True, doc="Heal a rank whose process dies in place (slipstream run --heal): the other ranks keep their "
+                  "processes and the group forms again; false (--no-heal): a failed rank restarts every worker. "
+                  "On only where it applies: more than one worker process, and no elastic range of replicas.")
+    spares: int = integer(
+        1, minimum=0, maximum=1,
+        doc="Warm spare processes each rank keeps for healing (slipstream run --spares); 0: a replacement "
+            "starts cold, seconds later, and costs no memory until then.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,8 +207,9 @@ class Network:
         pattern=_RESOURCE_PATTERN, rule="an extended resource name such as rdma/hca", max_len=253,
         doc="Extended resource of an RDMA device (rdma/hca), requested rdma_count times per replica.")
     rdma_count: int = integer(1, minimum=1, maximum=64, doc="How many rdma_resource devices per replica.")
-    host_network: bool = boolean(False, doc="Pods use the node's network (hostNetwork: true); port 29400 must then "
-                                                          "be free on the nodes.")
+    host_network: bool = boolean(False, doc="Pods use the node's network (hostNetwork: true); port 29400 (and 29401, "
+                                            "the healing store, unless restarts.heal is false) must then be free on "
+                                            "the nodes.")
 
 
 @dataclass(frozen=True, kw_only=True)

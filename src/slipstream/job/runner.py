@@ -124,11 +124,28 @@ def _check_entrypoint(spec: JobSpec, path: str, env: Mapping[str, str]) -> None:
         )
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (the rendezvous store binds it next)."""
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A TCP port free on ``host`` right now (the rendezvous store binds it next), with the
+    ``count - 1`` ports after it free too: the replicas' launcher hosts the healing store on the
+    rendezvous port + 1 (slipstream.launch.api), and a taken one there would fail the launch."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if all(_bindable(host, port + i) for i in range(1, count)):
+            return port
+    raise UsageError(f"no {count} consecutive free TCP ports found on {host} for the rendezvous")
+
+
+def _bindable(host: str, port: int) -> bool:
+    if port > 65535:
+        return False
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def plan_gpus(spec: JobSpec, have: int, visible: str | None = None, backend: str | None = None,
@@ -226,7 +243,7 @@ def run_local(spec: JobSpec, env: dict[str, str] | None = None, extra_args: list
     code = prewarm_local(spec, base_env, variables=env)
     if code != EXIT_OK:
         return code
-    endpoint = f"127.0.0.1:{free_port()}"
+    endpoint = f"127.0.0.1:{free_port(count=2)}"  # + 1: the healing store (on by default)
     procs: list[subprocess.Popen] = []
     try:
         for i in range(spec.replicas):
@@ -347,6 +364,9 @@ def _run_emulated(spec: JobSpec, request: JobRun, env: dict[str, str], extra: li
         min_nodes=spec.min_replicas, max_nodes=spec.max_replicas,
         rdzv_id=request.rdzv_id or f"{spec.name}-{uuid.uuid4().hex[:8]}", max_restarts=max_restarts,
         module=module, worker_env=env, rdzv_conf=dict(request.rdzv_conf),
+        # The spec's departures from the launcher's default, as launcher_flags renders them.
+        heal=None if spec.restarts.heal else False,
+        spares=spec.restarts.spares if spec.restarts.heal and spec.restarts.spares != 1 else None,
     )
     return run_emulated(spec.replicas, spec.procs_per_replica, request.link or "unshaped", base)
 

@@ -142,6 +142,16 @@ class LaunchOptions:
     summary: bool = True
     """Print the run directory and a one-line summary at the end (the node that hosts the
     rendezvous does); False for a program that wraps the launcher and prints its own."""
+    heal: bool | None = None
+    """Heal a rank whose process dies in place (docs/fault-tolerance.md, "Healing in place"): each
+    rank runs under a supervisor that replaces its training process while the others keep theirs.
+    None (the default): on wherever it applies (more than one rank, the Python worker entry, not
+    ``no_python``, a fixed number of nodes, not an elastic range: see :attr:`heals`); True (``--heal``):
+    on, an error with ``no_python``; False (``--no-heal``): off, a failed rank restarts every
+    worker (``max_restarts``). Resolved by :attr:`heals`."""
+    spares: int | None = None
+    """Warm spares each rank keeps while healing is on: 0 or 1 (None: 1). 0 starts a replacement
+    cold, seconds later, and costs no memory until then."""
 
     def validate(self) -> None:
         """Raise :class:`UsageError` with a readable message for anything unusable."""
@@ -198,6 +208,36 @@ class LaunchOptions:
         if self.log_level is not None and self.log_level not in LOG_LEVELS:
             raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
                              + did_you_mean(self.log_level, LOG_LEVELS, quote=True))
+        self.validate_heal()
+
+    def validate_heal(self) -> None:
+        """The rules of :attr:`heal` and :attr:`spares` alone (the flags' check needs no script)."""
+        if self.spares is not None and self.spares not in (0, 1):
+            raise UsageError(f"--spares must be 0 or 1 (warm spares per rank), got {self.spares}")
+        if self.heal is False and self.spares is not None:
+            raise UsageError(f"--spares {self.spares} keeps warm replacements for healing in place, "
+                             "which --no-heal turns off: give one or the other")
+        if self.heal and self.no_python:
+            raise UsageError("--heal runs each rank under a supervisor in the Python worker entry: "
+                             "it cannot go with --no-python")
+
+    @property
+    def heals(self) -> bool:
+        """Whether this launch heals in place: :attr:`heal` resolved. Its default is on wherever
+        it applies, and off without a word where it does not: one rank has no survivor to heal
+        with; ``--no-python`` has no Python worker entry to supervise; an elastic range of nodes
+        goes on at a smaller world when a node is lost, where a heal keeps the world's size and
+        would first wait for the lost ranks (``SLIPSTREAM_HEAL_JOIN_TIMEOUT_S``); and across nodes
+        another rendezvous backend (etcd) leaves no host of ours for the healing store."""
+        if self.heal is not None:
+            return self.heal
+        return (not self.no_python and self.nproc_per_node * self.max_nodes > 1 and self.min_nodes == self.max_nodes
+                and (self.max_nodes == 1 or self.rdzv_backend == "c10d"))
+
+    @property
+    def spares_per_rank(self) -> int:
+        """Warm spares each rank keeps when :attr:`heals` (the default: 1)."""
+        return 1 if self.spares is None else self.spares
 
     @property
     def is_rdzv_host(self) -> bool | None:
@@ -343,6 +383,12 @@ def _launch(opts: LaunchOptions) -> int:
         set_level(opts.log_level)
         os.environ[ENV_LOG_LEVEL] = opts.log_level  # the workers' (slipstream.log reads it at import)
     opts = with_run_dir(opts)
+    if opts.heals and opts.summary and opts.is_rdzv_host:
+        # Said once, by the node that speaks for the run: healing is on without a flag, and
+        # a user who sees a rank replaced should know why and how to turn it off.
+        spares = opts.spares_per_rank
+        log.info(f"slipstream run: healing in place: on ({spares} warm spare{'' if spares == 1 else 's'} per rank; "
+                 "--no-heal to turn off)", extra=CONSOLE)
     started = time.monotonic()
     code = _run_agent(opts)
     run_dir = opts.worker_env.get("SLIPSTREAM_RUN_DIR") or os.environ.get("SLIPSTREAM_RUN_DIR")
@@ -378,6 +424,7 @@ def _run_agent(opts: LaunchOptions) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(_default_threads(opts.nproc_per_node)))
     os.environ.setdefault("LOGLEVEL", "WARNING")
     os.environ.update(opts.worker_env)
+    _set_heal_env(opts)
     heal_store = _heal_store(opts, host, port)  # noqa: F841 - held: the store lives while the agent runs
     config, entrypoint, cmd_args = agent_config(opts)
     # The agent runs in this process: workers arm themselves to die with it
@@ -420,11 +467,22 @@ def _run_agent(opts: LaunchOptions) -> int:
     return EXIT_OK
 
 
+def _set_heal_env(opts: LaunchOptions) -> None:
+    """The workers' healing variables (:mod:`slipstream.heal_env`), from :attr:`LaunchOptions.heals`
+    alone: a ``SLIPSTREAM_HEAL`` the launcher's own environment (or ``worker_env``) carries would
+    otherwise put the supervisor under a ``--no-heal`` run, or leave it without its store."""
+    for name in (heal_env.HEAL, heal_env.SPARES, heal_env.STORE):
+        os.environ.pop(name, None)
+    if opts.heals:
+        os.environ[heal_env.HEAL] = "1"
+        os.environ[heal_env.SPARES] = str(opts.spares_per_rank)
+
+
 def _heal_store(opts: LaunchOptions, host: str, port: int) -> object | None:
-    """Under ``--heal``: the store the ranks agree on generations through (:mod:`slipstream.heal`),
+    """When healing is on: the store the ranks agree on generations through (:mod:`slipstream.heal`),
     its address in ``SLIPSTREAM_HEAL_STORE`` for the workers. One node: a free local port; more:
     the rendezvous port + 1 on the rendezvous host, hosted by the launcher there."""
-    if opts.worker_env.get(heal_env.HEAL) != "1":
+    if not opts.heals:
         return None
     import datetime
 

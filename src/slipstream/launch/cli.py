@@ -29,7 +29,6 @@ import re
 import sys
 
 from .. import config as config_module
-from .. import heal_env
 from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig, env_text
 from ..errors import ConfigError, UsageError, did_you_mean
 from . import run_config
@@ -55,7 +54,8 @@ differences from torchrun (everything else means what it means to torchrun):
   exit codes      0 done, 1 training failed, 2 usage or configuration error (a worker exiting 2 is not
                   restarted: it would recur), 130 interrupted, 143 preempted
   --emulate       the emulated nodes' agents get -n, --nnodes, --max-restarts, --rdzv-id, --rdzv-conf, -m,
-                  --log-level and the training options; torchrun's other options are not passed to them"""
+                  --log-level, --heal/--no-heal, --spares and the training options; torchrun's other
+                  options are not passed to them"""
 
 
 def _json_object(text: str) -> dict:
@@ -342,12 +342,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --emulate: each node's link rate, both directions (1gbit, 200mbit, unshaped; "
                    "default unshaped), then optionally the round trip added between two nodes and the "
                    "packet loss each way, e.g. 100mbit,40ms,0.1%%")
-    g.add_argument("--heal", action="store_true", default=None,
-                   help="a rank whose process dies is replaced in place: the others keep their processes, "
-                   "re-form the group and go back to the last in-memory snapshot (one every step unless "
-                   "--snapshot-every-steps says otherwise); needs --checkpoint-dir in the script")
+    g.add_argument("--heal", action=argparse.BooleanOptionalAction, default=None,
+                   help="heal in place (default: on with more than one rank and a fixed number of nodes; off "
+                   "under --no-python): a rank whose process dies is replaced while the others keep their "
+                   "processes, re-form the group and go back to the last in-memory snapshot; --no-heal: a "
+                   "failed rank restarts every worker (--max-restarts) instead")
     g.add_argument("--spares", type=int, default=None, metavar="{0,1}",
-                   help="with --heal: warm spare processes each rank keeps, torch imported (default 1; 0: a "
+                   help="warm spare processes each rank keeps for healing, torch imported (default 1; 0: a "
                    "replacement starts cold, seconds later, and costs no memory until then)")
     # Checked in check_launcher_flags (one line, exit 2, "did you mean"), not by argparse choices.
     g.add_argument("--log-level", default=None, metavar="{debug,info,warning,error}",
@@ -528,7 +529,6 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
             raise UsageError(f"--collective-timeout-s must be > 0, got {timeout_s}")
         env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
     env.update(_placement_env(getattr(args, "backend", None), getattr(args, "device", None)))
-    env.update(_heal_env(getattr(args, "heal", None), getattr(args, "spares", None)))
     level = log_level(args)
     if level is not None:  # the workers' level, and that of the agents a job spec's runner starts
         from ..log import ENV_LOG_LEVEL
@@ -548,17 +548,6 @@ def _say_flags_over_file(args: argparse.Namespace) -> None:
     for name in config_module.replaced(found.train, flags):
         print(f"slipstream run: --{name.replace('_', '-')} {env_text(flags[name])} overrides {args.config}'s "
               f"{name}: {env_text(found.train[name])}", file=sys.stderr, flush=True)
-
-
-def _heal_env(heal: bool | None, spares: int | None) -> dict[str, str]:
-    """The workers' variables of ``--heal`` and ``--spares`` (:mod:`slipstream.launch.supervisor`)."""
-    if spares is not None and spares not in (0, 1):
-        raise UsageError(f"--spares must be 0 or 1 (warm spares per rank), got {spares}")
-    if not heal:
-        if spares is not None:
-            raise UsageError("--spares keeps warm replacements for --heal: give --heal too")
-        return {}
-    return {heal_env.HEAL: "1", heal_env.SPARES: str(1 if spares is None else spares)}
 
 
 def _check_local_dirs(flat: dict[str, object], given: dict[str, object]) -> None:
@@ -640,9 +629,20 @@ def check_launcher_flags(args: argparse.Namespace) -> None:
         parse_shape(emulate)
         parse_link(link)
     log_level(args)
-    if getattr(args, "heal", None) and getattr(args, "no_python", False):
-        raise UsageError("--heal runs each rank under a supervisor in the Python worker entry: "
-                         "it cannot go with --no-python")
+    heal_settings(args)
+
+
+def heal_settings(args: argparse.Namespace) -> tuple[bool | None, int | None]:
+    """``--heal``/``--no-heal`` and ``--spares`` (flags over the run config) as
+    :class:`LaunchOptions`' ``heal`` and ``spares``, checked by its own rules (one line, exit 2).
+
+    Example::
+
+        heal_settings(parse(["run", "--no-heal", "train.py"]))   # (False, None)
+    """
+    heal, spares = getattr(args, "heal", None), getattr(args, "spares", None)
+    LaunchOptions("-", heal=heal, spares=spares, no_python=bool(getattr(args, "no_python", False))).validate_heal()
+    return heal, spares
 
 
 def log_level(args: argparse.Namespace) -> str | None:
@@ -717,6 +717,8 @@ def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
         shutdown_timeout_s=args.shutdown_timeout,
         log_level=log_level(args),
         summary=not args.no_summary,
+        heal=args.heal,
+        spares=args.spares,
     )
 
 

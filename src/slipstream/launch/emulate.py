@@ -65,6 +65,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -82,7 +83,6 @@ from dataclasses import dataclass, field
 
 from ..errors import EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE
-from .. import heal_env
 from ..snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
 from . import node_rejoin
 from .agent import ENV_WORKERS_FILE
@@ -574,8 +574,10 @@ class EmulatedCluster:
         ]
         if base.log_level is not None:
             argv += ["--log-level", base.log_level]
-        if _heals(base):
-            argv += ["--heal", "--spares", base.worker_env.get(heal_env.SPARES) or "1"]
+        if base.heal is not None:  # None: each agent's default, which is the launcher's
+            argv.append("--heal" if base.heal else "--no-heal")
+        if base.spares is not None:
+            argv += ["--spares", str(base.spares)]
         rdzv_conf = getattr(base, "rdzv_conf", None) or {}
         if rdzv_conf:
             argv += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in rdzv_conf.items())]
@@ -614,8 +616,10 @@ class EmulatedCluster:
             return subprocess.Popen(self.exec_argv(i, argv or self.agent_argv(i, base, procs_per_node)),
                                     env=env, start_new_session=True, stdout=log_file, stderr=log_file, cwd=cwd)
 
+        heals = _heals(base, self.nodes, procs_per_node)
+
         def rejoin(i: int) -> subprocess.Popen | None:  # node i back healing; None: it cannot (module docstring)
-            if not _heals(base) or i == 0 or node_rejoin.load(self.workers_file(i)) is None:
+            if not heals or i == 0 or node_rejoin.load(self.workers_file(i)) is None:
                 return None
             return start(i, [sys.executable, "-m", "slipstream.launch.node_rejoin", self.workers_file(i),
                              self.rdzv_endpoint])
@@ -623,7 +627,7 @@ class EmulatedCluster:
         try:
             procs.extend(start(i) for i in range(self.nodes))
             return self._wait(procs, timeout_s, failure_grace_s, restart=start, node_restarts=base.max_restarts,
-                              rejoin=rejoin if _heals(base) else None)
+                              rejoin=rejoin if heals else None)
         finally:
             # Each agent leads a session of its own (start_new_session): stopping its
             # group reaches its workers too.
@@ -711,5 +715,6 @@ class EmulatedCluster:
             time.sleep(0.1)
 
 
-def _heals(base: LaunchOptions) -> bool:
-    return base.worker_env.get(heal_env.HEAL) == "1"  # --heal: its workers' environment says so
+def _heals(base: LaunchOptions, nodes: int, procs_per_node: int) -> bool:
+    """Whether the nodes' agents heal in place: the launch's setting, resolved for this shape as each agent does."""
+    return dataclasses.replace(base, nproc_per_node=procs_per_node, min_nodes=nodes, max_nodes=nodes).heals

@@ -198,7 +198,8 @@ ATTRIBUTES = {
     "resumed_from_step": "the checkpoint step this run resumed from, or None",
     "last_grad_norm": "the global gradient norm of the last measured step (a tensor), or None",
     "checkpoints": "the checkpoint manager when `checkpoint_dir` is set, else None",
-    "healer": "under `slipstream run --heal`, when this run heals in place: the rank's "
+    "healer": "under `slipstream run` with healing in place on (its default; `--no-heal` turns it off), when "
+              "this run heals in place: the rank's "
               "`slipstream.heal.Healer` (`heals`, `last_heal_s`, `generation`); else None",
 }
 

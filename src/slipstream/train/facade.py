@@ -552,7 +552,9 @@ def _start_healing(run: Accelerated, healer: heal.Healer) -> None:
         if healer.pending:
             raise ConfigError(f"this process replaces a dead rank but cannot heal in place: {why}")
         if run.runtime.is_main:
-            print(f"[slipstream] --heal: {why}; a failed rank restarts every worker", flush=True)
+            # Healing is on by default: the line names the setting, not a flag the user may not have given.
+            print(f"[slipstream] healing in place is off for this run: {why}; a failed rank restarts every worker",
+                  flush=True)
         return
     if healer.pending:
         healer.rejoin()
