@@ -167,7 +167,7 @@ def run_once(world: int, steps: int, every: int, period_s: float, mode: str, see
         window = arrivals[-1][0] - arrivals[0][0] if len(arrivals) > 1 else float("nan")
         counted = arrivals[-1][1] - arrivals[0][1] if arrivals else 0
         said = output.read_text(errors="replace")
-        refusal = [line for line in said.splitlines() if line.startswith("[slipstream] --heal:")]
+        refusal = [line for line in said.splitlines() if line.startswith("[slipstream] healing in place is off")]
         return {
             "world": world, "layout": layout, "mode": mode, "snapshots": snapshots,
             "heals": said.count("replacing it in place"), "heal_refused": refusal[0] if refusal else None, "period_s": period_s, "steps": steps, "every": every,

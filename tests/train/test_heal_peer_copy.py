@@ -16,4 +16,4 @@ def test_a_run_with_the_peer_copy_heals():
                           layout=object.__new__(DataParallelLayout),
                           config=SimpleNamespace(sync=SimpleNamespace(strategy="allreduce")),
                           describe_layout=lambda: "dp")
-    assert facade._heal_refusal(run, plain=True) is None
+    assert facade._heal_refusal(run) is None
