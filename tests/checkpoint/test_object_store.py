@@ -229,7 +229,7 @@ def test_two_ranks_killed_mid_upload_resume_from_s3_bitwise(s3, s3_endpoint, tmp
                                      cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
     try:
         out = tmp_path / "s3run"
-        proc = launch("-n", "2", "--max-restarts", "1", SCRIPT, "--out", str(out), "--ckpt", f"{url}/run",
+        proc = launch("-n", "2", "--no-heal", "--max-restarts", "1", SCRIPT, "--out", str(out), "--ckpt", f"{url}/run",
                       "--every", "3", *common, "--mode", "kill-in-save", "--fail-step", "5", env=env)
         reference.wait(timeout=240)
     finally:

@@ -23,13 +23,13 @@ def _run(strategy: str) -> SimpleNamespace:
 
 @pytest.mark.parametrize("strategy", sync.available())
 def test_every_built_in_strategy_heals_in_place(strategy):
-    assert facade._heal_refusal(_run(strategy), plain=True) is None
+    assert facade._heal_refusal(_run(strategy)) is None
 
 
 def test_a_strategy_registered_without_heals_in_place_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(sync, "_REGISTRY", dict(sync._REGISTRY))
     monkeypatch.setattr(sync, "_INFO", dict(sync._INFO))
     sync.register("mine")(lambda ddp_model, **options: None)
-    why = facade._heal_refusal(_run("mine"), plain=True)
+    why = facade._heal_refusal(_run("mine"))
     assert why is not None and "\n" not in why
     assert why.startswith("sync 'mine' is registered without heals_in_place: ")
