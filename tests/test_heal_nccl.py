@@ -19,11 +19,6 @@ import torch.distributed as dist
 from slipstream import heal
 
 
-@pytest.fixture(autouse=True)
-def no_healer_left(monkeypatch):
-    monkeypatch.setattr(heal, "_CURRENT", None)
-
-
 @pytest.fixture
 def calls(monkeypatch):
     log: list = []

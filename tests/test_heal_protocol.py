@@ -46,13 +46,6 @@ def make(store, rank, world, formed, replacement=False, timeout_s=20.0, collecti
     return h
 
 
-@pytest.fixture(autouse=True)
-def no_healer_left(monkeypatch):
-    """form() records the process's healer (heal.current()); these fake ones must not outlive the
-    test, or every later accelerate() in this process takes itself for a replacement."""
-    monkeypatch.setattr(heal, "_CURRENT", None)
-
-
 @pytest.fixture()
 def store():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -226,3 +219,38 @@ def test_the_spare_kills_its_supervisors_hung_child_and_nothing_else(store, monk
             os.kill(grandchild, 9)
         except ProcessLookupError:
             pass
+
+
+def test_healing_is_passed_in_not_read_from_a_global():
+    """Issue #43 item 4: the healer reaches the training side through the runtime (``Runtime.healer``,
+    which ``accelerate()`` hands on), and whether a side group may be made on gloo is asked of the
+    default group itself (``heal.on_fake_group``): no module of the library keeps or reads a
+    process-wide healer."""
+    import ast
+    from pathlib import Path
+
+    import slipstream
+    from slipstream.runtime import Runtime
+
+    assert "healer" in Runtime.__dataclass_fields__
+    assert not hasattr(heal, "current") and not hasattr(heal, "_CURRENT")
+    src = Path(slipstream.__file__).parent
+    readers = []
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global) or (isinstance(node, ast.Attribute) and node.attr == "current"
+                                                and isinstance(node.value, ast.Name) and node.value.id == "heal"):
+                if path.name == "heal.py" or not isinstance(node, ast.Global):
+                    readers.append(f"{path.relative_to(src)}:{node.lineno}")
+    assert readers == [], readers
+
+
+def test_the_fake_default_group_is_told_by_the_group_itself():
+    assert not heal.on_fake_group() and heal.side_group_backend() == "gloo"  # no group at all
+    heal._register_fake_backend()
+    dist.init_process_group(heal._FAKE_BACKEND, store=dist.HashStore(), rank=0, world_size=2)
+    try:
+        assert heal.on_fake_group() and heal.side_group_backend() is None
+    finally:
+        dist.destroy_process_group()
+    assert not heal.on_fake_group()

@@ -73,7 +73,6 @@ _POLL_S = 0.005
 _EVICT_LOOK_S = 0.5  # how often a waiting rank looks for a hung one (a few store reads per rank)
 _WATCH_POLL_S = 0.2  # how often a warm spare looks for an eviction of its rank
 
-_CURRENT: "Healer | None" = None
 log = logging.getLogger(__name__)
 
 
@@ -84,9 +83,18 @@ def requested(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(ENV_HEAL) == "1" and env.get(heal_env.CHILD) == "1"
 
 
-def current() -> "Healer | None":
-    """This process's healer, once :func:`slipstream.init` formed its group with one; else None."""
-    return _CURRENT
+def on_fake_group() -> bool:
+    """Whether this process's default group is the fake one: a replacement that has not joined
+    the survivors yet (or a survivor between :meth:`Healer.leave` and :meth:`Healer.rejoin`).
+    Read from torch's own state, so code that makes side groups asks the group itself, not a
+    global: a gloo group made now would wait for peers that are not making it."""
+    return dist.is_initialized() and dist.get_backend() == _FAKE_BACKEND
+
+
+def side_group_backend() -> str | None:
+    """The backend for a CPU side group made now: None (the default group's, the fake one) while
+    :func:`on_fake_group`, else "gloo"."""
+    return None if on_fake_group() else "gloo"
 
 
 def _register_fake_backend() -> None:
@@ -141,7 +149,6 @@ class Healer:
     def form(self) -> None:
         """The first default group: generation 0 for a rank of the first start, the fake group
         for a replacement (which joins the survivors later, in :meth:`rejoin`)."""
-        global _CURRENT
         # Which process is this rank's now: a hung one is killed by that pid (see _evict_hung).
         self.store.set(self._key(f"rank{self.rank}/pid"), str(os.getpid()))
         if self.replacement:
@@ -149,7 +156,6 @@ class Healer:
             self._init_fake_group()
         else:
             self._join(0)
-        _CURRENT = self
 
     def leave(self) -> None:
         """After a failed collective: destroy the broken default group (every group with it) and put

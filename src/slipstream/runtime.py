@@ -229,6 +229,10 @@ class Runtime:
     backend: str
     device: torch.device
     timeout_s: float = 600.0
+    healer: heal.Healer | None = None
+    """This rank's side of healing in place (:mod:`slipstream.heal`) when the launcher supervises it
+    (``slipstream run``, on by default): ``accelerate()`` hands it to what must take part in a
+    heal. None when the run cannot heal (one rank, another launcher, ``--no-heal``)."""
 
     rank = property(lambda self: self.launch.rank)
     world_size = property(lambda self: self.launch.world_size)
@@ -386,9 +390,9 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
         from .fault.flight_recorder import configure_flight_recorder
 
         os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
+    healer = None
     if not dist.is_initialized():
         gloo_interface.configure(launch.world_size, launch.local_rank, launch.master_addr, launch.master_port)  # before the first gloo group, NCCL runs create them too
-        healer = None
         if heal.requested() and launch.launcher == "torchrun" and launch.world_size > 1:
             healer = _form_healing_group(launch, backend, where, timeout)
         else:
@@ -404,7 +408,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
                                      f"{_first_line(exc)}{gloo_interface.note()}") from exc
     _install_excepthook()  # after init_process_group, which installs a hook of its own
     gloo_exit.install()  # gloo worker threads (also of CPU side groups) settle before teardown
-    _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s)
+    _RUNTIME = Runtime(launch=launch, backend=backend, device=where, timeout_s=timeout_s, healer=healer)
     return _RUNTIME
 
 

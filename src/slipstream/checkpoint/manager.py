@@ -187,9 +187,8 @@ class CheckpointManager:
         if self.rank == 0 and self.fs is None and directory is not None:
             os.makedirs(directory, exist_ok=True)
         # Before any write, and agreed by all ranks (a refusal raises on every rank).
-        healer = heal.current()
         # A replacement healing in place decides alone (its group is the fake one until it joins).
-        agree_on = None if healer is not None and healer.pending else self.group
+        agree_on = None if heal.on_fake_group() else self.group
         self.lease = None if directory is None else lease.take_for_job(
             directory, rank=self.rank, world_size=self.world_size, group=agree_on, interval_s=lease_interval_s,
             stale_after_s=lease_stale_after_s, storage_options=storage_options)
@@ -209,8 +208,7 @@ class CheckpointManager:
     def _make_groups(self, async_save: bool) -> None:
         # A replacement healing in place (slipstream.heal) runs on a fake default group until it
         # joins the survivors: its side groups are fake too until then (see rejoined()).
-        healer = heal.current()
-        backend = healer.side_group_backend() if healer is not None else "gloo"
+        backend = heal.side_group_backend()
         self.group = dist.new_group(backend=backend, timeout=runtime.group_timeout())
         self.writer_group = dist.new_group(backend=backend, timeout=runtime.group_timeout()) if async_save else None
 
@@ -247,8 +245,8 @@ class CheckpointManager:
             return None
         snaps = snapshots.MemorySnapshots.for_run(self.directory, self.rank, self.world_size, every_steps)
         self._peer_copy_wanted = peer_copy and self.group is not None and self.world_size > 1
-        healer = heal.current()  # a replacement healing in place makes its copy in rejoined(): its group is fake
-        if self._peer_copy_wanted and not (healer is not None and healer.pending):
+        # A replacement healing in place makes its copy in rejoined(): its default group is fake until then.
+        if self._peer_copy_wanted and not heal.on_fake_group():
             snaps.peer = peer.PeerCopy.for_job(self.rank, self.group, snaps.peer_slots)
         return snaps
 

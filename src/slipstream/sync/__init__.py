@@ -305,8 +305,7 @@ def _heal_pending() -> bool:
     group is a fake one: :mod:`slipstream.heal`)."""
     from .. import heal
 
-    healer = heal.current()
-    return healer is not None and healer.pending
+    return heal.on_fake_group()
 
 
 def _model_device(ddp_model: DistributedDataParallel) -> torch.device:

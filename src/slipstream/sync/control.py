@@ -56,8 +56,7 @@ class ControlWire:
 def _replacement_pending() -> bool:
     from .. import heal
 
-    healer = heal.current()
-    return healer is not None and healer.pending
+    return heal.on_fake_group()
 
 
 __all__ = ["ControlWire"]

@@ -150,8 +150,7 @@ def _control_backend() -> str | None:
     that are not making it (:meth:`slipstream.heal.Healer.side_group_backend`)."""
     from .. import heal
 
-    healer = heal.current()
-    return healer.side_group_backend() if healer is not None else "gloo"
+    return heal.side_group_backend()
 
 
 def forget() -> None:

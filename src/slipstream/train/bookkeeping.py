@@ -28,8 +28,7 @@ def agree_run_dir(config: TrainConfig, runtime: Runtime) -> str:
     chosen = [config.run.dir or os.environ.get("SLIPSTREAM_RUN_DIR")]
     if chosen[0] is None and runtime.is_main:
         chosen[0] = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
-    healer = heal.current()
-    if healer is not None and healer.pending and chosen[0] is not None:
+    if heal.on_fake_group() and chosen[0] is not None:
         return chosen[0]  # a replacement (slipstream run --heal, which sets the directory): no peer to ask yet
     if runtime.world_size > 1:
         dist.broadcast_object_list(chosen, src=0)

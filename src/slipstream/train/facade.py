@@ -593,7 +593,7 @@ def _describe_loss(value: Any) -> str:
 
 
 def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, config: TrainConfig,
-                  plain: bool) -> None:
+                  plain: bool, healing: bool = False) -> None:
     """Every check that does not depend on the layout, once, before anything is built."""
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -618,7 +618,7 @@ def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, 
             check_parameter_dtype(config, name)
     if extra_state and config.checkpoint.dir is None:
         raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
-    if config.checkpoint.snapshot_every_steps is not None and config.checkpoint.dir is None and heal.current() is None:
+    if config.checkpoint.snapshot_every_steps is not None and config.checkpoint.dir is None and not healing:
         raise ConfigError("snapshot_every_steps keeps in memory what checkpoints keep on disk, and a restarted "
                           "worker chooses between the two: set checkpoint_dir too")
 
@@ -678,9 +678,10 @@ def accelerate(
     adopt.mark_accelerate_called()  # under `slipstream run`, the options reach this loop
     # Healing in place goes back to the last in-memory snapshot: unless the user chose a cadence, it is
     # measured so that snapshots take under 1% of the step time (slipstream.checkpoint.cadence).
-    snapshot_auto = heal.current() is not None and config.checkpoint.snapshot_every_steps is None
+    healer = runtime.healer  # the healing collaborator (slipstream.heal), when the launcher supervises this rank
+    snapshot_auto = healer is not None and config.checkpoint.snapshot_every_steps is None
     plain = config.is_plain_data_parallel(runtime.world_size)
-    _check_inputs(model, optimizer, scheduler, extra_state, config, plain)
+    _check_inputs(model, optimizer, scheduler, extra_state, config, plain, healing=healer is not None)
 
     recorder = new_recorder(config, runtime)
     # Heartbeats also go to RUN_DIR/progress: on NCCL the launcher's hang report
@@ -709,7 +710,6 @@ def accelerate(
     if layout.sync is not None:
         recorder.sources.append(layout.sync.stats)
     run = Accelerated(layout, built, config, runtime, recorder, micro, reporter, scheduler=built_scheduler)
-    healer = heal.current()
     if config.checkpoint.dir is not None or healer is not None:
         # Healing with no checkpoint_dir: a manager of in-memory snapshots only, which a heal goes back to.
         run.checkpoints = open_checkpoints(

@@ -120,8 +120,7 @@ class DataParallelLayout:
         # (its description says so: sync.describe(name).fixes_bucket_order).
         strategy = config.sync.strategy
         self._fixes_order = sync.describe(strategy).fixes_bucket_order
-        healer = heal.current()
-        if self._fixes_order and (healer is None or not healer.pending):  # a replacement: in rejoined()
+        if self._fixes_order and not heal.on_fake_group():  # a replacement: in rejoined()
             fix_bucket_order(self.model)
         try:
             self.sync: sync.SyncHandle | None = sync.apply(strategy, self.model, **config.sync.options)
