@@ -239,13 +239,13 @@ def test_prewarm_init_container_fills_the_cache_first():
     assert "initContainers" not in str(tj)
 
 
-def _launched(cmd: list[str]):
+def _launched(cmd: list[str], nnodes: int = 3):
     """What a pod's ``slipstream run`` command starts: its flags through the launcher's own parser,
     with the values the kubelet substitutes filled in (the job index, the pod IP, PET_* of PyTorchJob)."""
     from slipstream.cli import build_parser
     from slipstream.launch.cli import launch_options_from_args
 
-    values = {"$(JOB_COMPLETION_INDEX)": "0", "$(SLIPSTREAM_POD_IP)": "10.0.0.1", "$(PET_NNODES)": "3",
+    values = {"$(JOB_COMPLETION_INDEX)": "0", "$(SLIPSTREAM_POD_IP)": "10.0.0.1", "$(PET_NNODES)": str(nnodes),
               "$(PET_RDZV_ENDPOINT)": "job-0:29400", "$(PET_NODE_RANK)": "0", "$(PET_MASTER_ADDR)": "job-0",
               "$(PET_MASTER_PORT)": "29400"}
 
@@ -266,14 +266,17 @@ def test_heal_and_spares_round_trip_from_the_spec_to_the_pods_launcher(target, m
     from slipstream import heal_env
     from slipstream.launch.api import _set_heal_env
 
-    def workers_env(**restarts) -> dict[str, str]:
-        (obj,) = [o for o in render(_spec(gpu_count=2, restarts=restarts), target) if o["kind"] != "Service"]
+    def workers_env(replicas: int = 1, **restarts) -> dict[str, str]:
+        (obj,) = [o for o in render(_spec(gpu_count=2, replicas=replicas, restarts=restarts), target)
+                  if o["kind"] != "Service"]
         container = obj["spec"]["trainer"] if obj["kind"] == "TrainJob" else _containers(obj)[0][0]
         monkeypatch.delenv(heal_env.HEAL, raising=False)
-        _set_heal_env(_launched(container["command"]))
+        _set_heal_env(_launched(container["command"], nnodes=replicas))
         return {k: v for k, v in os.environ.items() if k in (heal_env.HEAL, heal_env.SPARES)}
 
     assert workers_env() == {heal_env.HEAL: "1", heal_env.SPARES: "1"}  # on by default, no flag rendered
     assert workers_env(heal=False) == {}
     assert workers_env(spares=0) == {heal_env.HEAL: "1", heal_env.SPARES: "0"}
     assert workers_env(heal=False, spares=0) == {}  # spares only count while healing is on
+    # Across replicas the launcher's default is off (a lost replica comes back through the rendezvous).
+    assert workers_env(replicas=3) == {} == workers_env(replicas=3, heal=False)

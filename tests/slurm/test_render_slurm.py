@@ -151,19 +151,22 @@ def _agent_argv(script: str, tmp_path: Path) -> list[str]:
     return json.loads((tmp_path / "argv.json").read_text())
 
 
-@pytest.mark.parametrize("restarts,expected", [
-    ({}, {"SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": "1"}),  # on by default: no flag rendered
-    ({"heal": False}, {}),
-    ({"spares": 0}, {"SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": "0"}),
+@pytest.mark.parametrize("replicas,restarts,expected", [
+    (1, {}, {"SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": "1"}),  # on by default: no flag rendered
+    (1, {"heal": False}, {}),
+    (1, {"spares": 0}, {"SLIPSTREAM_HEAL": "1", "SLIPSTREAM_HEAL_SPARES": "0"}),
+    # Across nodes the launcher's default is off (a lost node comes back through the rendezvous).
+    (2, {}, {}),
 ])
-def test_heal_and_spares_round_trip_from_the_spec_to_each_nodes_launcher(restarts, expected, tmp_path, monkeypatch):
+def test_heal_and_spares_round_trip_from_the_spec_to_each_nodes_launcher(replicas, restarts, expected, tmp_path,
+                                                                          monkeypatch):
     """restarts.heal / restarts.spares reach every node's `slipstream run` (--no-heal / --spares), and
     through its parser the workers' environment: no supervisor under heal: false."""
     from slipstream.cli import build_parser
     from slipstream.launch.api import _set_heal_env
     from slipstream.launch.cli import launch_options_from_args
 
-    argv = _agent_argv(render_sbatch(spec_of(restarts=restarts)), tmp_path)
+    argv = _agent_argv(render_sbatch(spec_of(restarts=restarts, replicas=replicas, processes_per_replica=2)), tmp_path)
     assert argv[0] == "run" and ("--no-heal" in argv) == (restarts.get("heal") is False)
     monkeypatch.delenv("SLIPSTREAM_HEAL", raising=False)
     _set_heal_env(launch_options_from_args(build_parser().parse_args(argv)))

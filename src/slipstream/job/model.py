@@ -104,7 +104,9 @@ class Restarts:
     heal: bool = boolean(
         True, doc="Heal a rank whose process dies in place (slipstream run --heal): the other ranks keep their "
                   "processes and the group forms again; false (--no-heal): a failed rank restarts every worker. "
-                  "On only where it applies: more than one worker process, and no elastic range of replicas.")
+                  "On only where it applies: more than one worker process in one replica. Across replicas the "
+                  "launcher's default is off (a lost replica comes back through the rendezvous, which "
+                  "restarts every worker).")
     spares: int = integer(
         1, minimum=0, maximum=1,
         doc="Warm spare processes each rank keeps for healing (slipstream run --spares); 0: a replacement "

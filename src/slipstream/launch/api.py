@@ -225,14 +225,17 @@ class LaunchOptions:
     def heals(self) -> bool:
         """Whether this launch heals in place: :attr:`heal` resolved. Its default is on wherever
         it applies, and off without a word where it does not: one rank has no survivor to heal
-        with; ``--no-python`` has no Python worker entry to supervise; an elastic range of nodes
-        goes on at a smaller world when a node is lost, where a heal keeps the world's size and
-        would first wait for the lost ranks (``SLIPSTREAM_HEAL_JOIN_TIMEOUT_S``); and across nodes
-        another rendezvous backend (etcd) leaves no host of ours for the healing store."""
+        with; ``--no-python`` has no Python worker entry to supervise; and a launch across nodes.
+        There a lost node comes back through a new agent, whose rendezvous restarts every worker
+        anyway, after the survivors first waited for the lost ranks to join their heal
+        (``SLIPSTREAM_HEAL_JOIN_TIMEOUT_S``): a two-container job whose second container was
+        killed and started again did not finish in 180 s with healing on (tests/container). The
+        emulated cluster, whose lost nodes come back *healing* (:mod:`.node_rejoin`), turns it on
+        for its agents itself; elsewhere ``--heal`` across nodes heals a lost *process* in place
+        and a lost node by that slow way."""
         if self.heal is not None:
             return self.heal
-        return (not self.no_python and self.nproc_per_node * self.max_nodes > 1 and self.min_nodes == self.max_nodes
-                and (self.max_nodes == 1 or self.rdzv_backend == "c10d"))
+        return not self.no_python and self.nproc_per_node > 1 and self.max_nodes == 1
 
     @property
     def spares_per_rank(self) -> int:

@@ -574,8 +574,9 @@ class EmulatedCluster:
         ]
         if base.log_level is not None:
             argv += ["--log-level", base.log_level]
-        if base.heal is not None:  # None: each agent's default, which is the launcher's
-            argv.append("--heal" if base.heal else "--no-heal")
+        # Said to every agent: an agent's own default is off across nodes, where a lost node would
+        # come back through the rendezvous; here it comes back healing (node_rejoin).
+        argv.append("--heal" if _heals(base, self.nodes, procs_per_node) else "--no-heal")
         if base.spares is not None:
             argv += ["--spares", str(base.spares)]
         rdzv_conf = getattr(base, "rdzv_conf", None) or {}
@@ -716,5 +717,8 @@ class EmulatedCluster:
 
 
 def _heals(base: LaunchOptions, nodes: int, procs_per_node: int) -> bool:
-    """Whether the nodes' agents heal in place: the launch's setting, resolved for this shape as each agent does."""
-    return dataclasses.replace(base, nproc_per_node=procs_per_node, min_nodes=nodes, max_nodes=nodes).heals
+    """Whether the nodes' agents heal in place: the launch's setting, else on wherever it applies to
+    this many ranks as on one node (a lost node other than node 0 comes back healing, :mod:`.node_rejoin`)."""
+    if base.heal is not None:
+        return base.heal
+    return dataclasses.replace(base, nproc_per_node=procs_per_node * nodes, min_nodes=1, max_nodes=1).heals
