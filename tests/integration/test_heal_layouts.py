@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from tests.integration.test_fault_tolerance import SCRIPT, launch
-from tests.integration.test_heal_in_place import _last_per_step, _ledger, _no_leftovers
+from tests.integration.heal_checks import last_per_step as _last_per_step
+from tests.integration.heal_checks import ledger as _ledger
+from tests.integration.heal_checks import no_leftovers as _no_leftovers
 
 REPO = Path(__file__).resolve().parent.parent.parent
 STEPS = 8

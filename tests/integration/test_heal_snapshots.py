@@ -16,7 +16,11 @@ from pathlib import Path
 import torch
 
 from tests.integration.test_fault_tolerance import SCRIPT, launch
-from tests.integration.test_heal_in_place import REPO, STEPS, _last_per_step, _ledger, _no_leftovers
+from tests.integration.heal_checks import REPO
+from tests.integration.heal_checks import last_per_step as _last_per_step
+from tests.integration.heal_checks import ledger as _ledger
+from tests.integration.heal_checks import no_leftovers as _no_leftovers
+from tests.integration.test_heal_in_place import STEPS
 
 
 def test_a_run_without_checkpoint_dir_heals_from_snapshots_bitwise(tmp_path):

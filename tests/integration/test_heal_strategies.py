@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from tests.integration.test_fault_tolerance import SCRIPT, launch
-from tests.integration.test_heal_in_place import REPO, STEPS, _check, _no_leftovers
+from tests.integration.heal_checks import REPO
+from tests.integration.test_heal_in_place import STEPS, _check, _no_leftovers
 
 KILLS = "1:3,0:7"
 
