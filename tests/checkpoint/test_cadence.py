@@ -155,3 +155,40 @@ def test_a_device_copy_is_timed_on_its_events_not_by_the_hosts_wait(tmp_path, mo
     snaps = MemorySnapshots.for_run(None, 0, 1, None, environ={"SLIPSTREAM_SNAPSHOT_DIR": str(tmp_path)})
     snaps.take(1, {"model": torch.nn.Linear(4, 2)}, {})
     assert 0.002 <= snaps.stall_s[-1] < 0.2, snaps.stall_s
+
+
+def test_snapshots_land_only_where_every_rank_synchronizes():
+    """DiLoCo's ranks meet every H steps and train alone between: a snapshot off those steps can be
+    one the dead rank never took while the survivor overwrote the last common one (a heal then
+    found none: tests/integration/test_heal_strategies.py[diloco], one run of two under load)."""
+    from slipstream.checkpoint.cadence import Cadence
+
+    cadence = Cadence(None)
+    cadence.align_to(3)
+    cadence.restart(0)
+    clock = iter(range(1000))
+    cadence._clock = lambda: float(next(clock))
+    taken, choice = [], None
+    for step in range(1, 40):
+        cadence.step_began()
+        if cadence.scheduled(step):
+            taken.append(step)
+            cadence.took(step, 0.5)  # a stall that calls for a snapshot every 50 steps of 1 s
+        choice = cadence.step_ended(step, None) or choice
+    assert taken and all(step % 3 == 0 for step in taken)
+    assert choice is not None and choice.every_steps % 3 == 0 and choice.every_steps >= 50
+    fixed = Cadence(2)
+    fixed.align_to(3)
+    assert fixed.every_steps == 3 and not fixed.scheduled(2) and fixed.scheduled(6)
+
+
+def test_every_sync_handle_says_how_often_the_ranks_meet():
+    from slipstream import sync
+    from slipstream.sync.diloco import DiLoCo
+    from slipstream.sync.hooks import HookSync
+    from slipstream.sync.options import SyncOptions
+
+    assert sync.AllreduceState.steps_between_syncs == 1 == HookSync.steps_between_syncs
+    handle = object.__new__(DiLoCo)  # the property reads only the options (building one needs a group)
+    handle.opts = SyncOptions.parse("diloco", {"inner_steps": 7})
+    assert handle.steps_between_syncs == 7

@@ -103,6 +103,7 @@ class Cadence:
 
     def __init__(self, fixed: int | None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.fixed = fixed
+        self.align = 1  # snapshot steps are multiples of it (align_to)
         self.every_steps = fixed if fixed is not None else 1
         self.choice: Choice | None = None
         self._clock = clock
@@ -117,14 +118,26 @@ class Cadence:
     def measuring(self) -> bool:
         return self._decide_at is not None
 
+    def align_to(self, steps: int) -> None:
+        """Snapshot only at multiples of ``steps``: the steps where every rank synchronizes (DiLoCo's
+        outer step every H). Between two, ranks train alone and drift apart, so a survivor may have
+        snapshotted steps the dead rank never reached and overwritten (two slots) the last one both
+        hold: a heal then finds no common snapshot (seen at H=3: one heal of two under load). At
+        a synchronizing step every rank has passed the previous one, so both slots share one."""
+        self.align = max(1, steps)
+        self.every_steps = self._aligned(self.fixed if self.fixed is not None else 1)
+
+    def _aligned(self, every: int) -> int:
+        return self.align * math.ceil(every / self.align)
+
     def restart(self, step: int) -> None:
         """Measure again from ``step`` (a start or a restore), snapshotting every step meanwhile.
         The same ``step`` on every rank, so every rank agrees at the same step."""
         if self.fixed is not None:
             return
-        self.every_steps = 1
-        self._decide_at = step + WARMUP_SNAPSHOTS + MEASURED_SNAPSHOTS
-        self._warm_after = step + WARMUP_SNAPSHOTS
+        self.every_steps = self.align
+        self._decide_at = step + (WARMUP_SNAPSHOTS + MEASURED_SNAPSHOTS) * self.align
+        self._warm_after = step + WARMUP_SNAPSHOTS * self.align
         self._stalls, self._steps = [], []
         self._ended = None
 
@@ -154,6 +167,6 @@ class Cadence:
         if agree is not None:
             stall_s, step_s = agree(stall_s, step_s)
         self._decide_at = None
-        self.every_steps = every_steps_for(stall_s, step_s)
+        self.every_steps = self._aligned(every_steps_for(stall_s, step_s))
         self.choice = Choice(self.every_steps, stall_s, step_s)
         return self.choice

@@ -137,6 +137,10 @@ class SyncHandle(Protocol):
     """
 
     name: str
+    steps_between_syncs: int
+    """Optimizer steps from one point where every rank synchronizes to the next: 1 for a strategy
+    that reduces every step, DiLoCo's H (``inner_steps``). In-memory snapshots, which a heal goes
+    back to, are taken at those points only, so every rank holds the same one."""
 
     def stats(self) -> dict[str, Any]:
         """Figures merged into every metrics record (``sync_bytes_sent``, ...)."""
@@ -222,6 +226,8 @@ class AllreduceState:
     Bytes per step are the ring all-reduce payload of all gradients, 2(n-1)/n * S,
     counted once per synchronising backward.
     """
+
+    steps_between_syncs = 1  # every optimizer step reduces on every rank
 
     def __init__(self, ddp_model: DistributedDataParallel, name: str = "allreduce"):
         import torch.distributed as dist

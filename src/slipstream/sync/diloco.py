@@ -124,6 +124,11 @@ class DiLoCo:
     and :func:`slipstream.sync.apply_to_replicas`).
     """
 
+    @property
+    def steps_between_syncs(self) -> int:
+        """H: the ranks meet at every H-th step (a fragment's sync included: the last fragment's is at H)."""
+        return self.opts.inner_steps
+
     def __init__(self, module: nn.Module, group: Any, options: SyncOptions, name: str = "diloco", *,
                  align_replicas: bool = False) -> None:
         self.name = name

@@ -84,6 +84,8 @@ class HookSync:
       it chose (:mod:`.levels`), from the next step.
     """
 
+    steps_between_syncs = 1  # every optimizer step reduces on every rank
+
     def __init__(
         self,
         name: str,

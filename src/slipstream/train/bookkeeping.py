@@ -74,6 +74,8 @@ def open_checkpoints(
         snapshot_peer_copy=ckpt.snapshot_peer_copy,
         snapshot_auto=snapshot_auto,
     )
+    if mgr.snapshots is not None and sync is not None:
+        mgr.snapshots.cadence.align_to(sync.steps_between_syncs)  # a heal's snapshot: one every rank holds
     mgr.register("model_optimizer", model_optimizer)
     mgr.register("train", counters)
     for name, obj in extra_state.items():
