@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
                     row["killed_log_tail"] = hit["said"][-1500:]
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "killed_log_tail"}), flush=True)
+                for line in hit["said"].splitlines():  # what the heal said: the replacement, the heal's time, the cadence
+                    if "[slipstream]" in line and ("heal" in line or "snapshots every" in line or "replac" in line):
+                        print("   ", line.strip()[-260:], flush=True)
     print()
     print("| layout | pairs | cost per pair (s) | median cost (s) | healed in place | bitwise |")
     print("|---|---|---|---|---|---|")
@@ -136,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         healed = sum(r["healed_in_place"] == 1 and not r["full_restart"] for r in mine)
         same = sum(r["bitwise"] for r in mine)
         ok &= median <= TARGET_S and healed == len(mine) == same
-        print(f"| {layout} | {len(mine)} | {', '.join(f'{r['cost_s']:+.2f}' for r in mine)} | {median:+.2f} "
+        costs = ", ".join(f"{r['cost_s']:+.2f}" for r in mine)
+        print(f"| {layout} | {len(mine)} | {costs} | {median:+.2f} "
               f"| {healed}/{len(mine)} | {same}/{len(mine)} |")
     print(f"\ntarget: median cost at most {TARGET_S:.0f} s, every kill healed in place and bitwise: "
           f"{'met' if ok else 'NOT met'}")

@@ -268,8 +268,9 @@ def main() -> None:
         ),
         total_steps=args.steps, checkpoint_dir=args.checkpoint_dir, checkpoint_every_steps=args.checkpoint_every_steps,
         dp_shard=args.dp_shard, tp=args.tp, pp=args.pp, tp_plan=TP_PLAN,
-        # The data position is saved with the model, so a resumed run reads the batches it would have read.
-        extra_state={"data": position} if args.checkpoint_dir else None,
+        # The data position is saved with the model, so a resumed run reads the batches it would have read;
+        # healing in place (on by default under `slipstream run`) keeps it in memory without a checkpoint_dir.
+        extra_state={"data": position} if args.checkpoint_dir or rt.healer is not None else None,
     )
     # Ranks of one tensor-parallel group or one pipeline read the same batch: split the data by run.dp_rank.
     loader = SlipstreamLoader(dataset, rank=run.dp_rank, world_size=run.dp_size, **loader_options)  # slipstream

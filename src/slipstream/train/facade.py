@@ -616,7 +616,9 @@ def _check_inputs(model: Any, optimizer: Any, scheduler: Any, extra_state: Any, 
     for dtype, name in ((torch.float16, "fp16"), (torch.bfloat16, "bf16")):
         if dtype in dtypes:
             check_parameter_dtype(config, name)
-    if extra_state and config.checkpoint.dir is None:
+    if extra_state and config.checkpoint.dir is None and not healing:
+        # Healing in place keeps it in the in-memory snapshots without a checkpoint_dir: a heal that put
+        # the model back but not the data's position would read other batches than the run it replays.
         raise ConfigError("extra_state is saved in checkpoints: set checkpoint_dir too")
     if config.checkpoint.snapshot_every_steps is not None and config.checkpoint.dir is None and not healing:
         raise ConfigError("snapshot_every_steps keeps in memory what checkpoints keep on disk, and a restarted "
