@@ -33,3 +33,20 @@ def test_a_strategy_registered_without_heals_in_place_is_refused_in_one_line(mon
     why = facade._heal_refusal(_run("mine"))
     assert why is not None and "\n" not in why
     assert why.startswith("sync 'mine' is registered without heals_in_place: ")
+
+
+def test_extra_state_goes_into_the_heals_snapshots_without_a_checkpoint_dir():
+    """A healing run with no checkpoint_dir keeps in-memory snapshots, and extra_state (a data
+    position, say) belongs in them: without it a heal would put the model back but read other
+    batches. Without healing and without a checkpoint_dir it still has nowhere to go (one line)."""
+    import torch
+
+    from slipstream.config import TrainConfig
+    from slipstream.errors import ConfigError
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    config = TrainConfig()
+    facade._check_inputs(model, opt, None, {"data": object()}, config, True, healing=True)
+    with pytest.raises(ConfigError, match="set checkpoint_dir too"):
+        facade._check_inputs(model, opt, None, {"data": object()}, config, True, healing=False)
