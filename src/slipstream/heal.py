@@ -88,7 +88,8 @@ def on_fake_group() -> bool:
     the survivors yet (or a survivor between :meth:`Healer.leave` and :meth:`Healer.rejoin`).
     Read from torch's own state, so code that makes side groups asks the group itself, not a
     global: a gloo group made now would wait for peers that are not making it."""
-    return dist.is_initialized() and dist.get_backend() == _FAKE_BACKEND
+    world = dist.group.WORLD  # None without a default group (never raises, unlike get_backend())
+    return world is not None and dist.get_backend(world) == _FAKE_BACKEND
 
 
 def side_group_backend() -> str | None:

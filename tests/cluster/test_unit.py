@@ -99,9 +99,9 @@ def test_a_healing_job_runs_its_agents_healing_and_has_them_write_down_their_wor
     assert " --heal --spares 0 " in " ".join(c.agent_argv(1, LaunchOptions("train.py", [], heal=True, spares=0),
                                                           procs_per_node=1))
     assert " --no-heal " in " ".join(c.agent_argv(1, LaunchOptions("train.py", [], heal=False), procs_per_node=1))
-    # No setting: on, said to every agent (an agent's own default is off across nodes).
-    assert " --heal " in " ".join(c.agent_argv(1, LaunchOptions("train.py", []), procs_per_node=1))
-    assert emulate._heals(LaunchOptions("train.py", []), 2, 1) and not emulate._heals(LaunchOptions("train.py", []), 1, 1)
+    # No setting: as on real nodes, off across nodes (said to every agent); on within one node.
+    assert " --no-heal " in " ".join(c.agent_argv(1, LaunchOptions("train.py", []), procs_per_node=1))
+    assert not emulate._heals(LaunchOptions("train.py", []), 2, 1) and emulate._heals(LaunchOptions("train.py", []), 1, 2)
     assert c.node_env(1, {})[ENV_WORKERS_FILE] == c.workers_file(1) != c.workers_file(0)
 
 

@@ -229,10 +229,9 @@ class LaunchOptions:
         There a lost node comes back through a new agent, whose rendezvous restarts every worker
         anyway, after the survivors first waited for the lost ranks to join their heal
         (``SLIPSTREAM_HEAL_JOIN_TIMEOUT_S``): a two-container job whose second container was
-        killed and started again did not finish in 180 s with healing on (tests/container). The
-        emulated cluster, whose lost nodes come back *healing* (:mod:`.node_rejoin`), turns it on
-        for its agents itself; elsewhere ``--heal`` across nodes heals a lost *process* in place
-        and a lost node by that slow way."""
+        killed and started again did not finish in 180 s with healing on (tests/container).
+        ``--heal`` across nodes heals a lost *process* in place, and a lost node by that slow way
+        (on the emulated cluster, a lost node other than node 0 comes back healing: :mod:`.node_rejoin`)."""
         if self.heal is not None:
             return self.heal
         return not self.no_python and self.nproc_per_node > 1 and self.max_nodes == 1

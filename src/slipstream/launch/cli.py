@@ -343,8 +343,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "default unshaped), then optionally the round trip added between two nodes and the "
                    "packet loss each way, e.g. 100mbit,40ms,0.1%%")
     g.add_argument("--heal", action=argparse.BooleanOptionalAction, default=None,
-                   help="heal in place (default: on with more than one rank on one node and on an emulated "
-                   "cluster; off across real nodes and under --no-python): a rank whose process dies is replaced while the others keep their "
+                   help="heal in place (default: on with more than one rank on one node; off across nodes, "
+                   "emulated ones included, and under --no-python): a rank whose process dies is replaced while the others keep their "
                    "processes, re-form the group and go back to the last in-memory snapshot; --no-heal: a "
                    "failed rank restarts every worker (--max-restarts) instead")
     g.add_argument("--spares", type=int, default=None, metavar="{0,1}",

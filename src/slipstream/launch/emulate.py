@@ -574,8 +574,7 @@ class EmulatedCluster:
         ]
         if base.log_level is not None:
             argv += ["--log-level", base.log_level]
-        # Said to every agent: an agent's own default is off across nodes, where a lost node would
-        # come back through the rendezvous; here it comes back healing (node_rejoin).
+        # Said to every agent, so each agent and this process decide alike (node_rejoin needs to know).
         argv.append("--heal" if _heals(base, self.nodes, procs_per_node) else "--no-heal")
         if base.spares is not None:
             argv += ["--spares", str(base.spares)]
@@ -717,8 +716,8 @@ class EmulatedCluster:
 
 
 def _heals(base: LaunchOptions, nodes: int, procs_per_node: int) -> bool:
-    """Whether the nodes' agents heal in place: the launch's setting, else on wherever it applies to
-    this many ranks as on one node (a lost node other than node 0 comes back healing, :mod:`.node_rejoin`)."""
-    if base.heal is not None:
-        return base.heal
-    return dataclasses.replace(base, nproc_per_node=procs_per_node * nodes, min_nodes=1, max_nodes=1).heals
+    """Whether the nodes' agents heal in place: the launch's setting resolved for this shape as on real
+    nodes (off across nodes unless ``--heal``: an emulated cluster behaves as the cluster it stands
+    for, and healing's peer copy would add its snapshots to every link's bytes). With ``--heal`` a lost
+    node other than node 0 comes back healing (:mod:`.node_rejoin`)."""
+    return dataclasses.replace(base, nproc_per_node=procs_per_node, min_nodes=nodes, max_nodes=nodes).heals
