@@ -36,7 +36,7 @@ def workers_heal_env(opts: LaunchOptions, monkeypatch) -> dict[str, str]:
 @pytest.mark.parametrize("opts,heals", [
     (LaunchOptions("t.py", nproc_per_node=2), True),  # the default: on with more than one rank
     # Across nodes off: a lost node comes back through the rendezvous, which restarts every worker
-    # anyway, after the survivors waited for its ranks (the emulated cluster turns it on itself).
+    # anyway, after the survivors waited for its ranks (the emulated cluster keeps this default).
     (LaunchOptions("t.py", nproc_per_node=1, min_nodes=2, max_nodes=2, rdzv_endpoint="h:1"), False),
     (LaunchOptions("t.py", nproc_per_node=1, min_nodes=2, max_nodes=2, rdzv_endpoint="h:1", heal=True), True),
     (LaunchOptions("t.py", nproc_per_node=1), False),  # one rank: no survivor to heal with
