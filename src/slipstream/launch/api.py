@@ -426,6 +426,9 @@ def _run_agent(opts: LaunchOptions) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(_default_threads(opts.nproc_per_node)))
     os.environ.setdefault("LOGLEVEL", "WARNING")
     os.environ.update(opts.worker_env)
+    # Put back when the launch ends: a launch from Python (or a test) must not leave SLIPSTREAM_HEAL=1 in
+    # its process, where any later worker entry started from it would run as a supervisor.
+    heal_before = {name: os.environ.get(name) for name in (heal_env.HEAL, heal_env.SPARES, heal_env.STORE)}
     _set_heal_env(opts)
     heal_store = _heal_store(opts, host, port)  # noqa: F841 - held: the store lives while the agent runs
     config, entrypoint, cmd_args = agent_config(opts)
@@ -465,6 +468,11 @@ def _run_agent(opts: LaunchOptions) -> int:
     finally:
         agent_log.removeHandler(history)
         os.environ.pop(ENV_AGENT_PID, None)
+        for name, value in heal_before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         snapshots.sweep(owner=os.getpid())  # this launch's workers' in-memory snapshots: no restart comes now
     return EXIT_OK
 
