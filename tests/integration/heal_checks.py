@@ -53,7 +53,11 @@ def run_pair(tmp_path: Path, nproc: int, steps: int, fault: list[str], common: l
         [sys.executable, "-m", "slipstream", "run", "--standalone", "-n", str(nproc), SCRIPT, "--out", str(ref_out),
          "--ckpt", str(tmp_path / "ref_ckpt"), *common],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    healed = launch("--standalone", "-n", str(nproc), "--heal", *(launch_args or []), SCRIPT, "--out", str(out),
+    # A snapshot every step: the checks bound the steps a fault redoes, and the measured cadence
+    # (checkpoint/cadence.py, tested there and in test_heal_snapshots.py) picks K from timings, so a
+    # fault after it decides could go back K steps (seen: 5 at 4 ranks, a kill inside a save at step 9).
+    cadence = [] if "--snapshot-every-steps" in (launch_args or []) else ["--snapshot-every-steps", "1"]
+    healed = launch("--standalone", "-n", str(nproc), "--heal", *cadence, *(launch_args or []), SCRIPT, "--out", str(out),
                     "--ckpt", str(tmp_path / "ckpt"), *fault, *common,
                     env={"SLIPSTREAM_HEAL_PID_DIR": str(pids), **(env or {})}, timeout=timeout_s)
     ref_log, _ = reference.communicate(timeout=timeout_s)

@@ -37,7 +37,7 @@ def _run_and_check(tmp_path: Path, nproc: int, kills: str, layout: list[str]) ->
         [sys.executable, "-m", "slipstream", "run", "--standalone", "-n", str(nproc), SCRIPT, "--out", str(ref_out),
          "--ckpt", str(tmp_path / "ref_ckpt"), *common],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    healed = launch("--standalone", "-n", str(nproc), "--heal", SCRIPT, "--out", str(out), "--ckpt",
+    healed = launch("--standalone", "-n", str(nproc), "--heal", "--snapshot-every-steps", "1", SCRIPT, "--out", str(out), "--ckpt",
                     str(tmp_path / "ckpt"), "--kill-at", kills, *common, timeout=300)
     ref_log, _ = reference.communicate(timeout=300)
     assert reference.returncode == 0, ref_log[-3000:]

@@ -50,7 +50,7 @@ def test_two_ranks_heal_with_the_strategy_bitwise(tmp_path, case):
         [sys.executable, "-m", "slipstream", "run", "--standalone", "-n", "2", SCRIPT, "--out", str(ref_out),
          "--ckpt", str(tmp_path / "ref_ckpt"), *common],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    healed = launch("--standalone", "-n", "2", "--heal", SCRIPT, "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
+    healed = launch("--standalone", "-n", "2", "--heal", "--snapshot-every-steps", "1", SCRIPT, "--out", str(out), "--ckpt", str(tmp_path / "ckpt"),
                     "--kill-at", KILLS, *common, env={"SLIPSTREAM_HEAL_PID_DIR": str(pids)}, timeout=300)
     ref_log, _ = reference.communicate(timeout=300)
     assert reference.returncode == 0, ref_log[-3000:]
