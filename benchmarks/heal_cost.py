@@ -31,20 +31,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from benchmarks.goodput import records  # noqa: E402 - a metrics file's complete lines (run as a script or a module)
 GPT = str(REPO / "examples" / "train_gpt.py")
 TARGET_S = 1.0
-
-
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a line being written
-    return out
 
 
 def _run(tmp: Path, name: str, world: int, layout: str, steps: int, kill: tuple[int, int] | None,
@@ -64,7 +54,7 @@ def _run(tmp: Path, name: str, world: int, layout: str, steps: int, kill: tuple[
             while proc.poll() is None:
                 if kill is not None and killed_at is None:
                     rank, step = kill
-                    seen = _records(run_dir / "metrics" / f"rank{rank}.jsonl")
+                    seen = records(run_dir / "metrics" / f"rank{rank}.jsonl")
                     pid_file = pids / f"rank{rank}.pid"
                     if seen and seen[-1].get("step", -1) >= step and pid_file.exists():
                         os.kill(int(pid_file.read_text()), signal.SIGKILL)

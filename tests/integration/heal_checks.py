@@ -65,6 +65,18 @@ def run_pair(tmp_path: Path, nproc: int, steps: int, fault: list[str], common: l
     return healed, ref_out, out
 
 
+def assert_same_final(ref_out: Path, out: Path) -> None:
+    """Bitwise: the final parameters and optimizer state (the worker's final.pt) of both runs."""
+    ref = torch.load(ref_out / "final.pt", weights_only=True)
+    got = torch.load(out / "final.pt", weights_only=True)
+    for name, tensor in ref["model"].items():
+        assert torch.equal(tensor, got["model"][name]), name
+    for pid, state in ref["optimizer"]["state"].items():
+        for key, value in state.items():
+            other = got["optimizer"]["state"][pid][key]
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (pid, key)
+
+
 def check(healed: subprocess.CompletedProcess, ref_out: Path, out: Path, nproc: int, steps: int,
           faults: int, markers: list[str] = (), redone_per_fault: int = 1) -> None:
     """Bitwise equal to the reference, ledger and all, after ``faults`` deaths each healed in
@@ -80,15 +92,7 @@ def check(healed: subprocess.CompletedProcess, ref_out: Path, out: Path, nproc: 
     # of that heal is left to say it, and the replacements' resume line stands for it.
     assert "healed in place" in text or "resumed from an in-memory snapshot" in text, text[-4000:]
     assert "Sending process" not in text and "attempt 1" not in text.lower(), text[-4000:]  # no full restart
-    # Bitwise: parameters and optimizer state.
-    ref = torch.load(ref_out / "final.pt", weights_only=True)
-    got = torch.load(out / "final.pt", weights_only=True)
-    for name, tensor in ref["model"].items():
-        assert torch.equal(tensor, got["model"][name]), name
-    for pid, state in ref["optimizer"]["state"].items():
-        for key, value in state.items():
-            other = got["optimizer"]["state"][pid][key]
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (pid, key)
+    assert_same_final(ref_out, out)
     # The sample ledger: the last run of every step used the reference's samples.
     for rank in range(nproc):
         expected = last_per_step(ledger(ref_out, rank))

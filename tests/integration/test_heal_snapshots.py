@@ -13,10 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 from tests.integration.test_fault_tolerance import SCRIPT, launch
-from tests.integration.heal_checks import REPO
+from tests.integration.heal_checks import REPO, assert_same_final
 from tests.integration.heal_checks import last_per_step as _last_per_step
 from tests.integration.heal_checks import ledger as _ledger
 from tests.integration.heal_checks import no_leftovers as _no_leftovers
@@ -44,14 +43,7 @@ def test_a_run_without_checkpoint_dir_heals_from_snapshots_bitwise(tmp_path):
     # The cadence was measured and said (once per rank-0 process and choice).
     chosen = [int(k) for k in re.findall(r"snapshots every (\d+) steps: stall [\d.]+ ms of a [\d.]+ ms step", text)]
     assert chosen, text[-4000:]
-    # Bitwise: parameters and optimizer state.
-    ref = torch.load(ref_out / "final.pt", weights_only=True)
-    got = torch.load(out / "final.pt", weights_only=True)
-    for name, tensor in ref["model"].items():
-        assert torch.equal(tensor, got["model"][name]), name
-    for pid, state in ref["optimizer"]["state"].items():
-        for key, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(got["optimizer"]["state"][pid][key])), (pid, key)
+    assert_same_final(ref_out, out)  # bitwise: parameters and optimizer state
     # The sample ledger: the last run of every step used the reference's samples; each kill redid at
     # most one cadence's worth of steps.
     for rank in range(2):
