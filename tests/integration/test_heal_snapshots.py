@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from tests.integration.test_fault_tolerance import SCRIPT, launch
 from tests.integration.heal_checks import REPO, assert_same_final
 from tests.integration.heal_checks import last_per_step as _last_per_step
