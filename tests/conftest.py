@@ -103,6 +103,24 @@ def cannot_run_here(reason: str) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _launch_variables_stay_in_the_test():
+    """Set up before any monkeypatch (and so checked after its undo). A test (or the launch it runs in-process) leaves no SLIPSTREAM_HEAL* / SLIPSTREAM_AGENT_PID behind:
+    with SLIPSTREAM_HEAL=1 left in this process, every later worker entry started from it runs as a
+    healing supervisor (found by CI: tests/launch/test_parent_death.py saw the supervisor's pid)."""
+    def launch_variables() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k.startswith("SLIPSTREAM_HEAL") or k == "SLIPSTREAM_AGENT_PID"}
+
+    before = launch_variables()
+    yield
+    after = launch_variables()
+    if after != before:
+        for name in after:
+            os.environ.pop(name, None)
+        os.environ.update(before)
+        pytest.fail(f"the test left launch variables changed: {before} -> {after}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
 def _submission_records_stay_in_the_test(tmp_path_factory, monkeypatch):
     """`slipstream submit` records jobs under ~/.local/state; no test writes to the user's home."""
     if "SLIPSTREAM_STATE_DIR" not in os.environ:

@@ -264,14 +264,15 @@ def test_heal_and_spares_round_trip_from_the_spec_to_the_pods_launcher(target, m
     """restarts.heal / restarts.spares reach each pod's `slipstream run` as --no-heal / --spares, and so
     the workers' environment: no SLIPSTREAM_HEAL (no supervisor) under heal: false, 1 spare by default."""
     from slipstream import heal_env
-    from slipstream.launch.api import _set_heal_env
+    from slipstream.launch.heal_setup import NAMES, set_heal_env
 
     def workers_env(replicas: int = 1, **restarts) -> dict[str, str]:
         (obj,) = [o for o in render(_spec(gpu_count=2, replicas=replicas, restarts=restarts), target)
                   if o["kind"] != "Service"]
         container = obj["spec"]["trainer"] if obj["kind"] == "TrainJob" else _containers(obj)[0][0]
-        monkeypatch.delenv(heal_env.HEAL, raising=False)
-        _set_heal_env(_launched(container["command"], nnodes=replicas))
+        for name in NAMES:  # recorded, so that the test's end takes back what set_heal_env writes
+            monkeypatch.setenv(name, "stale")
+        set_heal_env(_launched(container["command"], nnodes=replicas))
         return {k: v for k, v in os.environ.items() if k in (heal_env.HEAL, heal_env.SPARES)}
 
     assert workers_env() == {heal_env.HEAL: "1", heal_env.SPARES: "1"}  # on by default, no flag rendered

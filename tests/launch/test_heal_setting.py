@@ -12,7 +12,7 @@ import pytest
 from slipstream import heal_env
 from slipstream.cli import build_parser
 from slipstream.errors import UsageError
-from slipstream.launch import api
+from slipstream.launch import api, heal_setup
 from slipstream.launch.api import LaunchOptions
 from slipstream.launch.cli import launch_options_from_args
 
@@ -25,9 +25,9 @@ def options(*flags: str, config: str | None = None) -> LaunchOptions:
 def workers_heal_env(opts: LaunchOptions, monkeypatch) -> dict[str, str]:
     """The SLIPSTREAM_HEAL* variables the workers get from this launch (the launcher sets them in
     its own environment, which torch's agent copies); a stale SLIPSTREAM_HEAL=1 there must not count."""
-    monkeypatch.setenv(heal_env.HEAL, "1")
-    monkeypatch.setenv(heal_env.SPARES, "1")
-    api._set_heal_env(opts)
+    for name in heal_setup.NAMES:  # recorded, so that the test's end takes back what set_heal_env writes
+        monkeypatch.setenv(name, "1")
+    heal_setup.set_heal_env(opts)
     import os
 
     return {k: v for k, v in os.environ.items() if k in (heal_env.HEAL, heal_env.SPARES)}

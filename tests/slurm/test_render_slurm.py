@@ -163,11 +163,12 @@ def test_heal_and_spares_round_trip_from_the_spec_to_each_nodes_launcher(replica
     """restarts.heal / restarts.spares reach every node's `slipstream run` (--no-heal / --spares), and
     through its parser the workers' environment: no supervisor under heal: false."""
     from slipstream.cli import build_parser
-    from slipstream.launch.api import _set_heal_env
+    from slipstream.launch.heal_setup import NAMES, set_heal_env
     from slipstream.launch.cli import launch_options_from_args
 
     argv = _agent_argv(render_sbatch(spec_of(restarts=restarts, replicas=replicas, processes_per_replica=2)), tmp_path)
     assert argv[0] == "run" and ("--no-heal" in argv) == (restarts.get("heal") is False)
-    monkeypatch.delenv("SLIPSTREAM_HEAL", raising=False)
-    _set_heal_env(launch_options_from_args(build_parser().parse_args(argv)))
+    for name in NAMES:  # recorded, so that the test's end takes back what set_heal_env writes
+        monkeypatch.setenv(name, "stale")
+    set_heal_env(launch_options_from_args(build_parser().parse_args(argv)))
     assert {k: v for k, v in os.environ.items() if k.startswith("SLIPSTREAM_HEAL")} == expected

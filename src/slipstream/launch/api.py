@@ -61,11 +61,11 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
                       did_you_mean)
-from .. import heal_env
 from ..log import CONSOLE, ENV_LOG_LEVEL, LOG_LEVELS, set_level
 from ..snapshot_dirs import ENV_REJOINS
 from . import agent_signals
 from .agent import patched_agent
+from .heal_setup import healing
 from .summary import read_totals, summary_lines
 from .parent_death import ENV_AGENT_PID
 
@@ -426,11 +426,6 @@ def _run_agent(opts: LaunchOptions) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(_default_threads(opts.nproc_per_node)))
     os.environ.setdefault("LOGLEVEL", "WARNING")
     os.environ.update(opts.worker_env)
-    # Put back when the launch ends: a launch from Python (or a test) must not leave SLIPSTREAM_HEAL=1 in
-    # its process, where any later worker entry started from it would run as a supervisor.
-    heal_before = {name: os.environ.get(name) for name in (heal_env.HEAL, heal_env.SPARES, heal_env.STORE)}
-    _set_heal_env(opts)
-    heal_store = _heal_store(opts, host, port)  # noqa: F841 - held: the store lives while the agent runs
     config, entrypoint, cmd_args = agent_config(opts)
     # The agent runs in this process: workers arm themselves to die with it
     # (slipstream.launch.parent_death) and check it is still their parent.
@@ -440,7 +435,8 @@ def _run_agent(opts: LaunchOptions) -> int:
     agent_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
     agent_log.addHandler(history)
     try:
-        with patched_agent(is_store_host=opts.is_rdzv_host if opts.rdzv_backend == "c10d" else None):
+        with healing(opts, host, port, check_port_free), \
+                patched_agent(is_store_host=opts.is_rdzv_host if opts.rdzv_backend == "c10d" else None):
             _launch_rejoining(opts, endpoint, lambda: elastic_launch(config, entrypoint)(*cmd_args))
     except ChildFailedError as exc:
         failures = getattr(exc, "failures", {})
@@ -468,46 +464,8 @@ def _run_agent(opts: LaunchOptions) -> int:
     finally:
         agent_log.removeHandler(history)
         os.environ.pop(ENV_AGENT_PID, None)
-        for name, value in heal_before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
         snapshots.sweep(owner=os.getpid())  # this launch's workers' in-memory snapshots: no restart comes now
     return EXIT_OK
-
-
-def _set_heal_env(opts: LaunchOptions) -> None:
-    """The workers' healing variables (:mod:`slipstream.heal_env`), from :attr:`LaunchOptions.heals`
-    alone: a ``SLIPSTREAM_HEAL`` the launcher's own environment (or ``worker_env``) carries would
-    otherwise put the supervisor under a ``--no-heal`` run, or leave it without its store."""
-    for name in (heal_env.HEAL, heal_env.SPARES, heal_env.STORE):
-        os.environ.pop(name, None)
-    if opts.heals:
-        os.environ[heal_env.HEAL] = "1"
-        os.environ[heal_env.SPARES] = str(opts.spares_per_rank)
-
-
-def _heal_store(opts: LaunchOptions, host: str, port: int) -> object | None:
-    """When healing is on: the store the ranks agree on generations through (:mod:`slipstream.heal`),
-    its address in ``SLIPSTREAM_HEAL_STORE`` for the workers. One node: a free local port; more:
-    the rendezvous port + 1 on the rendezvous host, hosted by the launcher there."""
-    if not opts.heals:
-        return None
-    import datetime
-
-    import torch.distributed as dist
-
-    if opts.max_nodes == 1:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=60))
-        os.environ[heal_env.STORE] = f"127.0.0.1:{store.port}"
-        return store
-    os.environ[heal_env.STORE] = f"{host}:{port + 1}"
-    if not (opts.is_rdzv_host or (opts.is_rdzv_host is None and opts.node_rank in (None, 0))):
-        return None
-    check_port_free(host, port + 1)
-    return dist.TCPStore(host, port + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
 
 
 def with_run_dir(opts: LaunchOptions, now: float | None = None) -> LaunchOptions:
