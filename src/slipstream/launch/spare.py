@@ -31,6 +31,10 @@ import threading
 from slipstream.launch.proc import set_policy  # stdlib only: the spare starts in milliseconds
 
 
+WATCH_JOIN_S = 5.0
+"""The most the spare waits for its eviction watcher to end (one poll and one store call: milliseconds)."""
+
+
 def main(argv: list[str] | None = None) -> None:
     from slipstream.launch.parent_death import die_with_agent
 
@@ -50,9 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     # While it waits, the spare kills its rank's training process if that one hangs (the
     # others found it so: slipstream.heal's eviction); the supervisor then hands over to it.
     stop_watching = threading.Event()
-    heal.watch_for_eviction(os.environ, stop_watching)
+    watcher = heal.watch_for_eviction(os.environ, stop_watching)
     line = sys.stdin.readline()
     stop_watching.set()
+    if watcher is not None:
+        # Ended before the script runs: a thread left in a store call when a short script ends
+        # aborts the process in interpreter teardown (SIGABRT after a successful run).
+        watcher.join(timeout=WATCH_JOIN_S)
     if not line.strip():
         return
     if idle and hasattr(os, "SCHED_OTHER"):
