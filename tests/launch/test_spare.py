@@ -32,3 +32,21 @@ def test_the_eviction_watcher_has_ended_before_the_script_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "MainThread" in out.read_text()
     assert "slipstream-evict-watch" not in out.read_text()
+
+
+def test_the_first_training_process_imports_only_what_its_script_does(tmp_path):
+    """Under the supervisor (healing on, the default at more than one rank), the rank's first training
+    process is a spare told to run at once: no warm imports ahead of a script that does not need them
+    (torch._dynamo alone costs seconds of CPU per rank, paid before every run's first step)."""
+    out = tmp_path / "modules"
+    script = tmp_path / "train.py"
+    script.write_text(f"import sys\nopen({str(out)!r}, 'w').write(' '.join(sorted(sys.modules)))\n")
+    env = {**os.environ, heal_env.HEAL: "1", "RANK": "0", "OMP_NUM_THREADS": "1"}
+    for name in (heal_env.CHILD, heal_env.STORE, "SLIPSTREAM_AGENT_PID"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-m", "slipstream.launch.worker", str(script)], text=True,
+                          capture_output=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    modules = out.read_text().split()
+    assert "runpy" in modules  # the script ran, through the worker entry
+    assert "torch._dynamo" not in modules and "torch.distributed.checkpoint" not in modules

@@ -10,6 +10,12 @@ supervisor stopping) ends it quietly. While it waits it also watches the heal st
 eviction of its rank (:func:`slipstream.heal.watch_for_eviction`): the others found that rank's
 training process hung, and the spare kills it, so the supervisor replaces it.
 
+``--now`` (the rank's first training process, or a replacement made at the failure when no
+spare was ready): the order is already on stdin, so there is nothing to be warm for; the spare
+reads it at once and the script imports what it needs, no more (a script that builds no
+DistributedDataParallel never pays torch._dynamo's seconds), and no eviction watcher starts
+(it would be stopped before the script anyway).
+
 ``--idle`` (a spare made ahead, beside a training process): the imports run under
 ``SCHED_IDLE``, the lowest CPU priority, so they take only CPU the training leaves; once
 activated, every thread goes back to ``SCHED_OTHER``. Not ``os.nice``: an unprivileged
@@ -39,7 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     from slipstream.launch.parent_death import die_with_agent
 
     die_with_agent()
-    idle = "--idle" in (sys.argv[1:] if argv is None else argv)
+    flags = sys.argv[1:] if argv is None else argv
+    idle = "--idle" in flags
+    if "--now" in flags:
+        _run(sys.stdin.readline(), idle=False)
+        return
     if idle and hasattr(os, "SCHED_IDLE"):
         set_policy(os.SCHED_IDLE)
     import torch  # noqa: F401 - the warm part: imported before the failure, not after
@@ -61,6 +71,11 @@ def main(argv: list[str] | None = None) -> None:
         # Ended before the script runs: a thread left in a store call when a short script ends
         # aborts the process in interpreter teardown (SIGABRT after a successful run).
         watcher.join(timeout=WATCH_JOIN_S)
+    _run(line, idle)
+
+
+def _run(line: str, idle: bool) -> None:
+    """Run the script of the order ``line`` (none: the supervisor stopped first; end quietly)."""
     if not line.strip():
         return
     if idle and hasattr(os, "SCHED_OTHER"):

@@ -82,9 +82,12 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT)
 class Spare:
     """A started ``slipstream.launch.spare`` process, waiting on its stdin for what to run."""
 
-    def __init__(self, env: dict[str, str], idle: bool = False) -> None:
-        """``idle``: import at the lowest CPU priority (a spare made ahead, beside the training)."""
-        argv = [sys.executable, "-u", "-m", "slipstream.launch.spare"] + (["--idle"] if idle else [])
+    def __init__(self, env: dict[str, str], idle: bool = False, now: bool = False) -> None:
+        """``idle``: import at the lowest CPU priority (a spare made ahead, beside the training).
+        ``now``: activated at once (the first training process, or a replacement with no spare
+        ready): nothing to import ahead of the order, so the script imports only what it needs."""
+        argv = ([sys.executable, "-u", "-m", "slipstream.launch.spare"] + (["--idle"] if idle else [])
+                + (["--now"] if now else []))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=env, close_fds=True)
         self.idle = idle
 
@@ -144,7 +147,7 @@ def supervise(argv: list[str]) -> int:
 
     for sig in _FORWARDED:
         signal.signal(sig, forward)
-    warm: Spare | None = Spare(child_env)
+    warm: Spare | None = Spare(child_env, now=True)
     replacement, heals = False, 0
     try:
         while True:
@@ -168,7 +171,7 @@ def supervise(argv: list[str]) -> int:
             log.info(f"[slipstream] rank {rank}: the training process (pid {child.pid}) died ({_signal_name(rc)}); "
                      f"replacing it in place with {how}, heal {heals}", extra=CONSOLE)
             if warm is None:
-                warm = Spare(child_env)
+                warm = Spare(child_env, now=True)
     finally:
         if warm is not None:
             warm.discard()
