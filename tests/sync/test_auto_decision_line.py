@@ -15,6 +15,7 @@ import torch
 from slipstream.link import Link
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import AutoPolicy, codec_label, decision_line
+from slipstream.sync.codec_costs import CodecTiming
 from slipstream.sync.compress import make_codec
 from slipstream.sync.compress.base import layout_from_shapes
 from slipstream.sync.control import ControlWire
@@ -44,7 +45,7 @@ def _fixed_costs(self, order, step, clock, device, layouts, part, parts, wire_mo
 
 
 def test_auto_prints_its_choice_per_bucket_group_once_on_the_console(caplog, monkeypatch):
-    monkeypatch.setattr(AutoPolicy, "_time_slice", _fixed_costs)
+    monkeypatch.setattr(CodecTiming, "time_slice", _fixed_costs)
     options = SyncOptions.parse("auto", {"rank": 1, "verify_steps": 0})
     auto = AutoPolicy(options, ControlWire(None), world_size=2, link=SLOW, prober=lambda: SLOW)
     codecs = {n: make_codec(n, **options.codec_kwargs(n)) for n in options.auto_candidates}

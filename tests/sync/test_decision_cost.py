@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.link import Link
-from slipstream.sync import auto as engine_auto
+from slipstream.sync import auto as engine_auto, codec_costs
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import COST_RUNS, AutoPolicy
 from slipstream.sync.compress import make_codec
@@ -51,7 +51,7 @@ class _Counting:
 
     def __init__(self):
         self.calls: list[tuple[str, int]] = []
-        self.real = engine_auto.make_codec
+        self.real = codec_costs.make_codec
 
     def __call__(self, name, **kw):
         codec, calls = self.real(name, **kw), self.calls
@@ -122,7 +122,7 @@ def test_two_levels_each_local_rank_times_its_own_shard_and_the_node_adds_them(m
     levels = LevelLinks(SLOW, HierarchicalCost(SLOW, SLOW, local_world_size=2, num_nodes=2))
     step, layouts = _step([(512, 512), (512,)])
     counting = _Counting()
-    monkeypatch.setattr(engine_auto, "make_codec", counting)
+    monkeypatch.setattr(codec_costs, "make_codec", counting)
     buckets = [BucketInfo(0, step.numel[0], 0.01, layouts[step.keys[0]])]
     per_rank = _decide_on_ranks(levels, step, layouts, buckets, ("allreduce", "bf16", "powersgd"), n_ranks=4)
     n = step.numel[0]
@@ -165,7 +165,7 @@ def test_a_codec_slower_than_the_wire_it_saves_is_timed_twice_not_every_run(monk
     auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=2, link=fast, prober=lambda: fast)
     step, layouts = _step([(256, 256)])
     counting = _Counting()
-    monkeypatch.setattr(engine_auto, "make_codec", counting)
+    monkeypatch.setattr(codec_costs, "make_codec", counting)
     costs = auto.measure_costs([0], step, clock_for(CPU), CPU, layouts)
     runs = {name: sum(1 for n, _ in counting.calls if n == name) for name in ("bf16", "powersgd")}
     assert COST_RUNS > 2 and runs == {"bf16": 2, "powersgd": 2}, runs
@@ -193,7 +193,7 @@ def test_a_codec_too_slow_on_one_bucket_is_not_run_on_the_next(monkeypatch):
     auto = AutoPolicy(SyncOptions(), ControlWire(None), world_size=2, link=fast, prober=lambda: fast)
     step, layouts = _two_buckets([(256, 256), (256, 512)])
     counting = _Counting()
-    monkeypatch.setattr(engine_auto, "make_codec", counting)
+    monkeypatch.setattr(codec_costs, "make_codec", counting)
     shares: dict[str, float] = {}
     costs = auto.measure_costs([0, 1], step, clock_for(CPU), CPU, layouts, shares=shares)
     for name in ("bf16", "powersgd"):
@@ -217,9 +217,9 @@ def test_a_codec_is_still_timed_where_its_predicted_compute_would_pay(monkeypatc
             return 1e-6 if b.index == 0 else 10.0
 
     counting = _Counting()
-    monkeypatch.setattr(engine_auto, "make_codec", counting)
-    auto._time_codecs([0, 1], step, clock_for(CPU), CPU, layouts, lambda i: (0, step.numel[i], layouts[step.keys[i]]),
-                      1.0, _Wire(), with_shares=False)
+    monkeypatch.setattr(codec_costs, "make_codec", counting)
+    auto.timing.time_codecs([0, 1], step, clock_for(CPU), CPU, layouts, lambda i: (0, step.numel[i], layouts[step.keys[i]]),
+                            1.0, _Wire(), with_shares=False)
     runs = sum(1 for n, _ in counting.calls if n == "powersgd")
     assert runs == 2 + COST_RUNS, counting.calls  # 2 on bucket 0 (stopped early), every run on bucket 1
 

@@ -32,6 +32,12 @@ it needs the bucket-order fix, runs on sharded replicas, heals in place) is its
 :class:`~.strategies.StrategyInfo`, given to :func:`register` and read with :func:`describe`:
 code outside this package asks it and never compares a strategy's name.
 
+A strategy of your own: :func:`register` a function ``fn(ddp_model, **options) -> SyncHandle``,
+or :func:`register_codec` a codec (:class:`~.compress.base.Codec`) for the hook engine to run.
+For ``slipstream run --sync NAME`` and job specs every process must know it: declare it as an
+entry point of group ``slipstream.sync_strategies`` of an installed package (:mod:`.discovery`),
+loaded lazily, once, by :func:`available` and :func:`describe`.
+
 Example::
 
     from slipstream import sync
@@ -58,9 +64,16 @@ if TYPE_CHECKING:
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
+    from .compress.base import Codec
+    from .options import SyncOptions
+
 _Strategy = Callable[..., "SyncHandle"]  # fn(ddp_model, **options) -> state
 _REGISTRY: dict[str, _Strategy] = {}
 _INFO: dict[str, StrategyInfo] = {}
+# Installed packages' strategies (entry points, .discovery): loaded on the first question the
+# built-ins cannot answer, once; the ones that failed, by name, with the line saying why.
+_DISCOVERED = False
+_BROKEN: dict[str, str] = {}
 
 
 def register(name: str, info: StrategyInfo | None = None) -> Callable[[_Strategy], _Strategy]:
@@ -78,8 +91,52 @@ def register(name: str, info: StrategyInfo | None = None) -> Callable[[_Strategy
     return deco
 
 
+def register_codec(name: str, make: Callable[..., Codec], info: StrategyInfo | None = None) -> _Strategy:
+    """Register strategy ``name``: the hook engine (one global collective order, warm-up, the
+    convergence guard where the codec has error feedback, its state in checkpoints) running every
+    bucket through the codec ``make(**options)`` builds, one per run. The options the engine
+    takes (``warmup_steps`` and the guard's, :class:`~.options.SyncOptions`) go to the engine,
+    the others to ``make``. ``info``: as for :func:`register` (default: a comm hook that checks
+    its own options and does not heal in place). Returns the strategy function.
+
+    Example::
+
+        class Half(Codec):   # the contract: sync/compress/base.py
+            def reduce(self, flat, wire, key, layout=None):
+                payload = flat.to(torch.bfloat16); wire.allreduce(payload)
+                return flat.copy_(payload).div_(wire.size)
+
+        sync.register_codec("half", Half)
+        slipstream.accelerate(model, opt, sync="half", sync_options={"warmup_steps": 2})
+    """
+    def strategy(ddp_model: DistributedDataParallel, **options: Any) -> SyncHandle:
+        from .options import CODEC_STRATEGY_OPTION_NAMES, GUARD_OPTION_NAMES, SyncOptions
+
+        engine = set(GUARD_OPTION_NAMES) | set(CODEC_STRATEGY_OPTION_NAMES)
+        opts = SyncOptions(**{k: v for k, v in options.items() if k in engine})
+        # Built before the one-rank check, so a wrong option fails on one rank as on many.
+        codec = make(**{k: v for k, v in options.items() if k not in engine})
+        return _hook_engine(name, ddp_model, name, lambda: codec, opts)
+
+    strategy.__name__ = f"_{name}"
+    return register(name, info or StrategyInfo(name, SyncKind.HOOK))(strategy)
+
+
+def _discover() -> None:
+    """Load the installed packages' strategies (:mod:`.discovery`), the first time only."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True  # first: a package's function that asks the registry does not load them again
+    from .discovery import load_strategies
+
+    _BROKEN.update(load_strategies(lambda name: name in _REGISTRY))
+
+
 def available() -> tuple[str, ...]:
-    """Every valid strategy name, combinations (``hierarchical+powersgd``) included."""
+    """Every valid strategy name, combinations (``hierarchical+powersgd``) included, and the
+    installed packages' (loaded on the first call)."""
+    _discover()
     combos = tuple(f"{TWO_LEVELS_PREFIX}{c}" for c in CODECS if c != "allreduce")
     return tuple(_REGISTRY) + combos
 
@@ -99,7 +156,12 @@ def describe(name: str) -> StrategyInfo:
         sync.describe("allreduce").heals_in_place       # True
     """
     info = lookup(name, _INFO) if isinstance(name, str) else None
+    if info is None and isinstance(name, str) and not _DISCOVERED:
+        _discover()  # not built in: perhaps an installed package's
+        info = lookup(name, _INFO)
     if info is None:
+        if name in _BROKEN:
+            raise UnknownStrategy(_BROKEN[name])
         raise unknown(str(name), available())
     return info
 
@@ -111,6 +173,7 @@ def matching(question: Callable[[StrategyInfo], bool]) -> tuple[str, ...]:
 
         sync.matching(lambda info: info.auto)     # ('auto', 'hierarchical+auto')
     """
+    _discover()
     return tuple(n for n, info in _INFO.items() if question(info))
 
 
@@ -325,20 +388,28 @@ def _model_device(ddp_model: DistributedDataParallel) -> torch.device:
 
 def _hook_strategy(name: str, ddp_model: DistributedDataParallel, codec: str, hierarchical: bool = False,
                    **options: Any) -> SyncHandle:
+    from .options import SyncOptions
+
+    opts = SyncOptions.parse(name, options)
+    return _hook_engine(name, ddp_model, codec, lambda: make_codec(codec, **opts.codec_kwargs(codec)), opts,
+                        hierarchical)
+
+
+def _hook_engine(name: str, ddp_model: DistributedDataParallel, codec: str, make: Callable[[], Codec],
+                 opts: SyncOptions, hierarchical: bool = False) -> SyncHandle:
+    """The hook engine with one codec (``make()``, named ``codec``) for every bucket."""
     from .control import ControlWire
     from .guard import ConvergenceGuard
     from .hierarchical import FlatReducer, Hierarchical
     from .hooks import HookSync
-    from .options import SyncOptions
     from .probe import probe_levels, probe_link
     from .topology import groups
 
-    opts = SyncOptions.parse(name, options)
     if _single_rank(ddp_model):
         return AllreduceState(ddp_model, name)
     g = groups()
     reducer = Hierarchical(g) if hierarchical else FlatReducer(g.flat)
-    c = make_codec(codec, **opts.codec_kwargs(codec))
+    c = make()
     guard = ConvergenceGuard(**opts.guard_kwargs()) if opts.guard and c.error_feedback else None
     device = _model_device(ddp_model)
     # The groups are looked up when a probe runs: after healing in place they are new ones.
