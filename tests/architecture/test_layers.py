@@ -140,3 +140,15 @@ def test_the_architecture_page_draws_every_module_and_package():
                  | {p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").exists()})
     missing = [name for name in top if name not in drawn]
     assert missing == [], f"add these to docs/architecture.md's diagram, in their layer: {missing}"
+
+
+LARGEST_CLASS_LINES = 400  # issue #44: classes grow unseen under the file cap; one responsibility each
+
+
+def test_no_class_grows_past_400_lines():
+    too_big = {}
+    for path in _modules():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > LARGEST_CLASS_LINES:
+                too_big[f"{path.relative_to(REPO)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    assert too_big == {}, f"split these classes by responsibility (limit {LARGEST_CLASS_LINES} lines): {too_big}"

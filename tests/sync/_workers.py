@@ -245,7 +245,10 @@ def suite(rank: int, world: int, port: int, out_path: str, local_world: int) -> 
             modes.append(st.mode.value)
         stats = st.stats()
         st.close()
+        d = st.decision
         return {"modes": modes, "stats": stats, "choices": {str(k): v for k, v in st.decisions.items()},
+                "decided": {str(k): v for k, v in d.choices.items()} if d is not None else {},
+                "cast_choices": {str(k): v for k, v in (d.cast_choices or {}).items()} if d is not None else {},
                 "probed_sizes": probed_sizes, "priced": priced,
                 "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 

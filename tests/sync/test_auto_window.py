@@ -23,10 +23,14 @@ def test_every_decision_reaches_stats(suite_results):
     w = suite_results["auto"]["default_window"]
     st = w["stats"]
     buckets = st["sync_decisions"]
-    assert sorted(str(b["bucket"]) for b in buckets) == sorted(w["choices"]), (buckets, w["choices"])
+    assert sorted(str(b["bucket"]) for b in buckets) == sorted(w["decided"]), (buckets, w["decided"])
     for b in buckets:
-        assert b["codec"] == w["choices"][str(b["bucket"])], b
+        assert b["codec"] == w["decided"][str(b["bucket"])], b
         assert b["numel"] > 0 and b["ready_s"] >= 0 and b["comm_s"] > 0 and b["compute_s"] >= 0, b
+    # What runs now is the decision, or its cast plan while that one is verified first (a cast plan
+    # predicted within verify_runner_up of a lossy one: a fact of the measured codec times, which
+    # load moves; comparing the running plan with the decision failed 2 of 3 runs at load 14).
+    assert w["choices"] in (w["decided"], w["cast_choices"]), w
     assert st["sync_predicted_s"] > 0 and st["sync_predicted_allreduce_s"] > 0, st
     assert 0 < st["sync_predicted_backward_s"] <= st["sync_predicted_allreduce_s"], st
     assert st["sync_decision_reason"] and "ranks" in st["sync_link"], st
