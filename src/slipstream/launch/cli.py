@@ -20,17 +20,15 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import functools
-import inspect
 import os
-import re
 import sys
 
 from .. import config as config_module
 from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig, env_text
 from ..errors import ConfigError, UsageError, did_you_mean
+from ..settings import field_docs, first_sentence
 from . import run_config
 from .api import LaunchOptions, launch
 
@@ -228,28 +226,6 @@ class TrainFlag:
     choices: tuple | None
 
 
-def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the docstring under the field in config.py."""
-    try:
-        tree = ast.parse(inspect.getsource(config_module))
-    except (OSError, TypeError):  # no source (a frozen install): flags without help
-        return {}
-    docs = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        for a, b in zip(cls.body, cls.body[1:]):
-            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-                docs[(cls.name, a.target.id)] = b.value.value
-    return docs
-
-
-def _first_sentence(text: str) -> str:
-    text = " ".join(text.replace("``", "").split())
-    match = re.match(r"(.+?\.)(\s|$)", text)
-    text = (match.group(1) if match else text).rstrip(".")
-    return text[0].lower() + text[1:] if text[1:2].islower() else text
-
-
 def train_flags() -> list[TrainFlag]:
     """One :class:`TrainFlag` per flat name, from config.py's fields (in section order).
 
@@ -257,14 +233,14 @@ def train_flags() -> list[TrainFlag]:
 
         {f.flat: f.flag for f in train_flags()}["checkpoint_async"]   # "--checkpoint-async"
     """
-    docs = _field_docs()
+    docs = field_docs(config_module)
     out = []
     for section, cls in SECTIONS.items():
         by_name = {f.name: f for f in dataclasses.fields(cls)}
         for leaf, flat in cls.FLAT.items():
             f = by_name[leaf]
             meta = f.metadata
-            text = meta.get("help") or _first_sentence(docs.get((cls.__name__, leaf), "")) or f"{section}.{leaf}"
+            text = meta.get("help") or first_sentence(docs.get((cls.__name__, leaf), "")) or f"{section}.{leaf}"
             out.append(TrainFlag(flat, "--" + flat.replace("_", "-"), str(f.type), text,
                                  meta.get("metavar"), tuple(meta["choices"]) if "choices" in meta else None))
     return out

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import config as config_module
+from .. import settings
 from ..config import ENV_PREFIX, SECTIONS, TrainConfig
 from ..launch.cli import train_flags
 
@@ -62,14 +63,7 @@ def field_docs() -> dict[tuple[str, str], str]:
 
         field_docs()[("NumericsConfig", "precision")]   # "fp32, bf16 (autocast) or ..."
     """
-    tree = ast.parse(inspect.getsource(config_module))
-    docs = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        for a, b in zip(cls.body, cls.body[1:]):
-            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-                docs[(cls.name, a.target.id)] = inspect.cleandoc(b.value.value)
-    return docs
+    return settings.field_docs(config_module)
 
 
 def unit_of(flat: str, kind: str) -> str:
