@@ -122,11 +122,11 @@ class NumericsConfig:
 class ParallelConfig:
     """The parallel layout (see docs/parallel.md) and activation checkpointing."""
 
-    dp_replicate: int = setting(-1, minimum=-1)  # 0 is refused below: -1 is the one value under 1
+    dp_replicate: int = setting(-1, minimum=-1, excluded=(0,))  # checked below, with what -1 means
     """Replicated data parallel degree (DDP, or HSDP's replica dimension with dp_shard).
     -1: the rest of the world once the other degrees are divided out, so a run
     that sets nothing is plain DDP over every rank."""
-    dp_shard: int = setting(1, minimum=-1)
+    dp_shard: int = setting(1, minimum=-1, excluded=(0,))
     """Sharded data parallel degree: FSDP2 (``fully_shard``) over this many ranks;
     -1: the rest of the world (dp_replicate, unless given, is then 1)."""
     tp: int = setting(1, minimum=1)

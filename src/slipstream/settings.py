@@ -54,8 +54,12 @@ class Bounds:
     minimum: float | None = None
     maximum: float | None = None
     exclusive_minimum: bool = False
+    excluded: tuple[float, ...] = ()
+    """Values inside the range that are refused (a degree's 0, between -1 "the rest" and 1)."""
 
     def holds(self, value: float) -> bool:
+        if value in self.excluded:
+            return False
         if self.minimum is not None and (value <= self.minimum if self.exclusive_minimum else value < self.minimum):
             return False
         return self.maximum is None or value <= self.maximum
@@ -69,12 +73,12 @@ class Bounds:
             parts.append(f"{'>' if self.exclusive_minimum else '>='} {_num(self.minimum)}")
         if self.maximum is not None:
             parts.append(f"<= {_num(self.maximum)}")
-        return " and ".join(parts)
+        return " and ".join(parts) + "".join(f", not {_num(x)}" for x in self.excluded)
 
 
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             minimum: float | None = None, maximum: float | None = None, exclusive_minimum: bool = False,
-            **metadata: Any) -> Any:
+            excluded: tuple[float, ...] = (), **metadata: Any) -> Any:
     """A dataclass field declaring one setting: its default, its bounds, and ``metadata`` such as
     ``choices``, ``metavar`` and ``help`` (the help defaults to the docstring under the field).
 
@@ -83,7 +87,7 @@ def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = datacl
         every_s: float | None = setting(None, minimum=0, exclusive_minimum=True)
     """
     if minimum is not None or maximum is not None:
-        metadata[BOUNDS_KEY] = Bounds(minimum, maximum, exclusive_minimum)
+        metadata[BOUNDS_KEY] = Bounds(minimum, maximum, exclusive_minimum, excluded)
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 

@@ -473,9 +473,9 @@ def run_flags(args: argparse.Namespace) -> RunFlags:
     for key, value in (found.launch.items() if found else ()):
         if key not in given:  # a flag wins over the file, even one that repeats the default (--max-restarts 0)
             values[key] = _launch_value(actions[key], key, value, args.config)
-    script_args = tuple(args.script_args or ())
+    script_args = tuple(getattr(args, "script_args", None) or ())  # a Namespace built by hand may lack them
     flags = RunFlags(
-        script=args.script, script_args=script_args[1:] if script_args[:1] == ("--",) else script_args,
+        script=getattr(args, "script", ""), script_args=script_args[1:] if script_args[:1] == ("--",) else script_args,
         launcher=launcher_flags_type()(**values), config_path=getattr(args, "config", None),
         config_launcher=tuple(found.launch) if found else (), file_training=dict(found.train) if found else {},
         flag_training={name: getattr(args, f"train_{name}") for name in FLAT_NAMES

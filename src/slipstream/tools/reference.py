@@ -1,8 +1,8 @@
 """docs/reference.md, generated from the code: ``accelerate()``, the run object and every option.
 
 Every ``TrainConfig`` field comes from the dataclasses in ``slipstream/config.py``
-(flat name, nested name, ``slipstream run`` flag, ``SLIPSTREAM_*`` variable, type,
-default, unit, and the docstring under the field); ``accelerate()``, ``init()``,
+(flat name, nested name, ``slipstream run`` flag, ``SLIPSTREAM_*`` variable, type
+and bounds, default, unit, and the docstring under the field); ``accelerate()``, ``init()``,
 ``shutdown()``, the run object (:class:`slipstream.train.Accelerated`) and
 :class:`slipstream.StepResult` from their signatures and docstrings. A field
 without a docstring, or a number without a unit, stops the generator, so the
@@ -116,7 +116,9 @@ def config_section() -> list[str]:
             unit = unit_of(flat, kind)
             default = _default(f)
             shown = "none" if default is None else repr(default)
-            lines.append(f"| `{flat}` | `{section}.{leaf}` | `{flags.get(flat, '')}` | `{_cell(kind)}` | `{_cell(shown)}` | "
+            bounds = settings.bounds_of(f)  # the declared range, as TrainConfig checks it
+            kind_cell = f"`{_cell(kind)}`" + (f", {bounds.text()}" if bounds else "")
+            lines.append(f"| `{flat}` | `{section}.{leaf}` | `{flags.get(flat, '')}` | {kind_cell} | `{_cell(shown)}` | "
                          f"{unit or '-'} | {_cell(doc)} |")
         lines.append("")
     lines += [f"Environment: `{ENV_PREFIX}` + the flat name in capitals (`SLIPSTREAM_PRECISION=bf16`); "
