@@ -36,6 +36,7 @@ from typing import Any, ClassVar, Mapping
 
 from . import sync as _sync  # torch-free: the strategies' names and descriptions
 from .errors import ConfigError, did_you_mean
+from .settings import check_bounds, setting
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINT_VERIFY_MODES = ("full", "size", "off")  # see slipstream.checkpoint.verify
@@ -46,9 +47,11 @@ ZERO_STAGES = (2, 3)
 DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
 """Parallel degrees, in the order of the device mesh's dimensions (outermost first)."""
 ENV_PREFIX = "SLIPSTREAM_"
-# Field metadata read by ``slipstream run`` (launch/cli.py), which makes one flag per flat name:
-# "choices" (shown in --help; a tuple field takes a comma-separated subset), "metavar", and
-# "help" (default: the first sentence of the field's docstring). Values are still checked here.
+# Each setting is declared once, here (slipstream.settings.setting): its default, its bounds (checked
+# by check_bounds, and taken by the job spec's keys that feed it) and field metadata read by ``slipstream
+# run`` (launch/cli.py), which makes one flag per flat name: "choices" (shown in --help; a tuple field
+# takes a comma-separated subset), "metavar", and "help" (default: the first sentence of the field's
+# docstring). Values are still checked here.
 
 
 def _require(cond: bool, message: str) -> None:
@@ -65,7 +68,7 @@ class SyncConfig:
     options: dict = field(default_factory=dict, metadata={"metavar": "JSON", "help": 'strategy options as JSON, e.g. \'{"rank": 4}\''})
     """Options for the strategy (e.g. {"rank": 4} for powersgd, {"density": 0.01} for topk;
     docs/sync.md lists them). Flat name ``sync_options``; from the environment as JSON."""
-    bucket_cap_mb: float = field(default=25.0, metadata={"metavar": "MB"})
+    bucket_cap_mb: float = setting(25.0, minimum=0, exclusive_minimum=True, metavar="MB")
     """DDP bucket size in MiB: gradients are fused into buckets of this size and
     each bucket is reduced as soon as its gradients are ready (overlap with backward)."""
     gradient_as_bucket_view: bool = True
@@ -89,7 +92,7 @@ class SyncConfig:
         known = _sync.available()
         _require(self.strategy in known, f"sync must be one of {', '.join(known)}, got {self.strategy!r}"
                  + did_you_mean(self.strategy, known, quote=True))
-        _require(self.bucket_cap_mb > 0, f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")
+        check_bounds(self, self.FLAT)
         _require(isinstance(self.options, dict), f"sync_options must be a dict, got {self.options!r}")
 
 
@@ -99,9 +102,9 @@ class NumericsConfig:
 
     precision: str = field(default="fp32", metadata={"choices": PRECISIONS})
     """fp32, bf16 (autocast) or fp16 (autocast + dynamic gradient scaler)."""
-    accumulate_steps: int = 1
+    accumulate_steps: int = setting(1, minimum=1)
     """Micro-steps per optimizer step; gradients synchronise on the last one only."""
-    grad_clip_norm: float | None = None
+    grad_clip_norm: float | None = setting(None, minimum=0, exclusive_minimum=True)
     """Clip the global gradient 2-norm to this value (None: no clipping)."""
 
     FLAT: ClassVar[dict[str, str]] = {
@@ -112,34 +115,27 @@ class NumericsConfig:
 
     def __post_init__(self) -> None:
         _require(self.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        _require(
-            isinstance(self.accumulate_steps, int) and self.accumulate_steps >= 1,
-            f"accumulate_steps must be >= 1, got {self.accumulate_steps}",
-        )
-        _require(
-            self.grad_clip_norm is None or self.grad_clip_norm > 0,
-            f"grad_clip_norm must be > 0 or None, got {self.grad_clip_norm}",
-        )
+        check_bounds(self, self.FLAT)
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     """The parallel layout (see docs/parallel.md) and activation checkpointing."""
 
-    dp_replicate: int = -1
+    dp_replicate: int = setting(-1, minimum=-1, excluded=(0,))  # checked below, with what -1 means
     """Replicated data parallel degree (DDP, or HSDP's replica dimension with dp_shard).
     -1: the rest of the world once the other degrees are divided out, so a run
     that sets nothing is plain DDP over every rank."""
-    dp_shard: int = 1
+    dp_shard: int = setting(1, minimum=-1, excluded=(0,))
     """Sharded data parallel degree: FSDP2 (``fully_shard``) over this many ranks;
     -1: the rest of the world (dp_replicate, unless given, is then 1)."""
-    tp: int = 1
+    tp: int = setting(1, minimum=1)
     """Tensor parallel degree (DTensor column/row-wise sharding of the model's plan)."""
-    pp: int = 1
+    pp: int = setting(1, minimum=1)
     """Pipeline parallel degree (stages of ``torch.distributed.pipelining``)."""
     pp_schedule: str = field(default="1f1b", metadata={"choices": PP_SCHEDULES})
     """Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b."""
-    pp_microbatches: int | None = None
+    pp_microbatches: int | None = setting(None, minimum=1)
     """Micro-batches per pipeline step (must divide the batch); None: pp."""
     zero_stage: int = field(default=3, metadata={"choices": ZERO_STAGES})
     """With dp_shard > 1: 3 reshards parameters after forward (ZeRO-3: least memory,
@@ -169,10 +165,7 @@ class ParallelConfig:
             )
         _require(self.tp != -1 and self.pp != -1, f"only dp_replicate or dp_shard may be -1, got tp({self.tp}) pp({self.pp})")
         _require(self.pp_schedule in PP_SCHEDULES, f"pp_schedule must be one of {', '.join(PP_SCHEDULES)}, got {self.pp_schedule!r}")
-        _require(
-            self.pp_microbatches is None or (isinstance(self.pp_microbatches, int) and self.pp_microbatches >= 1),
-            f"pp_microbatches must be >= 1 or None, got {self.pp_microbatches!r}",
-        )
+        check_bounds(self, self.FLAT)  # the degrees again (they pass by now), and pp_microbatches
         if self.pp_microbatches is not None and self.pp_schedule == "1f1b" and self.pp > 1:
             _require(
                 self.pp_microbatches >= self.pp,
@@ -201,25 +194,25 @@ class CheckpointConfig:
 
     dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Where checkpoints go; when set, the run resumes from the newest complete one."""
-    every_steps: int | None = None
+    every_steps: int | None = setting(None, minimum=1)
     """Save every this many optimizer steps (None: only on preemption and at the end)."""
-    every_s: float | None = None
+    every_s: float | None = setting(None, minimum=0, exclusive_minimum=True)
     """Save when this many seconds passed since the last save (the ranks agree on the clock about
     once a second, not every step, so such a save can come up to a second and a step late)."""
-    keep_last: int = 3
+    keep_last: int = setting(3, minimum=1)
     """Complete checkpoints kept; older ones are deleted."""
     async_save: bool = False
     """Stage to CPU memory and write in a background thread (the loop blocks only for staging)."""
     verify: str = field(default="full", metadata={"choices": CHECKPOINT_VERIFY_MODES})
     """Check before loading: full (sizes and CRC-32 of every file), size (sizes only), off.
     A checkpoint that fails is moved aside and the previous one is loaded."""
-    max_failures: int = 3
+    max_failures: int = setting(3, minimum=1)
     """Saves that may fail in a row (full disk, ...) before the run exits 1; each failure
     before that is reported and training continues."""
-    preemption_deadline_s: float = 25.0
+    preemption_deadline_s: float = setting(25.0, minimum=0, exclusive_minimum=True)
     """After SIGTERM: an emergency checkpoint at the next step, then exit 143; past this
     deadline the process exits 143 regardless (keep it under the pod's grace period)."""
-    snapshot_every_steps: int | None = None
+    snapshot_every_steps: int | None = setting(None, minimum=1)
     """Also keep each rank's state of every Nth step in host memory (/dev/shm): a worker the agent
     restarts resumes from there when it is newer than the newest checkpoint on disk, so a failure
     redoes at most N steps (None: disk checkpoints only)."""
@@ -243,24 +236,10 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _require(self.dir is None or self.dir != "", "checkpoint_dir must be a path or None, got ''")
-        _require(
-            self.every_steps is None or self.every_steps >= 1,
-            f"checkpoint_every_steps must be >= 1 or None, got {self.every_steps}",
-        )
-        _require(self.every_s is None or self.every_s > 0, f"checkpoint_every_s must be > 0 or None, got {self.every_s}")
-        _require(self.keep_last >= 1, f"checkpoint_keep_last must be >= 1, got {self.keep_last}")
+        check_bounds(self, self.FLAT)
         _require(
             self.verify in CHECKPOINT_VERIFY_MODES,
             f"checkpoint_verify must be one of {', '.join(CHECKPOINT_VERIFY_MODES)}, got {self.verify!r}",
-        )
-        _require(
-            isinstance(self.max_failures, int) and self.max_failures >= 1,
-            f"checkpoint_max_failures must be >= 1, got {self.max_failures}",
-        )
-        _require(self.preemption_deadline_s > 0, f"preemption_deadline_s must be > 0, got {self.preemption_deadline_s}")
-        _require(
-            self.snapshot_every_steps is None or (isinstance(self.snapshot_every_steps, int) and self.snapshot_every_steps >= 1),
-            f"snapshot_every_steps must be >= 1 or None, got {self.snapshot_every_steps}",
         )
 
 
@@ -275,16 +254,16 @@ class MetricsConfig:
     """Write compute/communication spans per rank as a Chrome trace (RUN_DIR/timeline/)."""
     tensorboard: bool = False
     """Write every metric to TensorBoard event files (RUN_DIR/tensorboard/rank<R>)."""
-    prometheus_port: int | None = field(default=None, metadata={"metavar": "PORT"})
+    prometheus_port: int | None = setting(None, minimum=0, maximum=65535, metavar="PORT")
     """Serve Prometheus metrics; rank R listens on this port + local rank (0: any free port)."""
     prometheus_addr: str = field(default="127.0.0.1", metadata={"metavar": "ADDR"})
     """Address the Prometheus endpoint binds to (0.0.0.0 to let a cluster scrape it)."""
-    flops_per_sample: float | None = None
+    flops_per_sample: float | None = setting(None, minimum=0, exclusive_minimum=True)
     """Training FLOPs (forward + backward) of one sample, for MFU; None: 6 * params * tokens
     when the model takes token ids, else no MFU."""
-    peak_flops: float | None = None
+    peak_flops: float | None = setting(None, minimum=0, exclusive_minimum=True)
     """Peak FLOP/s of one device, for MFU; None: a table of known GPUs (none on CPU)."""
-    straggler_threshold: float = 0.1
+    straggler_threshold: float = setting(0.1, minimum=0, exclusive_minimum=True)
     """Name a straggler only when its compute per step exceeds the median rank's by more
     than this fraction (and by more than 2 ms), in each of the last 3 log steps in a row."""
     log_to: tuple[str, ...] = field(default=(), metadata={"choices": TRACKERS})
@@ -304,17 +283,8 @@ class MetricsConfig:
     }
 
     def __post_init__(self) -> None:
-        _require(
-            self.prometheus_port is None or 0 <= self.prometheus_port <= 65535,
-            f"prometheus_port must be in 0..65535 or None, got {self.prometheus_port}",
-        )
+        check_bounds(self, self.FLAT)
         _require(self.prometheus_addr != "", "prometheus_addr must be an address, got ''")
-        _require(
-            self.flops_per_sample is None or self.flops_per_sample > 0,
-            f"flops_per_sample must be > 0 or None, got {self.flops_per_sample}",
-        )
-        _require(self.peak_flops is None or self.peak_flops > 0, f"peak_flops must be > 0 or None, got {self.peak_flops}")
-        _require(self.straggler_threshold > 0, f"straggler_threshold must be > 0, got {self.straggler_threshold}")
         names = _split_names(self.log_to) if isinstance(self.log_to, str) else tuple(self.log_to)
         unknown = [name for name in names if name not in TRACKERS]
         _require(not unknown, f"log_to must name trackers among {', '.join(TRACKERS)}, got {', '.join(unknown)}")
@@ -327,11 +297,11 @@ class RunConfig:
 
     dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Where per-rank metrics (JSONL) and run artefacts go; None: runs/<timestamp>. Flat name: ``run_dir``."""
-    log_every_steps: int = 10
+    log_every_steps: int = setting(10, minimum=1)
     """Loss is read back to the host (one sync) only every this many steps."""
     progress: bool = True
     """Show a progress bar on rank 0 when the console is a terminal."""
-    total_steps: int | None = None
+    total_steps: int | None = setting(None, minimum=0)
     """Known length of the run, for the progress bar and ETA."""
 
     FLAT: ClassVar[dict[str, str]] = {
@@ -342,11 +312,7 @@ class RunConfig:
     }
 
     def __post_init__(self) -> None:
-        _require(self.log_every_steps >= 1, f"log_every_steps must be >= 1, got {self.log_every_steps}")
-        _require(
-            self.total_steps is None or self.total_steps >= 0,
-            f"total_steps must be >= 0 or None, got {self.total_steps}",
-        )
+        check_bounds(self, self.FLAT)
 
 
 SECTIONS: dict[str, type] = {

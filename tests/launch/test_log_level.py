@@ -9,12 +9,12 @@ import pytest
 
 from slipstream.cli import build_parser
 from slipstream.errors import UsageError
-from slipstream.launch.cli import launch_options_from_args, log_level
+from slipstream.launch.cli import launch_options_from_args, log_level, run_flags
 from slipstream.log import CONSOLE, env_level, set_level
 
 
 def _level(*flags: str) -> str | None:
-    return log_level(build_parser().parse_args(["run", *flags, "train.py"]))
+    return log_level(run_flags(build_parser().parse_args(["run", *flags, "train.py"])))
 
 
 def test_the_flags_give_one_level():

@@ -16,8 +16,7 @@ import sys
 
 from ..config import env_text, replaced
 from ..errors import EXIT_USAGE, SlipstreamError, UsageError
-from ..launch.cli import (apply_launch_settings, check_launcher_flags, heal_settings, parse_rdzv_conf, run_file,
-                          torchrun_option_defaults, training_options, worker_env_from_args)
+from ..launch.cli import RunFlags, heal_settings, parse_rdzv_conf, run_flags, torchrun_option_defaults, worker_env
 from .model import config_values
 from .kubectl import JOB_LABEL, cluster_unreachable
 from .render import DEFAULT_TARGET, TARGETS, TargetUnsupported, render, to_yaml
@@ -330,54 +329,59 @@ def job_run_from_args(args: argparse.Namespace) -> JobRun:
         args = build_parser().parse_args(["run", "--precision", "bf16", "job.yaml", "--", "--steps", "5"])
         job_run_from_args(args)   # JobRun(spec=..., script_args=("--steps", "5"), worker_env={"SLIPSTREAM_PRECISION": "bf16"})
     """
-    path = args.script
-    spec = load_spec(path)
-    found = run_file(args)
-    clash = [key for key in (found.launch if found else {}) if key in {dest for dest, *_ in _TOPOLOGY_FLAGS}]
+    spec = load_spec(args.script)
+    return job_run(spec, run_flags(args))
+
+
+def job_run(spec: JobSpec, flags: RunFlags) -> JobRun:
+    """``slipstream run``'s typed flags (:func:`~slipstream.launch.cli.run_flags`) over a loaded spec, as a
+    :class:`JobRun`; the flags the spec decides, or that would change nothing, are refused (one line each).
+
+    Example::
+
+        job_run(load_spec("job.yaml"), run_flags(build_parser().parse_args(["run", "--no-heal", "job.yaml"])))
+    """
+    path, f = flags.script, flags.launcher
+    clash = [key for key in flags.config_launcher if key in {dest for dest, *_ in _TOPOLOGY_FLAGS}]
     if clash:
-        raise UsageError(f"{args.config}: {', '.join(clash)} cannot be combined with a job spec ({path}); "
+        raise UsageError(f"{flags.config_path}: {', '.join(clash)} cannot be combined with a job spec ({path}); "
                          "the spec sets the topology (replicas, gpu_count, processes_per_replica, command)")
-    apply_launch_settings(args)  # the other launcher settings of a run config, checked below as the flags are
-    check_launcher_flags(args)
     for dest, default, flag, where in _TOPOLOGY_FLAGS:
-        if getattr(args, dest) != default:
+        if getattr(f, dest) != default:
             raise UsageError(f"{flag} cannot be combined with a job spec ({path}); set {where} in the spec instead")
     handled = {dest for dest, *_ in _TOPOLOGY_FLAGS} | {"max_restarts", "rdzv_id", "rdzv_conf"}
     for dest, (flag, default) in torchrun_option_defaults().items():
-        if dest not in handled and getattr(args, dest, default) != default:
+        if dest not in handled and getattr(f, dest, default) != default:
             raise UsageError(
                 f"{flag} has no effect with a job spec ({path}): the job runner starts and configures "
                 "each replica's agent itself; run the script directly with slipstream run to use it"
             )
-    extra = list(args.script_args or [])
-    if extra[:1] == ["--"]:
-        extra = extra[1:]
+    extra = list(flags.script_args)
     _refuse_misplaced_flags(extra, path)
-    worker_env = worker_env_from_args(args)
-    spec = _with_heal_flags(spec, args)
-    ours, spec_values = training_options(args), config_values(spec)
+    env = worker_env(flags)
+    spec = _with_heal_flags(spec, flags)
+    ours, spec_values = flags.training, config_values(spec)
     for name in replaced(spec_values, ours):  # the precedence rule, said when it bites (docs/launcher.md)
         print(f"slipstream run: {name} {env_text(ours[name])} (its flags or --config) overrides {path}'s "
               f"{name} {env_text(spec_values[name])}", file=sys.stderr, flush=True)
     return JobRun(
-        spec=spec, script_args=tuple(extra), worker_env=worker_env,
-        max_restarts=args.max_restarts or None,  # --max-restarts 0 (its default) leaves the spec's budget
-        rdzv_id=args.rdzv_id,
-        rdzv_conf=parse_rdzv_conf(args.rdzv_conf or ""), emulate=args.emulate, link=args.link,
+        spec=spec, script_args=tuple(extra), worker_env=env,
+        max_restarts=f.max_restarts or None,  # --max-restarts 0 (its default) leaves the spec's budget
+        rdzv_id=f.rdzv_id, rdzv_conf=parse_rdzv_conf(f.rdzv_conf or ""), emulate=f.emulate, link=f.link,
     )
 
 
-def _with_heal_flags(spec: JobSpec, args: argparse.Namespace) -> JobSpec:
+def _with_heal_flags(spec: JobSpec, flags: RunFlags) -> JobSpec:
     """``--heal``/``--no-heal`` and ``--spares`` (flags or run config) over the spec's ``restarts.heal``
     and ``restarts.spares``, as every launcher setting goes over the spec's value."""
-    heal, spares = heal_settings(args)  # --no-heal with --spares is refused there
+    heal, spares = heal_settings(flags)  # --no-heal with --spares is refused there
     restarts = spec.restarts
     if heal is not None:
         restarts = dataclasses.replace(restarts, heal=heal)
     if spares is not None:
         if not restarts.heal:
             raise UsageError(f"--spares {spares} keeps warm replacements for healing in place, which "
-                             f"{args.script}'s restarts.heal: false turns off: give --heal too, or no --spares")
+                             f"{flags.script}'s restarts.heal: false turns off: give --heal too, or no --spares")
         restarts = dataclasses.replace(restarts, spares=spares)
     return spec if restarts == spec.restarts else dataclasses.replace(spec, restarts=restarts)
 
@@ -397,4 +401,4 @@ def run_main(args: argparse.Namespace) -> int:
     return run_job(job_run_from_args(args))
 
 
-__all__ = ["register", "run_main", "job_run_from_args", "schema_main", "validate_main", "render_main", "submit_main", "SubmitFailed"]
+__all__ = ["register", "run_main", "job_run_from_args", "job_run", "schema_main", "validate_main", "render_main", "submit_main", "SubmitFailed"]

@@ -145,10 +145,57 @@ def section(cls: type, *, doc: str, optional: bool = False, **more: Any) -> Any:
     return dataclasses.field(default_factory=cls, metadata={"spec": rule})
 
 
+def config_field(flat: str) -> dataclasses.Field:
+    """The :mod:`slipstream.config` field behind a flat TrainConfig name (``checkpoint_keep_last``:
+    ``CheckpointConfig.keep_last``): the one declaration of that setting."""
+    from ..config import FLAT_NAMES, SECTIONS
+
+    section, leaf = FLAT_NAMES[flat]
+    return next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == leaf)
+
+
+def _config_doc(flat: str) -> str:
+    from .. import config
+    from ..config import FLAT_NAMES, SECTIONS
+    from ..settings import field_docs
+
+    section, leaf = FLAT_NAMES[flat]
+    return " ".join(field_docs(config).get((SECTIONS[section].__name__, leaf), "").replace("``", "").split())
+
+
+def from_config(flat: str, *, engine_default: bool = False, enum: Any = None, note: str = "", **more: Any) -> Any:
+    """A key that feeds the TrainConfig setting ``flat``, declared by that setting: its kind (from the
+    field's type, or ``choice`` for a field with ``choices``), default, bounds and documentation
+    (the docstring under the field, then ``note``: what only the spec says). ``engine_default``: the
+    key's own default is None, so a spec that leaves it out leaves the engine's default in force (the
+    JSON Schema still shows it). ``enum``: the allowed values, for a setting whose list the core
+    computes (the sync strategies). Nothing here restates a bound, so the spec cannot disagree with
+    the config (tests/test_settings_declared_once.py checks every ``config=`` key).
+
+    Example::
+
+        keep_last: int = from_config("checkpoint_keep_last")   # default 3, >= 1, as CheckpointConfig says
+    """
+    from ..settings import bounds_of
+
+    f = config_field(flat)
+    choices = enum if enum is not None else f.metadata.get("choices")
+    kind = "choice" if choices is not None else str(f.type).split(" ")[0]
+    kind = {"int": "integer", "float": "number", "str": "string", "bool": "boolean"}.get(kind, kind)
+    default = None if engine_default else (f.default if f.default_factory is dataclasses.MISSING else f.default_factory())
+    bounds = bounds_of(f)
+    if bounds is not None:
+        more.update(minimum=bounds.minimum, maximum=bounds.maximum, exclusive_minimum=bounds.exclusive_minimum)
+    if choices is not None:
+        more["enum"] = choices
+    doc = " ".join(part for part in (_config_doc(flat), note) if part)
+    return _field(Rule(kind, doc, default, config=flat, **more))
+
+
 def rules(cls: type) -> dict[str, Rule]:
     """The keys of a spec dataclass, in declaration order (fields without a rule are not keys)."""
     return {f.name: f.metadata["spec"] for f in dataclasses.fields(cls) if "spec" in f.metadata}
 
 
 __all__ = ["Rule", "KINDS", "integer", "number", "boolean", "string", "choice", "quantity", "strings",
-           "env_mapping", "section", "rules"]
+           "env_mapping", "section", "rules", "from_config", "config_field"]

@@ -3,8 +3,10 @@
 The field helpers (:mod:`slipstream.job.fields`) put every key's type, bounds,
 pattern, enum, default and documentation on the field itself; the reader, the
 error messages and the published JSON Schema all come from these declarations.
-Enumerations come from the core: ``slipstream.config.PRECISIONS`` and
-``slipstream.sync.available()``.
+A key that feeds a TrainConfig setting (checkpoint, sync, numerics, parallel) is
+declared by that setting (:func:`~slipstream.job.fields.from_config`): its default,
+bounds, choices and documentation are the config field's, so the spec cannot
+disagree with ``slipstream run``'s flags or ``accelerate()``.
 
 Example::
 
@@ -20,9 +22,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..config import CHECKPOINT_VERIFY_MODES, PP_SCHEDULES, PRECISIONS, ZERO_STAGES
-
-from .fields import boolean, choice, env_mapping, integer, number, quantity, rules, section, string, strings
+from .fields import (boolean, choice, env_mapping, from_config, integer, number, quantity, rules, section, string,
+                     strings)
 
 if TYPE_CHECKING:
     from ..config import TrainConfig
@@ -125,29 +126,20 @@ class Elastic:
 
 @dataclass(frozen=True, kw_only=True)
 class Checkpoint:
-    dir: str = string(
-        max_len=1024, required="when checkpoint is given (a path, or an fsspec URL such as s3://bucket/ckpt)",
-        config="checkpoint_dir", doc="Checkpoint directory (/ckpt/run1, s3://bucket/run1).")
+    dir: str = from_config(
+        "checkpoint_dir", required="when checkpoint is given (a path, or an fsspec URL such as s3://bucket/ckpt)",
+        note="A path (/ckpt/run1) or an fsspec URL (s3://bucket/run1).")
     volume_claim: str | None = string(
         pattern=_PVC_PATTERN, rule="a PersistentVolumeClaim name (DNS-1123 subdomain)", max_len=253,
         doc="PersistentVolumeClaim mounted at dir (which must then be an absolute path).")
-    every_steps: int | None = integer(
-        minimum=1, config="checkpoint_every_steps", doc="Checkpoint every N optimizer steps (was interval_steps).")
-    every_s: float | None = number(
-        minimum=0.0, exclusive_minimum=True, config="checkpoint_every_s",
-        doc="Checkpoint every N seconds (was interval_s).")
-    keep_last: int = integer(3, minimum=1, maximum=1000, config="checkpoint_keep_last",
-                             doc="Complete checkpoints kept.")
-    verify: str | None = choice(
-        None, CHECKPOINT_VERIFY_MODES, config="checkpoint_verify",
-        doc="Check a checkpoint before loading it: full (sizes and CRC-32), size, or off.")
-    max_failures: int | None = integer(
-        minimum=1, maximum=1000, config="checkpoint_max_failures",
-        doc="Failed saves in a row before the run gives up with exit 1.")
-    snapshot_every_steps: int | None = integer(
-        minimum=1, maximum=1000000, config="snapshot_every_steps",
-        doc="Also keep each rank's state of every Nth step in host memory (/dev/shm; see shm_size): a restarted "
-            "worker resumes from there, redoing at most N steps.")
+    # Keys that feed a TrainConfig setting take its default, bounds and documentation (from_config);
+    # engine_default: absent, the engine's default applies (and the spec names no value of its own).
+    every_steps: int | None = from_config("checkpoint_every_steps", note="Was interval_steps.")
+    every_s: float | None = from_config("checkpoint_every_s", note="Was interval_s.")
+    keep_last: int = from_config("checkpoint_keep_last")
+    verify: str | None = from_config("checkpoint_verify", engine_default=True)
+    max_failures: int | None = from_config("checkpoint_max_failures", engine_default=True)
+    snapshot_every_steps: int | None = from_config("snapshot_every_steps", note="Give pods enough shm_size.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,41 +158,29 @@ class Data:
 
 @dataclass(frozen=True, kw_only=True)
 class Sync:
-    strategy: str = choice(
-        "allreduce", sync_strategies, config="sync",
-        doc="Gradient synchronisation strategy (slipstream.sync.available()).")
-    bucket_cap_mb: float = number(25.0, minimum=0.0, exclusive_minimum=True, maximum=65536.0,
-                                  config="bucket_cap_mb", doc="DDP bucket size in MiB.")
+    strategy: str = from_config("sync", enum=sync_strategies)
+    bucket_cap_mb: float = from_config("bucket_cap_mb")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Numerics:
     """Precision and accumulation: TrainConfig's ``numerics`` section (was under ``sync``)."""
 
-    precision: str = choice("fp32", PRECISIONS, config="precision", doc="Training precision (was sync.precision).")
-    accumulate_steps: int = integer(1, minimum=1, maximum=100000, config="accumulate_steps",
-                                    doc="Micro-steps per optimizer step (was sync.accumulate_steps).")
+    precision: str = from_config("precision", note="Was sync.precision.")
+    accumulate_steps: int = from_config("accumulate_steps", note="Was sync.accumulate_steps.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Parallel:
     """The parallel layout (docs/parallel.md): dp_replicate * dp_shard * tp * pp = world size."""
 
-    dp_replicate: int | None = integer(
-        minimum=-1, maximum=65536, config="dp_replicate",
-        doc="Replicated data-parallel degree; -1: the rest of the world.")
-    dp_shard: int | None = integer(
-        minimum=-1, maximum=65536, config="dp_shard",
-        doc="FSDP2 sharded data-parallel degree; -1: the rest of the world.")
-    tp: int | None = integer(minimum=1, maximum=65536, config="tp", doc="Tensor-parallel degree.")
-    pp: int | None = integer(minimum=1, maximum=65536, config="pp", doc="Pipeline-parallel stages.")
-    pp_schedule: str | None = choice(None, PP_SCHEDULES, config="pp_schedule", doc="Pipeline schedule.")
-    pp_microbatches: int | None = integer(
-        minimum=1, maximum=65536, config="pp_microbatches",
-        doc="Micro-batches per pipeline step (must divide the batch).")
-    zero_stage: int | None = choice(
-        None, ZERO_STAGES, config="zero_stage",
-        doc="With dp_shard: 3 reshards parameters after forward, 2 keeps them gathered until backward.")
+    dp_replicate: int | None = from_config("dp_replicate", engine_default=True)
+    dp_shard: int | None = from_config("dp_shard", engine_default=True)
+    tp: int | None = from_config("tp", engine_default=True)
+    pp: int | None = from_config("pp", engine_default=True)
+    pp_schedule: str | None = from_config("pp_schedule", engine_default=True)
+    pp_microbatches: int | None = from_config("pp_microbatches", engine_default=True)
+    zero_stage: int | None = from_config("zero_stage", engine_default=True)
 
 
 @dataclass(frozen=True, kw_only=True)

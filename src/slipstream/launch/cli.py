@@ -20,17 +20,16 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import functools
-import inspect
 import os
-import re
 import sys
+from typing import Any, Mapping
 
 from .. import config as config_module
 from ..config import ENV_PREFIX, FLAT_NAMES, SECTIONS, TrainConfig, env_text
 from ..errors import ConfigError, UsageError, did_you_mean
+from ..settings import field_docs, first_sentence
 from . import run_config
 from .api import LaunchOptions, launch
 
@@ -228,28 +227,6 @@ class TrainFlag:
     choices: tuple | None
 
 
-def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field) -> the docstring under the field in config.py."""
-    try:
-        tree = ast.parse(inspect.getsource(config_module))
-    except (OSError, TypeError):  # no source (a frozen install): flags without help
-        return {}
-    docs = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        for a, b in zip(cls.body, cls.body[1:]):
-            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-                docs[(cls.name, a.target.id)] = b.value.value
-    return docs
-
-
-def _first_sentence(text: str) -> str:
-    text = " ".join(text.replace("``", "").split())
-    match = re.match(r"(.+?\.)(\s|$)", text)
-    text = (match.group(1) if match else text).rstrip(".")
-    return text[0].lower() + text[1:] if text[1:2].islower() else text
-
-
 def train_flags() -> list[TrainFlag]:
     """One :class:`TrainFlag` per flat name, from config.py's fields (in section order).
 
@@ -257,14 +234,14 @@ def train_flags() -> list[TrainFlag]:
 
         {f.flat: f.flag for f in train_flags()}["checkpoint_async"]   # "--checkpoint-async"
     """
-    docs = _field_docs()
+    docs = field_docs(config_module)
     out = []
     for section, cls in SECTIONS.items():
         by_name = {f.name: f for f in dataclasses.fields(cls)}
         for leaf, flat in cls.FLAT.items():
             f = by_name[leaf]
             meta = f.metadata
-            text = meta.get("help") or _first_sentence(docs.get((cls.__name__, leaf), "")) or f"{section}.{leaf}"
+            text = meta.get("help") or first_sentence(docs.get((cls.__name__, leaf), "")) or f"{section}.{leaf}"
             out.append(TrainFlag(flat, "--" + flat.replace("_", "-"), str(f.type), text,
                                  meta.get("metavar"), tuple(meta["choices"]) if "choices" in meta else None))
     return out
@@ -441,16 +418,71 @@ def _launch_value(action: argparse.Action, key: str, value: object, source: str)
         raise ConfigError(f"{source}: {key} must be {action.metavar or 'a value'}, got {value!r} ({exc})") from None
 
 
-def apply_launch_settings(args: argparse.Namespace) -> None:
-    """The run config's launcher settings into ``args``, where no flag gave them (flags override the file)."""
+@functools.lru_cache(maxsize=1)
+def launcher_flags_type() -> type:
+    """A frozen dataclass with one field per launcher option (:func:`launcher_settings`), generated from
+    the parser, the one declaration of each flag: a flag added there is a field here.
+
+    Example::
+
+        [f.name for f in dataclasses.fields(launcher_flags_type())][:2]   # ["nproc_per_node", "nnodes"]
+    """
+    return dataclasses.make_dataclass("LauncherFlags", [(dest, object) for dest in launcher_settings()],
+                                      frozen=True, namespace={"__module__": __name__})
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFlags:
+    """``slipstream run``'s command line as typed values, read from the parse once (:func:`run_flags`): the
+    run config's launcher settings applied where no flag gave them, every launcher flag checked. What
+    reads the flags outside this module (the job runner's job/cli.py) takes this, never the Namespace."""
+
+    script: str
+    """SCRIPT (a module with ``-m``), or JOB.yaml."""
+    script_args: tuple[str, ...]
+    """What follows it, a leading ``--`` removed."""
+    launcher: Any
+    """Every launcher option by its dest (``flags.launcher.max_restarts``): a :func:`launcher_flags_type`."""
+    config_path: str | None = None
+    """``--config FILE``."""
+    config_launcher: tuple[str, ...] = ()
+    """The launcher settings the run config gives, by dest."""
+    file_training: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    """The run config's training options, by flat name."""
+    flag_training: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    """The training options given as flags, by flat name."""
+
+    @property
+    def training(self) -> dict[str, object]:
+        """The training options given: the run config's, then the flags over them (flat names)."""
+        return {**self.file_training, **self.flag_training}
+
+
+def run_flags(args: argparse.Namespace) -> RunFlags:
+    """The parse of ``slipstream run`` as a :class:`RunFlags`, its launcher flags checked (one line, exit 2).
+
+    Example::
+
+        flags = run_flags(build_parser().parse_args(["run", "--config", "run.yaml", "-n", "2", "train.py"]))
+        flags.launcher.nproc_per_node, flags.training   # (2, {"precision": "bf16"}) with run.yaml: {precision: bf16}
+    """
     found = run_file(args)
-    if found is None or not found.launch:
-        return
     actions = launcher_settings()
+    values = {dest: getattr(args, dest, action.default) for dest, action in actions.items()}
     given = getattr(args, "given_flags", set())
-    for key, value in found.launch.items():
-        if key not in given:
-            setattr(args, key, _launch_value(actions[key], key, value, args.config))
+    for key, value in (found.launch.items() if found else ()):
+        if key not in given:  # a flag wins over the file, even one that repeats the default (--max-restarts 0)
+            values[key] = _launch_value(actions[key], key, value, args.config)
+    script_args = tuple(getattr(args, "script_args", None) or ())  # a Namespace built by hand may lack them
+    flags = RunFlags(
+        script=getattr(args, "script", ""), script_args=script_args[1:] if script_args[:1] == ("--",) else script_args,
+        launcher=launcher_flags_type()(**values), config_path=getattr(args, "config", None),
+        config_launcher=tuple(found.launch) if found else (), file_training=dict(found.train) if found else {},
+        flag_training={name: getattr(args, f"train_{name}") for name in FLAT_NAMES
+                       if getattr(args, f"train_{name}", None) is not None},
+    )
+    check_launcher_flags(flags)
+    return flags
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -487,33 +519,34 @@ def training_options(args: argparse.Namespace) -> dict[str, object]:
         training_options(parse(["run", "--config", "run.yaml", "--tp", "1", "train.py"]))
         # {"precision": "bf16", "tp": 1}
     """
-    found = run_file(args)
-    given = dict(found.train) if found else {}
-    for name in FLAT_NAMES:
-        value = getattr(args, f"train_{name}", None)
-        if value is not None:
-            given[name] = value
-    return given
-
+    return run_flags(args).training
 
 
 def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = None) -> dict[str, str]:
+    """:func:`worker_env` of the parse (``slipstream run``'s flags as given)."""
+    return worker_env(run_flags(args), nproc_per_node)
+
+
+def worker_env(flags: RunFlags, nproc_per_node: int | None = None) -> dict[str, str]:
     """The SLIPSTREAM_* variables for the training options given (file and flags), checked now.
 
     Every option given is set, its default value too, so it overrides a variable the
     launcher's own environment passes to the workers. ``nproc_per_node``: the resolved
     worker count when ``-n`` named a keyword (``gpu``), for the layout check.
+
+    Example::
+
+        worker_env(run_flags(parse(["run", "--precision", "bf16", "train.py"])))["SLIPSTREAM_PRECISION"]   # "bf16"
     """
-    given = training_options(args)
-    _say_flags_over_file(args)
+    given, f = flags.training, flags.launcher
+    _say_flags_over_file(flags)
     try:
         cfg = TrainConfig.from_env(environ={}, **given)
-        nproc = nproc_per_node if nproc_per_node is not None else getattr(args, "nproc_per_node", None)
-        nnodes = getattr(args, "nnodes", None)
-        if isinstance(nproc, int) and isinstance(nnodes, str) and nnodes.isdigit() and not getattr(args, "emulate", None):
-            cfg.degrees(nproc * int(nnodes))  # a layout that cannot fit the world fails now, not in every worker
+        nproc = nproc_per_node if nproc_per_node is not None else f.nproc_per_node
+        if isinstance(nproc, int) and isinstance(f.nnodes, str) and f.nnodes.isdigit() and not f.emulate:
+            cfg.degrees(nproc * int(f.nnodes))  # a layout that cannot fit the world fails now, not in every worker
     except ConfigError as exc:
-        where = f" (flags over {args.config})" if getattr(args, "config", None) else ""
+        where = f" (flags over {flags.config_path})" if flags.config_path else ""
         raise UsageError(f"invalid training flag{where}: {exc}") from None
     _check_local_dirs(cfg.flat(), given)
     env = cfg.to_env()
@@ -523,13 +556,13 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
     run_dir = cfg.run.dir
     if run_dir is not None:
         env["SLIPSTREAM_RUN_DIR"] = run_dir
-    timeout_s = getattr(args, "collective_timeout_s", None)
+    timeout_s = f.collective_timeout_s
     if timeout_s is not None:
         if timeout_s <= 0:
             raise UsageError(f"--collective-timeout-s must be > 0, got {timeout_s}")
         env["SLIPSTREAM_COLLECTIVE_TIMEOUT_S"] = str(timeout_s)
-    env.update(_placement_env(getattr(args, "backend", None), getattr(args, "device", None)))
-    level = log_level(args)
+    env.update(_placement_env(f.backend, f.device))
+    level = log_level(flags)
     if level is not None:  # the workers' level, and that of the agents a job spec's runner starts
         from ..log import ENV_LOG_LEVEL
 
@@ -537,17 +570,14 @@ def worker_env_from_args(args: argparse.Namespace, nproc_per_node: int | None = 
     return env
 
 
-def _say_flags_over_file(args: argparse.Namespace) -> None:
+def _say_flags_over_file(flags: RunFlags) -> None:
     """One line per run config value a flag replaces (the precedence rule, said when it bites:
     docs/launcher.md, "Which value wins")."""
-    found = run_file(args)
-    if found is None:
+    if flags.config_path is None:
         return
-    flags = {name: getattr(args, f"train_{name}") for name in FLAT_NAMES
-             if getattr(args, f"train_{name}", None) is not None}
-    for name in config_module.replaced(found.train, flags):
-        print(f"slipstream run: --{name.replace('_', '-')} {env_text(flags[name])} overrides {args.config}'s "
-              f"{name}: {env_text(found.train[name])}", file=sys.stderr, flush=True)
+    for name in config_module.replaced(flags.file_training, flags.flag_training):
+        print(f"slipstream run: --{name.replace('_', '-')} {env_text(flags.flag_training[name])} overrides "
+              f"{flags.config_path}'s {name}: {env_text(flags.file_training[name])}", file=sys.stderr, flush=True)
 
 
 def _check_local_dirs(flat: dict[str, object], given: dict[str, object]) -> None:
@@ -582,13 +612,13 @@ def _placement_env(backend: str | None, device: str | None) -> dict[str, str]:
     return env
 
 
-def _rendezvous(args: argparse.Namespace, max_nodes: int) -> tuple[str, str | None, str | None]:
+def _rendezvous(args: Any, max_nodes: int) -> tuple[str, str | None, str | None]:
     """(backend, endpoint, id) as torchrun's ``run`` settles them before launching.
 
     --standalone, or the static backend on one node with no endpoint and no
     --master-port: a local store on a free port and a fresh id. The static backend
     otherwise: --rdzv-endpoint, else --master-addr:--master-port. Both static and c10d
-    run our c10d rendezvous (a fresh store per attempt).
+    run our c10d rendezvous (a fresh store per attempt). ``args``: the launcher flags (RunFlags.launcher).
     """
     backend = args.rdzv_backend
     endpoint, rdzv_id = args.rdzv_endpoint or None, args.rdzv_id
@@ -610,56 +640,54 @@ def _local_ranks(text: str) -> tuple[int, ...]:
         raise UsageError(f"--local-ranks-filter must be local ranks separated by commas (e.g. 0,1), got {text!r}") from None
 
 
-def check_launcher_flags(args: argparse.Namespace) -> None:
+def check_launcher_flags(flags: RunFlags) -> None:
     """The launcher's flags that no later check names (ports, --link, --emulate's shape),
     each with its flag, rule and value; raises :class:`UsageError`. Starts nothing."""
-    port = getattr(args, "master_port", None)
-    if port is not None and not 0 <= port < 65536:
-        raise UsageError(f"--master-port must be in [0, 65535], got {port}")
-    for flag, dest in (("--master-addr", "master_addr"), ("--local-addr", "local_addr")):
-        host = getattr(args, dest, None)
+    f = flags.launcher
+    if f.master_port is not None and not 0 <= f.master_port < 65536:
+        raise UsageError(f"--master-port must be in [0, 65535], got {f.master_port}")
+    for flag, host in (("--master-addr", f.master_addr), ("--local-addr", f.local_addr)):
         if host is not None and (not host.strip() or any(c.isspace() for c in host)):
             raise UsageError(f"{flag} must be a host name or address, got {host!r}")
-    link, emulate = getattr(args, "link", None), getattr(args, "emulate", None)
-    if link is not None and not emulate:
-        raise UsageError(f"--link {link} shapes the links of an emulated cluster: it needs --emulate NODESxPROCS")
-    if emulate:
+    if f.link is not None and not f.emulate:
+        raise UsageError(f"--link {f.link} shapes the links of an emulated cluster: it needs --emulate NODESxPROCS")
+    if f.emulate:
         from .emulate import parse_link, parse_shape
 
-        parse_shape(emulate)
-        parse_link(link)
-    log_level(args)
-    heal_settings(args)
+        parse_shape(f.emulate)
+        parse_link(f.link)
+    log_level(flags)
+    heal_settings(flags)
 
 
-def heal_settings(args: argparse.Namespace) -> tuple[bool | None, int | None]:
+def heal_settings(flags: RunFlags) -> tuple[bool | None, int | None]:
     """``--heal``/``--no-heal`` and ``--spares`` (flags over the run config) as
     :class:`LaunchOptions`' ``heal`` and ``spares``, checked by its own rules (one line, exit 2).
 
     Example::
 
-        heal_settings(parse(["run", "--no-heal", "train.py"]))   # (False, None)
+        heal_settings(run_flags(parse(["run", "--no-heal", "train.py"])))   # (False, None)
     """
-    heal, spares = getattr(args, "heal", None), getattr(args, "spares", None)
-    LaunchOptions("-", heal=heal, spares=spares, no_python=bool(getattr(args, "no_python", False))).validate_heal()
-    return heal, spares
+    f = flags.launcher
+    LaunchOptions("-", heal=f.heal, spares=f.spares, no_python=bool(f.no_python)).validate_heal()
+    return f.heal, f.spares
 
 
-def log_level(args: argparse.Namespace) -> str | None:
+def log_level(flags: RunFlags) -> str | None:
     """``--log-level`` / ``-q`` as one level (None: neither given); a bad or contradicting value
     is a :class:`UsageError`.
 
     Example::
 
-        log_level(parse(["run", "-q", "train.py"]))   # "warning"
+        log_level(run_flags(parse(["run", "-q", "train.py"])))   # "warning"
     """
     from ..log import LOG_LEVELS
 
-    level, quiet = getattr(args, "log_level", None), getattr(args, "quiet", None)
+    level, quiet = flags.launcher.log_level, flags.launcher.quiet
     if level is not None:
         level = str(level).strip().lower()
         if level not in LOG_LEVELS:
-            raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {args.log_level!r}"
+            raise UsageError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {flags.launcher.log_level!r}"
                              + did_you_mean(level, LOG_LEVELS, quote=True))
     if quiet:
         if level not in (None, "warning", "error"):
@@ -676,50 +704,33 @@ def launch_options_from_args(args: argparse.Namespace) -> LaunchOptions:
         args = build_parser().parse_args(["run", "--standalone", "--nproc_per_node", "2", "train.py", "--steps", "5"])
         launch_options_from_args(args)   # LaunchOptions(entrypoint="train.py", args=["--steps", "5"], nproc_per_node=2, ...)
     """
-    apply_launch_settings(args)
-    check_launcher_flags(args)
-    min_nodes, max_nodes = parse_nnodes(args.nnodes)
-    nproc = resolve_nproc(args.nproc_per_node)
-    backend, endpoint, rdzv_id = _rendezvous(args, max_nodes)
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    return LaunchOptions(
-        entrypoint=args.script,
-        args=script_args,
-        nproc_per_node=nproc,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        node_rank=args.node_rank,
-        rdzv_endpoint=endpoint,
-        rdzv_id=rdzv_id,
-        max_restarts=args.max_restarts,
-        monitor_interval_s=args.monitor_interval,
-        module=args.module,
-        local_addr=args.local_addr,
-        worker_env=worker_env_from_args(args, nproc),
-        rdzv_conf=parse_rdzv_conf(args.rdzv_conf),
-        rdzv_backend=backend,
-        role=args.role,
-        start_method=args.start_method,
-        no_python=args.no_python,
-        log_dir=args.log_dir,
-        redirects=args.redirects,
-        tee=args.tee,
-        local_ranks_filter=_local_ranks(args.local_ranks_filter),
-        logs_specs=args.logs_specs,
-        event_log_handler=args.event_log_handler,
-        numa_binding=args.numa_binding,
-        signals_to_handle=args.signals_to_handle,
-        duplicate_stdout_filters=tuple(args.duplicate_stdout_filters),
-        duplicate_stderr_filters=tuple(args.duplicate_stderr_filters),
-        virtual_local_rank=args.virtual_local_rank,
-        shutdown_timeout_s=args.shutdown_timeout,
-        log_level=log_level(args),
-        summary=not args.no_summary,
-        heal=args.heal,
-        spares=args.spares,
+    return launch_options(run_flags(args))
+
+
+def launch_options(flags: RunFlags) -> LaunchOptions:
+    """:class:`LaunchOptions` from the typed flags: a field named as a flag's dest (``max_restarts``,
+    ``tee``, ``heal``, ...) takes its value as given; the others below are converted or renamed.
+
+    Example::
+
+        launch_options(run_flags(parse(["run", "-n", "2", "train.py"]))).nproc_per_node   # 2
+    """
+    f = flags.launcher
+    min_nodes, max_nodes = parse_nnodes(f.nnodes)
+    nproc = resolve_nproc(f.nproc_per_node)
+    backend, endpoint, rdzv_id = _rendezvous(f, max_nodes)
+    same = {field.name: getattr(f, field.name) for field in dataclasses.fields(LaunchOptions) if hasattr(f, field.name)}
+    converted = dict(  # in the order their checks ran before (the first error is the one said)
+        worker_env=worker_env(flags, nproc), rdzv_conf=parse_rdzv_conf(f.rdzv_conf),
+        local_ranks_filter=_local_ranks(f.local_ranks_filter), log_level=log_level(flags),
     )
+    return LaunchOptions(**{
+        **same, **converted, "entrypoint": flags.script, "args": list(flags.script_args), "nproc_per_node": nproc,
+        "min_nodes": min_nodes, "max_nodes": max_nodes, "rdzv_endpoint": endpoint, "rdzv_id": rdzv_id,
+        "rdzv_backend": backend, "monitor_interval_s": f.monitor_interval, "shutdown_timeout_s": f.shutdown_timeout,
+        "duplicate_stdout_filters": tuple(f.duplicate_stdout_filters),
+        "duplicate_stderr_filters": tuple(f.duplicate_stderr_filters), "summary": not f.no_summary,
+    })
 
 
 def main(args: argparse.Namespace) -> int:
@@ -728,11 +739,12 @@ def main(args: argparse.Namespace) -> int:
     ``slipstream run JOB.yaml`` never reaches here: the top-level command sends it to
     ``slipstream.job.cli.run_main`` (the job package uses the launcher, not the reverse).
     """
-    opts = launch_options_from_args(args)
-    if args.emulate:
+    flags = run_flags(args)
+    opts = launch_options(flags)
+    if flags.launcher.emulate:
         from .emulate import parse_shape
         from .emulate_job import run_emulated
 
-        nodes, procs = parse_shape(args.emulate)
-        return run_emulated(nodes, procs, args.link or "unshaped", opts)
+        nodes, procs = parse_shape(flags.launcher.emulate)
+        return run_emulated(nodes, procs, flags.launcher.link or "unshaped", opts)
     return launch(opts)

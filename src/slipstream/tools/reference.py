@@ -1,8 +1,8 @@
 """docs/reference.md, generated from the code: ``accelerate()``, the run object and every option.
 
 Every ``TrainConfig`` field comes from the dataclasses in ``slipstream/config.py``
-(flat name, nested name, ``slipstream run`` flag, ``SLIPSTREAM_*`` variable, type,
-default, unit, and the docstring under the field); ``accelerate()``, ``init()``,
+(flat name, nested name, ``slipstream run`` flag, ``SLIPSTREAM_*`` variable, type
+and bounds, default, unit, and the docstring under the field); ``accelerate()``, ``init()``,
 ``shutdown()``, the run object (:class:`slipstream.train.Accelerated`) and
 :class:`slipstream.StepResult` from their signatures and docstrings. A field
 without a docstring, or a number without a unit, stops the generator, so the
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import config as config_module
+from .. import settings
 from ..config import ENV_PREFIX, SECTIONS, TrainConfig
 from ..launch.cli import train_flags
 
@@ -62,14 +63,7 @@ def field_docs() -> dict[tuple[str, str], str]:
 
         field_docs()[("NumericsConfig", "precision")]   # "fp32, bf16 (autocast) or ..."
     """
-    tree = ast.parse(inspect.getsource(config_module))
-    docs = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
-        for a, b in zip(cls.body, cls.body[1:]):
-            if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                    and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-                docs[(cls.name, a.target.id)] = inspect.cleandoc(b.value.value)
-    return docs
+    return settings.field_docs(config_module)
 
 
 def unit_of(flat: str, kind: str) -> str:
@@ -122,7 +116,9 @@ def config_section() -> list[str]:
             unit = unit_of(flat, kind)
             default = _default(f)
             shown = "none" if default is None else repr(default)
-            lines.append(f"| `{flat}` | `{section}.{leaf}` | `{flags.get(flat, '')}` | `{_cell(kind)}` | `{_cell(shown)}` | "
+            bounds = settings.bounds_of(f)  # the declared range, as TrainConfig checks it
+            kind_cell = f"`{_cell(kind)}`" + (f", {bounds.text()}" if bounds else "")
+            lines.append(f"| `{flat}` | `{section}.{leaf}` | `{flags.get(flat, '')}` | {kind_cell} | `{_cell(shown)}` | "
                          f"{unit or '-'} | {_cell(doc)} |")
         lines.append("")
     lines += [f"Environment: `{ENV_PREFIX}` + the flat name in capitals (`SLIPSTREAM_PRECISION=bf16`); "

@@ -7,6 +7,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 from collections.abc import Mapping
@@ -61,19 +62,10 @@ def open_checkpoints(
     at a measured cadence when ``snapshot_every_steps`` is not set (healing in place); with no
     ``checkpoint_dir``, they are all the manager keeps."""
     ckpt = config.checkpoint
-    mgr = CheckpointManager(
-        ckpt.dir,  # type: ignore[arg-type]
-        every_steps=ckpt.every_steps,
-        every_s=ckpt.every_s,
-        keep_last=ckpt.keep_last,
-        async_save=ckpt.async_save,
-        preemption_deadline_s=ckpt.preemption_deadline_s,
-        verify=ckpt.verify,
-        max_failures=ckpt.max_failures,
-        snapshot_every_steps=ckpt.snapshot_every_steps,
-        snapshot_peer_copy=ckpt.snapshot_peer_copy,
-        snapshot_auto=snapshot_auto,
-    )
+    # CheckpointConfig's fields are the manager's keywords (``dir`` its first argument): a setting added to
+    # the section reaches the manager without a copy here (tests/train/test_bookkeeping.py holds them equal).
+    settings = {f.name: getattr(ckpt, f.name) for f in dataclasses.fields(ckpt) if f.name != "dir"}
+    mgr = CheckpointManager(ckpt.dir, **settings, snapshot_auto=snapshot_auto)  # type: ignore[arg-type]
     if mgr.snapshots is not None and sync is not None:
         mgr.snapshots.cadence.align_to(sync.steps_between_syncs)  # a heal's snapshot: one every rank holds
     mgr.register("model_optimizer", model_optimizer)
