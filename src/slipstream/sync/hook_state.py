@@ -15,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,9 @@ from .levels import FLAT, HIERARCHICAL
 from .modes import Mode
 from .probe import link_from_state, link_state
 
-if TYPE_CHECKING:
-    from .hooks import HookSync
+HookSync = Any
+"""A :class:`~.hooks.HookSync` (hooks imports this module; an import back, even for types, is a cycle
+the import contracts refuse)."""
 
 log = logging.getLogger("slipstream.sync")
 
