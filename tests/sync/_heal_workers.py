@@ -3,7 +3,7 @@
 Each rank forms its default group through :class:`slipstream.heal.Healer` (a real TCPStore), trains
 an uninterrupted reference, then the same run again with a heal after step ``SNAP``: the state of
 that step is kept (as a snapshot keeps it), one more step is taken (the work a heal undoes), every
-rank leaves the group and joins the next generation as ``Accelerated._heal_or_raise`` and the data
+rank leaves the group and joins the next generation as ``train.healing.InPlaceHealing.heal`` and the data
 parallel layout do (``Healer.leave`` -> DDP and ``SyncHandle.leave`` -> ``Healer.rejoin`` -> DDP and
 ``SyncHandle.rejoined`` -> the bucket-order fix), loads the kept state, and trains to the end.
 """
@@ -95,7 +95,7 @@ def _case(healer, strategy: str, options: dict) -> dict:
         _step(ddp, handle, opt, s)
     kept = _copy({"model": model.state_dict(), "opt": opt.state_dict(), "sync": handle.state_dict()})
     _step(ddp, handle, opt, SNAP)  # undone by the heal
-    # The heal, in the order facade._heal_or_raise and DataParallelLayout.leave/rejoined take.
+    # The heal, in the order InPlaceHealing.heal (train/healing.py) and DataParallelLayout.leave/rejoined take.
     healer.leave()
     ddp._update_process_group(dist.group.WORLD)
     handle.leave()

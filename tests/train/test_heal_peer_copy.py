@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from slipstream.train import facade
+from slipstream.train import healing
 from slipstream.train.layout_dp import DataParallelLayout
 
 
@@ -16,4 +16,4 @@ def test_a_run_with_the_peer_copy_heals():
                           layout=object.__new__(DataParallelLayout),
                           config=SimpleNamespace(sync=SimpleNamespace(strategy="allreduce")),
                           describe_layout=lambda: "dp")
-    assert facade._heal_refusal(run) is None
+    assert healing.heal_refusal(run) is None

@@ -1,5 +1,5 @@
 """Which runs heal in place: every built-in sync strategy does; one registered without
-``heals_in_place`` is refused in one line that says why (facade._heal_refusal)."""
+``heals_in_place`` is refused in one line that says why (healing.heal_refusal)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from slipstream import sync
-from slipstream.train import facade
+from slipstream.train import facade, healing
 from slipstream.train.layout_dp import DataParallelLayout
 
 
@@ -23,14 +23,14 @@ def _run(strategy: str) -> SimpleNamespace:
 
 @pytest.mark.parametrize("strategy", sync.available())
 def test_every_built_in_strategy_heals_in_place(strategy):
-    assert facade._heal_refusal(_run(strategy)) is None
+    assert healing.heal_refusal(_run(strategy)) is None
 
 
 def test_a_strategy_registered_without_heals_in_place_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(sync, "_REGISTRY", dict(sync._REGISTRY))
     monkeypatch.setattr(sync, "_INFO", dict(sync._INFO))
     sync.register("mine")(lambda ddp_model, **options: None)
-    why = facade._heal_refusal(_run("mine"))
+    why = healing.heal_refusal(_run("mine"))
     assert why is not None and "\n" not in why
     assert why.startswith("sync 'mine' is registered without heals_in_place: ")
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from slipstream.train import facade
+from slipstream.train import healing
 from slipstream.train.layout import Layout
 from slipstream.train.layout_dp import DataParallelLayout
 from slipstream.train.layout_mesh import MeshLayout
@@ -35,6 +35,6 @@ def test_the_facade_takes_the_layouts_refusal_and_heals_a_mesh_layout_that_can()
     run = SimpleNamespace(layout=SimpleNamespace(heal_refusal=lambda: None),
                           config=SimpleNamespace(sync=SimpleNamespace(strategy="allreduce")),
                           checkpoints=SimpleNamespace(snapshots=snapshots))
-    assert facade._heal_refusal(run) is None  # type: ignore[arg-type]
+    assert healing.heal_refusal(run) is None  # type: ignore[arg-type]
     run.layout = SimpleNamespace(heal_refusal=lambda: "the reason")
-    assert facade._heal_refusal(run) == "the reason"  # type: ignore[arg-type]
+    assert healing.heal_refusal(run) == "the reason"  # type: ignore[arg-type]

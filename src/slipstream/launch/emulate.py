@@ -66,12 +66,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import re
 import secrets
-import select
 import shutil
 import signal
 import subprocess
@@ -87,6 +85,9 @@ from ..snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
 from . import node_rejoin
 from .agent import ENV_WORKERS_FILE
 from .api import LaunchOptions
+from .emulate_net import (  # noqa: F401  (re-exported: emulate.Node, emulate.NETNS_ETC, ... are its public names too)
+    FORWARDER_MTU, NETNS_ETC, ClusterNetwork, Node,
+)
 from .linkspec import (  # noqa: F401  (re-exported: emulate.parse_rate, ... are its public names too)
     LINK_SYNTAX, MAX_RTT_S, LinkSpec, format_link, format_rate, parse_link, parse_rate, split_link_list, tbf_args,
 )
@@ -102,10 +103,6 @@ RDZV_PORT = 29400
 """Rendezvous port on node 0; free by construction, the namespace is new."""
 ADDR_PREFIX = "198.18"
 """RFC 2544 benchmarking range; each cluster uses one /24 inside its own namespaces."""
-NETNS_ETC = "/etc/netns"
-"""Where ``ip netns exec NAME`` finds the files it mounts over ``/etc`` for that namespace."""
-FORWARDER_MTU = 65535
-"""MTU of the nodes' TUN devices when the forwarder carries the links (delay or loss)."""
 
 _CAP_NET_ADMIN = 12
 _CAP_SYS_ADMIN = 21
@@ -172,23 +169,14 @@ def list_namespaces(prefix: str | None = None) -> list[str]:
 
 
 @dataclass
-class Node:
-    """One emulated node: its namespace, interface and address."""
-
-    rank: int
-    netns: str
-    ifname: str
-    addr: str
-    port: str
-    """The bridge port (in the switch namespace) its veth is plugged into."""
-
-
-@dataclass
 class EmulatedCluster:
     """Namespaces, bridge and shaped links for ``nodes`` nodes; a context manager.
 
     ``up()`` builds it, ``down()`` deletes it (idempotent; also called by
-    ``__exit__``). ``run()`` starts one elastic agent per node and waits.
+    ``__exit__``). ``run()`` starts one elastic agent per node and waits. The
+    network is its :class:`~.emulate_net.ClusterNetwork` (``cluster.network``);
+    the cluster keeps the nodes' processes: their environment, start, loss
+    (:meth:`lose_node`) and restart.
     """
 
     nodes: int
@@ -203,13 +191,11 @@ class EmulatedCluster:
             raise UsageError(f"an emulated cluster needs at least 1 node, got {self.nodes}")
         if not re.fullmatch(r"[0-9a-z]{1,8}", self.run_id):
             raise UsageError(f"run id must be 1-8 lower-case letters or digits, got {self.run_id!r}")
-        self.link_spec = parse_link(self.link)
-        self.link_bits_per_s = self.link_spec.bits_per_s
+        link_spec = parse_link(self.link)
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", NS_PREFIX):
             raise UsageError(f"namespace prefix must be 1-40 letters, digits, '_', '.' or '-', got {NS_PREFIX!r}")
         subnet = int(self.run_id, 36) % 250 + 1
         self.switch_ns = f"{NS_PREFIX}{self.run_id}-sw"
-        self.bridge = "ssbr"
         self.node_list = [
             Node(
                 rank=i,
@@ -220,29 +206,12 @@ class EmulatedCluster:
             )
             for i in range(self.nodes)
         ]
-        self._created: list[str] = []
-        self._cut: set[int] = set()
+        self.network = ClusterNetwork(self.switch_ns, self.node_list, link_spec, self.verbose, self.loss_seed)
+        self.bridge = self.network.bridge
         self._jobs = 0
-        self._forwarder: subprocess.Popen | None = None
-        self._links_built: bool | None = None  # None: no node links; else whether the forwarder carries them
         self._node_heals = 0  # nodes that came back healing in this run (node_rejoin)
 
     # -- building and deleting ---------------------------------------------------
-
-    def _ip(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        cmd = list(args)
-        if self.verbose:
-            log.info("+ " + " ".join(cmd), extra=CONSOLE)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-        if check and proc.returncode != 0:
-            msg = (proc.stderr or proc.stdout).strip()
-            if "Operation not permitted" in msg or "Permission denied" in msg:
-                raise UsageError(
-                    f"emulated cluster: '{' '.join(cmd)}' was refused ({msg}); "
-                    "it needs root or CAP_NET_ADMIN + CAP_SYS_ADMIN"
-                )
-            raise UsageError(f"emulated cluster: '{' '.join(cmd)}' failed: {msg}")
-        return proc
 
     def up(self) -> "EmulatedCluster":
         """Create namespaces, bridge, veths, addresses and qdiscs. Cleans up if any step fails."""
@@ -250,174 +219,19 @@ class EmulatedCluster:
         if why:
             raise UsageError(f"--emulate cannot build a cluster here: {why}")
         try:
-            self._add_netns(self.switch_ns)
-            sw = self.switch_ns
-            self._ip("ip", "-n", sw, "link", "add", self.bridge, "type", "bridge")
-            self._ip("ip", "-n", sw, "link", "set", self.bridge, "up")
-            self._ip("ip", "-n", sw, "link", "set", "lo", "up")
-            for node in self.node_list:
-                self._add_netns(node.netns)
-                self._ip("ip", "-n", node.netns, "link", "set", "lo", "up")
+            self.network.build()
             self.set_link(self.link)
         except BaseException:
             self.down()
             raise
         return self
 
-    def _build_links(self, forwarder: bool) -> None:
-        """The nodes' links: veths to the bridge, or TUN devices held by the forwarder."""
-        if forwarder:
-            self._start_forwarder()
-        else:
-            for node in self.node_list:
-                self._ip(
-                    "ip", "link", "add", "name", node.ifname, "netns", node.netns,
-                    "type", "veth", "peer", "name", node.port, "netns", self.switch_ns,
-                )
-                self._ip("ip", "-n", self.switch_ns, "link", "set", node.port, "master", self.bridge)
-                self._ip("ip", "-n", self.switch_ns, "link", "set", node.port, "up")
-        for node in self.node_list:
-            if forwarder:
-                # 64 KiB packets keep the forwarder's packet rate (and CPU) low; see forwarder.py.
-                self._ip("ip", "-n", node.netns, "link", "set", node.ifname, "mtu", str(FORWARDER_MTU))
-            self._ip("ip", "-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.ifname)
-            self._ip("ip", "-n", node.netns, "link", "set", node.ifname, "up")
-        self._links_built = forwarder
-        self._cut.clear()
-
-    def _remove_links(self) -> None:
-        if self._links_built is None:
-            return
-        self._stop_forwarder()  # its TUN devices vanish with it
-        if not self._links_built:
-            for node in self.node_list:
-                self._ip("ip", "-n", node.netns, "link", "del", node.ifname, check=False)  # and its peer
-        self._links_built = None
-
-    def _start_forwarder(self) -> None:
-        from . import forwarder
-
-        nodes = [{"netns": f"/run/netns/{n.netns}", "ifname": n.ifname, "addr": n.addr} for n in self.node_list]
-        # In the switch namespace, so that down() stops it with everything else there; its own
-        # session, so that a Ctrl-C at the terminal reaches the launcher, which stops it last.
-        self._forwarder = subprocess.Popen(
-            ["ip", "netns", "exec", self.switch_ns, sys.executable, forwarder.__file__],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
-        answer = self._tell_forwarder({"nodes": nodes, "seed": self.loss_seed, **self._forwarder_state(self.link_spec)})
-        if answer != "ready":
-            raise UsageError(f"emulated cluster: the link forwarder did not start ({answer})")
-
-    def _forwarder_state(self, spec: LinkSpec) -> dict:
-        burst = int(tbf_args(spec.bits_per_s)[3]) if spec.bits_per_s else 0
-        return {"rtt_s": spec.rtt_s, "loss": spec.loss, "bits_per_s": spec.bits_per_s, "burst_bytes": burst,
-                "cut": sorted(self._cut)}
-
-    def _tell_forwarder(self, state: dict, timeout_s: float = 10.0) -> str:
-        """Send the forwarder its state; its one-line answer ("ready", "ok", "error: ...")."""
-        proc = self._forwarder
-        if proc is None or proc.poll() is not None:
-            return "the forwarder is not running"
-        try:
-            proc.stdin.write(json.dumps(state).encode() + b"\n")
-            proc.stdin.flush()
-        except OSError as exc:
-            return f"cannot reach the forwarder: {exc}"
-        fd, answer, deadline = proc.stdout.fileno(), b"", time.monotonic() + timeout_s
-        while not answer.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return f"no answer in {timeout_s:g} s"
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return f"it exited with code {proc.wait()}"
-            answer += chunk
-        return answer.decode(errors="replace").strip()
-
-    def _stop_forwarder(self) -> None:
-        proc, self._forwarder = self._forwarder, None
-        if proc is None:
-            return
-        proc.stdin.close()  # end of its stdin: it exits
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-
-    @property
-    def forwarder_pid(self) -> int | None:
-        """Process id of the link forwarder (None when the bridge carries the links)."""
-        return self._forwarder.pid if self._forwarder is not None else None
-
-    def forwarder_cpu_s(self) -> float:
-        """CPU seconds (user + system) the link forwarder has used so far; 0.0 without one."""
-        pid = self.forwarder_pid
-        if pid is None:
-            return 0.0
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def _add_netns(self, name: str) -> None:
-        self._ip("ip", "netns", "add", name)
-        self._created.append(name)
-        self._write_hosts(name)
-
-    def _write_hosts(self, name: str) -> None:
-        """The namespace's own ``/etc/hosts`` (``ip netns exec`` mounts ``/etc/netns/NAME/hosts``
-        over it): the machine's, plus a name for every node address.
-
-        A TCP store looks up the name of each client it accepts. Inside a namespace no DNS
-        server can be reached, so the reverse lookup of a node address failed and every
-        accepted connection printed c10d's "The hostname of the client socket cannot be
-        retrieved. err=-3" (4 such lines at the start of every emulated 2-node run). With
-        the names here the lookup is answered from the file, and a warning c10d prints on a
-        real failure is still seen."""
-        try:
-            with open("/etc/hosts", encoding="utf-8") as fh:
-                base = fh.read()
-        except OSError:
-            base = ""
-        # Both spellings: the store listens on an IPv6 socket, so it sees an IPv4 client as
-        # ::ffff:198.18.x.y, which glibc does not find under the IPv4 line.
-        lines = [f"{addr}\t{node.netns}" for node in self.node_list for addr in (node.addr, f"::ffff:{node.addr}")]
-        directory = os.path.join(NETNS_ETC, name)
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "hosts"), "w", encoding="utf-8") as fh:
-            fh.write(base.rstrip("\n") + "\n# slipstream emulated cluster: its nodes\n" + "\n".join(lines) + "\n")
-
     def down(self) -> None:
         """Stop every process left in the namespaces and delete them; safe to call twice."""
-        for name in reversed(self._created):
-            if name == self.switch_ns:
-                self._stop_forwarder()  # the nodes' processes are stopped by now (created after the switch)
-            self._kill_netns_pids(name)
-        self._stop_forwarder()
-        self._links_built = None
-        for name in reversed(self._created):
-            self._ip("ip", "netns", "del", name, check=False)
-            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)  # ip netns del leaves it
-        self._created.clear()
+        self.network.down()
         for node in range(self.nodes):
             self.forget_memory(node)
         shutil.rmtree(os.path.dirname(self.workers_file(0)), ignore_errors=True)
-
-    def _kill_netns_pids(self, name: str) -> None:
-        # Only processes inside a namespace this object created: ours by construction.
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            pids = self._ip("ip", "netns", "pids", name, check=False).stdout.split()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(int(pid), sig)
-                except (ProcessLookupError, ValueError):
-                    pass
-            deadline = time.monotonic() + 3
-            while time.monotonic() < deadline and self._ip("ip", "netns", "pids", name, check=False).stdout.strip():
-                time.sleep(0.05)
 
     def __enter__(self) -> "EmulatedCluster":
         return self.up()
@@ -428,9 +242,19 @@ class EmulatedCluster:
     @property
     def namespaces(self) -> list[str]:
         """Names of this cluster's namespaces (switch first)."""
-        return [self.switch_ns] + [n.netns for n in self.node_list]
+        return self.network.namespaces
 
-    # -- links -------------------------------------------------------------------
+    # -- links (the network's; see emulate_net.py) ---------------------------------
+
+    @property
+    def link_spec(self) -> LinkSpec:
+        """The nodes' link in force (rate, round trip, loss)."""
+        return self.network.link_spec
+
+    @property
+    def link_bits_per_s(self) -> int | None:
+        """The nodes' link rate in bits per second; None when unshaped."""
+        return self.network.link_spec.bits_per_s
 
     def set_link(self, link: str | None) -> None:
         """Set every node's link to ``link`` (``RATE[,RTT][,LOSS]``; ``unshaped`` removes shaping).
@@ -441,62 +265,35 @@ class EmulatedCluster:
         one kind to the other rebuilds the nodes' links (a cut link is restored).
         """
         spec = parse_link(link)
-        if self._links_built != spec.needs_forwarder:
-            self._remove_links()
-            self.link_spec = spec
-            self._build_links(spec.needs_forwarder)
-        devices = [(n.netns, n.ifname) for n in self.node_list]
-        if not spec.needs_forwarder:
-            devices += [(self.switch_ns, n.port) for n in self.node_list]
-        for ns, dev in devices:
-            self._ip("tc", "-n", ns, "qdisc", "del", "dev", dev, "root", check=False)
-            if spec.bits_per_s is not None:
-                self._ip("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", *tbf_args(spec.bits_per_s))
-        if spec.needs_forwarder:
-            self._update_forwarder(spec)
-        self.link_spec, self.link, self.link_bits_per_s = spec, format_link(spec), spec.bits_per_s
-
-    def _update_forwarder(self, spec: LinkSpec) -> dict[str, int]:
-        answer = self._tell_forwarder(self._forwarder_state(spec))
-        if answer.split(" ", 1)[0] != "ok":
-            raise UsageError(f"emulated cluster: the link forwarder refused its settings ({answer})")
-        return json.loads(answer.split(" ", 1)[1]) if " " in answer else {}
-
-    def forwarder_counts(self) -> dict[str, int]:
-        """Packets the link forwarder has handled so far, by fate (``forwarded``, ``lost``, ...); {} without one."""
-        return self._update_forwarder(self.link_spec) if self._links_built else {}
+        self.network.set_link(spec)
+        self.link = format_link(spec)
 
     def cut_link(self, node: int) -> None:
-        """Partition node ``node`` away: its port leaves the bridge, its packets vanish.
-
-        The port and the node's interface stay up (no carrier loss), as when a
-        switch or a route fails: the node's TCP connections see silence, not an
-        error. (Setting the bridge port's STP state to disabled is silently
-        undone by the kernel when STP is off, and tc drop actions are not in
-        every kernel, ours included; unplugging the port from the bridge works
-        everywhere.)
-        """
-        self._cut.add(node)
-        if self._links_built:
-            self._update_forwarder(self.link_spec)  # the forwarder drops the node's packets
-            return
-        port = self.node_list[node].port
-        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "nomaster")
+        """Partition node ``node`` away: its packets vanish (:meth:`.ClusterNetwork.cut_link`)."""
+        self.network.cut_link(node)
 
     def restore_link(self, node: int) -> None:
-        """Undo :meth:`cut_link`: the port joins the bridge again and forwards at once (STP is off)."""
-        self._cut.discard(node)
-        if self._links_built:
-            self._update_forwarder(self.link_spec)
-            return
-        port = self.node_list[node].port
-        self._ip("ip", "-n", self.switch_ns, "link", "set", "dev", port, "master", self.bridge)
+        """Undo :meth:`cut_link`: node ``node``'s packets flow again at once."""
+        self.network.restore_link(node)
 
     def tx_bytes(self, node: int, ifname: str | None = None) -> int:
         """Bytes sent so far by ``node`` on its shaped interface (or ``ifname``, e.g. ``lo``)."""
-        n = self.node_list[node]
-        out = self._ip("ip", "netns", "exec", n.netns, "cat", f"/sys/class/net/{ifname or n.ifname}/statistics/tx_bytes")
-        return int(out.stdout.strip())
+        return self.network.tx_bytes(node, ifname)
+
+    @property
+    def forwarder_pid(self) -> int | None:
+        """Process id of the link forwarder (None when the bridge carries the links)."""
+        return self.network.forwarder_pid
+
+    def forwarder_cpu_s(self) -> float:
+        """CPU seconds (user + system) the link forwarder has used so far; 0.0 without one."""
+        return self.network.forwarder_cpu_s()
+
+    def forwarder_counts(self) -> dict[str, int]:
+        """Packets the link forwarder has handled so far, by fate (``forwarded``, ``lost``, ...); {} without one."""
+        return self.network.forwarder_counts()
+
+    # -- the nodes' processes ------------------------------------------------------
 
     def exec_argv(self, node: int, argv: list[str]) -> list[str]:
         """``argv`` wrapped to run inside node ``node``'s namespace."""
@@ -542,7 +339,7 @@ class EmulatedCluster:
         """Node ``node`` dies: every process in its namespace (its agent and workers) gets SIGKILL
         at once, as when a machine loses power. Returns the pids killed. During :meth:`run`, the
         node is then restarted as a lost node (see the module docstring)."""
-        pids = [int(p) for p in self._ip("ip", "netns", "pids", self.node_list[node].netns, check=False).stdout.split()]
+        pids = [int(p) for p in self.network.netns_pids(self.node_list[node].netns)]
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -670,8 +467,7 @@ class EmulatedCluster:
 
     def _wait_netns_empty(self, node: int, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self._ip("ip", "netns", "pids", self.node_list[node].netns,
-                                                        check=False).stdout.strip():
+        while time.monotonic() < deadline and self.network.netns_pids(self.node_list[node].netns):
             time.sleep(0.05)
 
     def _wait(self, procs: list[subprocess.Popen], timeout_s: float | None, grace_s: float,
@@ -701,8 +497,9 @@ class EmulatedCluster:
                     first_failure = EXIT_USAGE
             if all(c is not None for c in codes):
                 return first_failure if first_failure is not None else EXIT_OK
-            if self._forwarder is not None and self._forwarder.poll() is not None:
-                log.info(f"slipstream run: the emulated links' forwarder exited (code {self._forwarder.returncode}); "
+            forwarder_code = self.network.forwarder_exit_code()
+            if forwarder_code is not None:
+                log.info(f"slipstream run: the emulated links' forwarder exited (code {forwarder_code}); "
                          "stopping the nodes", extra=CONSOLE)
                 return EXIT_TRAINING_FAILED
             now = time.monotonic()

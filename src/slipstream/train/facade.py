@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
@@ -40,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..checkpoint import CheckpointManager
 from ..checkpoint.states import CallbackState
 from ..config import TrainConfig, check_parameter_dtype, resolve
-from ..errors import EXIT_PREEMPTED, ConfigError, TrainingFailed
+from ..errors import ConfigError
 from ..fault import progress
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
 from ..log import CONSOLE
@@ -48,10 +46,10 @@ from ..metrics import StepRecorder
 from ..metrics.sinks import Sink
 from .. import heal
 from ..runtime import Runtime, current
-from .. import sync
 from ..sync import SyncHandle
-from . import adopt, resume
+from . import adopt, healing, resume
 from .bookkeeping import new_recorder, open_checkpoints
+from .checkpointing import Checkpointing
 from .layout import Layout, LossFn
 from .layout_dp import DataParallelLayout
 from .layout_mesh import MeshLayout
@@ -98,13 +96,12 @@ class Accelerated:
         self.resumed_from_step: int | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.checkpoints: CheckpointManager | None = None
-        self._stop_reported = False
         self.healer: heal.Healer | None = None  # set by accelerate() when this run heals in place
+        # The collaborators: saving when due and rank 0's lines on preemption and resume
+        # (train/checkpointing.py); the heal in place when this run heals (train/healing.py).
+        self._checkpointing = Checkpointing(runtime)
+        self._healing: healing.InPlaceHealing | None = None
         self._dropped = False  # the micro-step in hand was dropped by a heal: backward/step skip it
-        # Rank 0, on resume: the batch the checkpoint's run had (compared at this run's first step),
-        # and whether "nothing to train" was said at start already (total_steps reached).
-        self._saved_samples_per_step: int | None = None
-        self._said_complete = False
 
     # --- what the layout decides -----------------------------------------------------
     @property
@@ -164,7 +161,7 @@ class Accelerated:
     def stop_requested(self) -> bool:
         """True once a step reported ``stop_requested`` (SIGTERM, checkpoint written):
         the next training call raises ``SystemExit(EXIT_PREEMPTED)``."""
-        return self._stop_reported
+        return self._checkpointing.stop_reported
 
     # --- the loop ------------------------------------------------------------------------
     def train_step(self, inputs: Any, target: Any = None, loss_fn: LossFn | None = None) -> torch.Tensor:
@@ -315,7 +312,7 @@ class Accelerated:
             self._mark(progress.CHECKPOINT)
             try:
                 with self.recorder.timed("checkpoint"):
-                    saved, stop = self._maybe_save(self.checkpoints)
+                    saved, stop = self._checkpointing.save_when_due(self.checkpoints, self.step_count)
             except Exception as exc:  # noqa: BLE001
                 return self._healed_step(exc)
         if self.last_grad_norm is not None:
@@ -332,7 +329,7 @@ class Accelerated:
         except Exception as exc:  # noqa: BLE001
             return self._healed_step(exc)
         if stop:
-            self._report_stop()
+            self._checkpointing.report_stop(self.checkpoints, self.step_count)
         if self.progress is not None:
             self.progress.mark(progress.USER, self.step_count)
         return StepResult(stepped=True, step=self.step_count, saved=saved, logged=record is not None,
@@ -343,14 +340,8 @@ class Accelerated:
 
         Writes a last checkpoint when the newest one is older than the current step. A resumed
         run whose loop took no step says that there was nothing left to train."""
-        if (self.runtime.is_main and self.resumed_from_step is not None and self.step_count == self.resumed_from_step
-                and not self._stop_reported and not self._said_complete and self.checkpoints is not None
-                and self.checkpoints.directory is not None):  # in-memory snapshots only: no run on disk to name
-            print(resume.complete_line(self.checkpoints.directory, self.step_count, self.config.run.total_steps),
-                  flush=True)
-        if self.checkpoints is not None:
-            self.checkpoints.save_final(self.step_count)  # the final state, for a clean resume (ranks agree)
-            self.checkpoints.close()
+        self._checkpointing.finish(self.checkpoints, self.step_count, self.resumed_from_step,
+                                   self.config.run.total_steps)
         if self.progress is not None:
             self.progress.close()
         if self.layout.sync is not None:
@@ -385,9 +376,7 @@ class Accelerated:
         compared once with the batch of the run that wrote the checkpoint."""
         micro = self._micro
         micro.step_samples, micro.window_samples = micro.window_samples or None, 0
-        saved, self._saved_samples_per_step = self._saved_samples_per_step, None
-        if saved is not None and micro.step_samples is not None and saved != micro.step_samples:
-            print(resume.batch_line(saved, micro.step_samples), flush=True)
+        self._checkpointing.check_batch(micro.step_samples)
 
     # --- inside a step -------------------------------------------------------------------
     def _clip_and_measure(self) -> None:
@@ -400,32 +389,8 @@ class Accelerated:
             self.scaler.unscale_(self.optimizer)  # norms of the true gradients; step() does not unscale twice
         self.last_grad_norm = self.layout.clip_gradients(clip) if clip is not None else self.layout.global_grad_norm()
 
-    def _maybe_save(self, mgr: CheckpointManager) -> tuple[bool, bool]:
-        """(saved, preempted): save when due, or now and blocking after SIGTERM (ranks agree)."""
-        due, preempted = mgr.should_save(self.step_count)
-        saved = mgr.save(self.step_count, blocking=preempted) if due else False
-        if not preempted:
-            mgr.maybe_snapshot(self.step_count)
-        return saved, preempted
-
-    def _report_stop(self) -> None:
-        self._stop_reported = True
-        if self.runtime.is_main:
-            mgr = self.checkpoints
-            written = (f"checkpoint of step {self.step_count} written" if mgr is None or not mgr.last_save_failed
-                       else f"the emergency checkpoint of step {self.step_count} failed (above); the newest one "
-                            f"is step {mgr.last_saved_step}")
-            print(f"[slipstream] preempted (SIGTERM): {written}; step() reports stop_requested, "
-                  f"exit with code {EXIT_PREEMPTED}", flush=True)
-
     def _refuse_after_stop(self) -> None:
-        if not self._stop_reported:
-            return
-        if self.runtime.is_main:
-            print(f"[slipstream] the loop went on after step {self.step_count} reported stop_requested "
-                  f"(SIGTERM); exiting with code {EXIT_PREEMPTED}", flush=True)
-        self.recorder.close()
-        raise SystemExit(EXIT_PREEMPTED)
+        self._checkpointing.refuse_after_stop(self.step_count, self.recorder)
 
     def _mark(self, phase: str, step: int | None = None) -> None:
         if self.progress is not None:
@@ -436,56 +401,15 @@ class Accelerated:
         """Heal in place after a failed collective, or raise ``exc`` (diagnosed) when this run
         does not heal or ``exc`` is not a lost peer. After a heal the micro-step in hand is
         dropped: the state is the last snapshot's, and the loop goes on from there."""
-        if self.healer is None or not is_collective_failure(exc):
+        if self._healing is None or not is_collective_failure(exc):
             self._raise_diagnosed(exc)
-        failed_in = self.step_count + 1
-        # The failed call's frames (a checkpoint save's, say) hold the broken groups in their locals:
-        # cleared, so those groups go when the heal drops them and their sockets close.
-        cause: BaseException | None = exc
-        for _ in range(8):
-            if cause is None:
-                break
-            traceback.clear_frames(cause.__traceback__)
-            cause = cause.__cause__ or cause.__context__
-        try:
-            self.layout.release()
-            self.healer.leave()
-            self._leave()
-            seconds = self.healer.rejoin()
-            self._rejoined()
-            assert self.checkpoints is not None
-            step = self.checkpoints.restore_latest()
-            if not step:  # nothing to go back to: this state and a replacement's fresh one would differ
-                raise TrainingFailed(f"rank {self.runtime.rank}: the group formed again after a lost peer, but "
-                                     "no snapshot or checkpoint is held by every rank to go back to")
-        except Exception as heal_exc:  # noqa: BLE001 - the heal failed: this process ends, the launcher restarts all
-            self.healer.disarm()
-            raise heal_exc from exc
+        self._healing.heal(exc, failed_in=self.step_count + 1)
         self._dropped = True
-        if self.runtime.is_main:
-            print(f"[slipstream] healed in place: a peer was lost in step {failed_in} ({_first_line(exc)}); "
-                  f"the group formed again in {seconds:.2f} s (generation {self.healer.generation}) and every rank "
-                  f"went back to step {step} ({self.checkpoints.restored_from})", flush=True)
 
     def _healed_step(self, exc: BaseException) -> StepResult:
         self._heal_or_raise(exc)
         self._dropped = False
         return StepResult(stepped=False, step=self.step_count, healed=True)
-
-    def _leave(self) -> None:
-        """Every holder of the broken group lets go of it, so its sockets close (see heal.Healer.leave)."""
-        self.layout.leave()
-        self.recorder.rejoined()
-        if self.checkpoints is not None:
-            self.checkpoints.left()
-
-    def _rejoined(self) -> None:
-        """Everything that held the old default group moves to the new one (same order on every rank)."""
-        self.layout.rejoined()
-        if self.checkpoints is not None:
-            self.checkpoints.rejoined()
-        self.recorder.rejoined()
-        self._micro.index = 0
 
     def _forward_failed(self, exc: BaseException) -> bool:
         self._heal_or_raise(exc)
@@ -517,48 +441,12 @@ class Accelerated:
             self.scheduler.load_state_dict(state["scheduler"])
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    # gloo's messages start with its source location ("[.../pair.cc:537] Read error ..."): not for users.
-    first = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", text[0]) if text else ""
-    return f"{type(exc).__name__}: {first[:120]}" if first else type(exc).__name__
-
-
-def _heal_refusal(run: Accelerated) -> str | None:
-    """Why this run cannot heal in place (None: it can). Deterministic, so a replacement decides as
-    its predecessor did."""
-    mgr = run.checkpoints
-    why = run.layout.heal_refusal()
-    if why is not None:
-        return why
-    if not sync.describe(run.config.sync.strategy).heals_in_place:
-        return (f"sync {run.config.sync.strategy!r} is registered without heals_in_place: slipstream cannot form "
-                "its process groups again or know what it keeps outside its state_dict")
-    if mgr is None:
-        return "there is no snapshot to go back to"
-    if mgr.snapshots is None or not mgr.snapshots.enabled:
-        return "in-memory snapshots are off (snapshot_every_steps)"
-    # The snapshots' peer copy heals too: its group is formed again with the others
-    # (CheckpointManager.left/rejoined), and a replacement on a lost node restores from it.
-    return None
-
-
 def _start_healing(run: Accelerated, healer: heal.Healer) -> None:
     """Arm healing in place for this run, or say in one line why not (the launcher's full restart
-    stays); a replacement joins the survivors here, before the restore every rank then makes."""
-    why = _heal_refusal(run)
-    if why is not None:
-        healer.disarm()
-        if healer.pending:
-            raise ConfigError(f"this process replaces a dead rank but cannot heal in place: {why}")
-        if run.runtime.is_main:
-            # Healing is on by default: the line names the setting, not a flag the user may not have given.
-            print(f"[slipstream] healing in place is off for this run: {why}; a failed rank restarts every worker",
-                  flush=True)
+    stays); a replacement joins the survivors in healing.start, before the restore every rank then makes."""
+    run._healing = healing.start(run, healer, run._micro)
+    if run._healing is None:
         return
-    if healer.pending:
-        healer.rejoin()
-        run._rejoined()
     run.healer = healer
     run.layout.model.sl_on_failure = run._forward_failed  # type: ignore[union-attr]
     healer.arm()
@@ -731,20 +619,5 @@ def accelerate(
         if step:
             run.resumed_from_step = step
             if runtime.is_main:
-                _report_resume(run, mgr, step, script_hyperparameters)
+                run._checkpointing.report_resume(mgr, step, script_hyperparameters, built, config.run.total_steps)
     return run
-
-
-def _report_resume(run: Accelerated, mgr: CheckpointManager, step: int, script_hyperparameters: list) -> None:
-    """Rank 0's lines on resume: where from and what differs (one line), and, when the run's
-    planned length is reached already, that there is nothing to train."""
-    saved = mgr.restored_run or {}  # empty: an in-memory snapshot (this launch) or an older checkpoint
-    now = mgr.describe_run() if mgr.describe_run is not None else {}
-    changes = resume.differences(saved, now) if saved else []
-    changes += resume.hyperparameter_differences(script_hyperparameters, resume.hyperparameters(run.optimizer))
-    print(resume.resumed_line(str(mgr.restored_from), step, changes), flush=True)
-    run._saved_samples_per_step = saved.get("samples_per_step")
-    total = run.config.run.total_steps
-    if total is not None and step >= total:
-        run._said_complete = True
-        print(resume.complete_line(mgr.directory, step, total), flush=True)
