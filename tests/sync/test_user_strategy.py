@@ -118,10 +118,10 @@ slipstream.shutdown()
 """.replace("STRATEGY", NAME)
 
 
-def test_from_an_installed_package_it_trains_through_slipstream_run_and_a_job_spec(tmp_path, registry, monkeypatch,
+def test_from_an_installed_package_it_trains_through_slipstream_run_and_a_job_spec_run(tmp_path, registry, monkeypatch,
                                                                                  capsys):
     site = _installed(tmp_path / "site", {NAME: "tests.sync.test_user_strategy:register_strategy"})
-    spec = write_spec({"name": "mine", "image": "i:1", "command": ["python", "train.py"],
+    spec = write_spec({"name": "mine", "image": "i:1", "command": ["python", "train.py"], "processes_per_replica": 2,
                        "sync": {"strategy": NAME}}, str(tmp_path))
     # Not installed: the spec is refused, naming what it takes.
     code, _, err = run_cli(["job", "validate", spec], capsys)
@@ -153,6 +153,15 @@ def test_from_an_installed_package_it_trains_through_slipstream_run_and_a_job_sp
         got = json.loads(Path(f"{out_prefix}.{rank}").read_text())
         assert got["strategy"] == NAME and got["ratio"] == pytest.approx(2.0) and got["scale"] == 1.0, got
         assert got["calls"] >= 3, got
+
+    # The job spec, run: its sync.strategy reaches both workers the same way.
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "run", "--no-heal", "--no-summary", spec, "--",
+                           str(tmp_path / "from-spec")], cwd=tmp_path, env=environ, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in (0, 1):
+        got = json.loads(Path(f"{tmp_path / 'from-spec'}.{rank}").read_text())
+        assert got["strategy"] == NAME and got["ratio"] == pytest.approx(2.0) and got["calls"] >= 3, got
 
 
 def test_discovery_loads_each_entry_point_once(tmp_path, registry, monkeypatch):
