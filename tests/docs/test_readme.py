@@ -62,14 +62,6 @@ def _launch(script: Path, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as fh:
-            return [int(c) for c in fh.read().split()]
-    except OSError:
-        return []
-
-
 def _cmdline(pid: int) -> bytes:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -88,24 +80,49 @@ def _sigterm_pending(pid: int) -> bool:
     return bool(int(shared.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
 
 
+def _all_threads_stopped(pid: int) -> bool:
+    """Every thread of ``pid`` is stopped (state T), or the process is gone."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        states = []
+        for tid in tids:
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                states.append(fh.read().rsplit(")", 1)[1].split()[0])
+    except OSError:
+        return True
+    return all(state in ("T", "t") for state in states)
+
+
 def _signal_mid_run(launcher: int) -> None:
     """SIGTERM the launcher while its training processes stand still (SIGSTOP), and let them go on
     (SIGCONT) once the signal it passes on is pending on each of them: the training cannot finish
     its last steps while the signal travels through the launcher (and the healing supervisor),
     which under load took longer than the script's 600 steps (~2 s): exit 143 then came with no
-    "preempted" line (1 run in 4 at load 14)."""
+    "preempted" line (1 run in 4 at load 14).
+
+    SIGTERM goes out only once every thread of each training process has stopped: a thread not
+    yet stopped takes the signal (the process handles it, nothing stays pending), so waiting for
+    it to be pending waited until the agent killed the workers 30 s later, and the run ended 143
+    with no "preempted" line (1 CI run in 2, 1 local run in 3)."""
     from slipstream.launch.proc import descendants
 
-    # The leaves are the training processes, less a warm spare made ahead (healing's, at idle priority:
-    # its supervisor passes no signal to it).
-    trainers = [p for p in descendants(launcher) if not _children(p) and b"--idle" not in _cmdline(p)]
+    # The training processes are the spares each rank's healing supervisor started with ``--now``;
+    # a spare made ahead (``--idle``) gets no signal from its supervisor. Chosen by command line,
+    # not as the tree's leaves: a process between fork and exec shows its parent's command line.
+    trainers = [p for p in descendants(launcher)
+                if b"slipstream.launch.spare" in _cmdline(p) and b"--idle" not in _cmdline(p)]
+    assert len(trainers) == 2, [_cmdline(p) for p in descendants(launcher)]
     for pid in trainers:
         os.kill(pid, signal.SIGSTOP)
     try:
+        deadline = time.monotonic() + 20
+        while not all(_all_threads_stopped(pid) for pid in trainers):
+            assert time.monotonic() < deadline, "the training processes did not stop in 20 s"
+            time.sleep(0.01)
         os.kill(launcher, signal.SIGTERM)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 25  # the agent kills its workers 30 s after its SIGTERM
         while not all(_sigterm_pending(pid) for pid in trainers):
-            assert time.monotonic() < deadline, "the launcher passed SIGTERM to no training process in 60 s"
+            assert time.monotonic() < deadline, "the launcher passed SIGTERM to no training process in 25 s"
             time.sleep(0.02)
     finally:
         for pid in trainers:
@@ -151,7 +168,7 @@ def test_the_readme_script_trains_exits_143_when_preempted_and_resumes(tmp_path)
     assert _steps(whole / "ckpt")[-1] == total
 
     assert cut.returncode == EXIT_PREEMPTED == 143, out_cut[-3000:]
-    assert "preempted (SIGTERM)" in out_cut
+    assert "preempted (SIGTERM)" in out_cut, out_cut[-3000:]
     saved = _steps(preempted / "ckpt")[-1]
     assert 0 < saved < total, saved  # the emergency checkpoint, mid-run
 
