@@ -66,15 +66,21 @@ def run_pair(tmp_path: Path, nproc: int, steps: int, fault: list[str], common: l
 
 
 def assert_same_final(ref_out: Path, out: Path) -> None:
-    """Bitwise: the final parameters and optimizer state (the worker's final.pt) of both runs."""
-    ref = torch.load(ref_out / "final.pt", weights_only=True)
-    got = torch.load(out / "final.pt", weights_only=True)
-    for name, tensor in ref["model"].items():
-        assert torch.equal(tensor, got["model"][name]), name
-    for pid, state in ref["optimizer"]["state"].items():
-        for key, value in state.items():
-            other = got["optimizer"]["state"][pid][key]
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (pid, key)
+    """Bitwise: the final parameters and optimizer state of both runs: the worker's final.pt, or on
+    a mesh layout (FSDP2, tp) each rank's final_rank{r}.pt (each rank holds its own shards)."""
+    names = ["final.pt"] if (ref_out / "final.pt").exists() else sorted(p.name for p in ref_out.glob("final_rank*.pt"))
+    assert names, f"no final state in {ref_out}"
+    for file in names:
+        ref = torch.load(ref_out / file, weights_only=True)
+        got = torch.load(out / file, weights_only=True)
+        assert ref["model"].keys() == got["model"].keys(), file
+        for name, tensor in ref["model"].items():
+            assert torch.equal(tensor, got["model"][name]), (file, name)
+        assert ref["optimizer"]["state"].keys() == got["optimizer"]["state"].keys(), file
+        for pid, state in ref["optimizer"]["state"].items():
+            for key, value in state.items():
+                other = got["optimizer"]["state"][pid][key]
+                assert torch.equal(torch.as_tensor(value), torch.as_tensor(other)), (file, pid, key)
 
 
 def check(healed: subprocess.CompletedProcess, ref_out: Path, out: Path, nproc: int, steps: int,

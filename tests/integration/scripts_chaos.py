@@ -116,8 +116,8 @@ class Chaos:
         last = [m for m in model.modules() if hasattr(m, "weight") and m.weight is not None][-1]
         if self.wants("forward"):
             last.register_forward_pre_hook(lambda _m, _args: self.point("forward"))
-        if self.wants("backward"):
-            last.weight.register_hook(lambda grad: self.point("backward"))
+        if self.wants("backward"):  # a module hook: FSDP2 swaps the parameters for DTensors, not the modules
+            last.register_full_backward_pre_hook(lambda _m, _grad_output: self.point("backward"))
 
     def install_on_run(self, run: Any) -> None:
         """After accelerate(): the optimizer step."""

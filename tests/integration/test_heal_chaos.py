@@ -15,18 +15,18 @@ eviction), then replaced in place like a dead one.
 
 Two forms:
 
-* the reduced form (always): one launch at 2 ranks and one at 4, each with faults of several
-  phases at different steps of the same run (each fault heals before the next one fires),
-  every phase but the peer copy once over the two, within the suite's budget;
+* the reduced form (always): DDP at 2 and at 4 ranks and FSDP2 at 2, each one launch with
+  faults of several phases at different steps of the same run (each fault heals before the next
+  one fires), every phase once on DDP, within the suite's budget;
 * the full matrix (``SLIPSTREAM_CHAOS_FULL=1``): one launch per (ranks, layout, phase),
   the case alone in its run. ``python3 -m pytest -q tests/integration/test_heal_chaos.py``
   with ``SLIPSTREAM_CHAOS_FULL=1`` in the environment.
 
-Layouts: DDP only for now. FSDP2 (dp_shard) heals once the layouts' healing interface lands
-(issue #43 item 2): add ``"dp_shard": [...its launcher options...]`` to ``LAYOUTS``.
-The ``peer-copy`` phase needs the peer copy to run under healing (item 3: today healing
-refuses a run with a peer copy, which needs more than one node): its case is one line to
-uncomment in ``CASES`` then.
+Layouts: DDP, and FSDP2 (``--dp-shard 2``: at 4 ranks that is HSDP, 2 replicas of 2 shards),
+whose sharded parameters and optimizer state come back from the in-memory snapshots. The
+comm-hook phase is DDP's alone (FSDP2 reduces in its own collectives). The ``peer-copy`` phase
+is not in the matrix: a peer copy runs only across nodes (an emulated cluster), and its loss
+is tested by tests/integration/test_heal_node_loss.py.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from tests.integration.heal_checks import check, no_leftovers, run_pair
 
 FULL = os.environ.get("SLIPSTREAM_CHAOS_FULL") == "1"
 COLLECTIVE_TIMEOUT_S = 4.0  # how soon a SIGSTOPped rank is noticed (and evicted one timeout later)
-LAYOUTS: dict[str, list[str]] = {
+LAYOUTS: dict[str, list[str]] = {  # the worker's options, for both runs of a case
     "ddp": [],
-    # "dp_shard": ["--dp-shard", "2"],  # once the mesh branch heals FSDP2 (issue #43 item 2)
+    "dp_shard": ["--dp-shard", "2"],
 }
 SAVE_EVERY = 5  # a disk checkpoint after iterations 4, 9, 14, ... (the save phase's steps)
 # Both runs: DDP's reduction through a Python comm hook, for the comm-hook phase.
@@ -54,8 +54,8 @@ def _markers(faults: list[str]) -> list[str]:
 
 
 def _run(tmp_path, nproc: int, layout: str, steps: int, faults: list[str]) -> None:
-    healed, ref_out, out = run_pair(tmp_path, nproc, steps, ["--chaos", ",".join(faults)], common=COMMON,
-                                    launch_args=[*LAUNCH, *LAYOUTS[layout]])
+    healed, ref_out, out = run_pair(tmp_path, nproc, steps, ["--chaos", ",".join(faults)],
+                                    common=[*COMMON, *LAYOUTS[layout]], launch_args=LAUNCH)
     # Two steps redone per fault: a rank that dies after the step's last collective (in the
     # optimizer step, the snapshot, a save) has no snapshot of that step while the survivors do;
     # they find out in the next step's collective and all go back to the previous snapshot.
@@ -65,19 +65,22 @@ def _run(tmp_path, nproc: int, layout: str, steps: int, faults: list[str]) -> No
 
 # --- the reduced form: many phases in one launch ------------------------------------------------
 # Each fault fires at its own step, after the previous one healed; the phases are split over the
-# two launches so that every phase runs once (the full matrix runs each at both sizes). "R:1:heal"
-# kills rank R at the entry of generation 1's join: the survivor of the first fault, while the
-# group forms again.
+# launches so that every phase runs once on DDP, and FSDP2 loses a rank in the phases where its
+# sharded state is in motion (the full matrix runs each phase at both sizes on both layouts).
+# "R:1:heal" kills rank R at the entry of generation 1's join: the survivor of the first fault,
+# while the group forms again.
 REDUCED = {
-    2: ["1:1:data", "0:1:heal", "1:3:comm-hook", "0:5:snapshot", "1:7:forward:STOP"],
-    4: ["2:1:backward", "1:3:optimizer", "3:4:save"],
+    "2-ddp": (2, "ddp", ["1:1:data", "0:1:heal", "1:3:comm-hook", "0:5:snapshot", "1:7:forward:STOP"]),
+    "4-ddp": (4, "ddp", ["2:1:backward", "1:3:optimizer", "3:4:save"]),
+    "2-dp_shard": (2, "dp_shard", ["1:1:backward", "0:3:optimizer", "1:4:save"]),
 }
 STEPS_REDUCED = 10
 
 
-@pytest.mark.parametrize("nproc", sorted(REDUCED))
-def test_many_phases_in_one_run_heal_bitwise(tmp_path, nproc):
-    _run(tmp_path, nproc, "ddp", STEPS_REDUCED, REDUCED[nproc])
+@pytest.mark.parametrize("case", sorted(REDUCED))
+def test_many_phases_in_one_run_heal_bitwise(tmp_path, case):
+    nproc, layout, faults = REDUCED[case]
+    _run(tmp_path, nproc, layout, STEPS_REDUCED, faults)
 
 
 # --- the full matrix (opt-in) -------------------------------------------------------------------
@@ -91,8 +94,6 @@ CASES = {  # phase: the faults of its run at 2 ranks (at 4: rank 1 -> 2 and rank
     "snapshot": ["1:3:snapshot"],
     "heal": ["1:3:data", "0:1:heal"],
     "stop": ["1:3:forward:STOP"],
-    # "peer-copy": ["1:3:peer-copy"],  # once healing keeps the peer copy (issue #43 item 3; it runs
-    #                                    only across nodes: the launch then needs --emulate)
 }
 MATRIX = [(phase, nproc, layout) for phase in sorted(CASES) for nproc in (2, 4) for layout in sorted(LAYOUTS)
           if phase != "comm-hook" or layout == "ddp"]
