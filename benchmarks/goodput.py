@@ -175,7 +175,11 @@ def run_once(world: int, steps: int, every: int, period_s: float, mode: str, see
                     pid = training_pid(agent.pid, rank, pid_dir)
                     if pid is not None:
                         file = run_dir / "metrics" / f"rank{rank}.jsonl"
-                        os.kill(pid, signal.SIGKILL)
+                        try:
+                            os.kill(pid, signal.SIGKILL)
+                        except ProcessLookupError:  # it finished training meanwhile: the run is ending
+                            next_kill = now + period_s
+                            continue
                         tail = Tail(file)
                         before = tail.new()  # read after: every line from here on is a new process's
                         pending = {"rank": rank, "killed_at": time.monotonic(), "file": file, "tail": tail,
