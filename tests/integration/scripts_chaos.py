@@ -9,8 +9,9 @@ that runs it (test-side only; the product has no hook for this):
 
 * ``data``: while the step's samples are being built (the script calls :meth:`Chaos.point`);
 * ``forward``: a forward pre-hook on the model's last layer (half the forward done);
-* ``backward``: a gradient hook on the last layer's weight (autograd running, the
-  gradient all-reduce not launched yet);
+* ``backward``: a backward pre-hook on the model's last layer (autograd running, the last
+  layer's gradients not computed, so no gradient all-reduce launched yet; a module hook, since
+  FSDP2 replaces the parameters and a hook on the weight would never fire);
 * ``comm-hook``: inside DDP's comm hook, once the bucket's all-reduce is in flight (the
   script's ``--wrap-comm-hook`` wraps the strategy's hook, or registers torch's
   ``allreduce_hook`` when the strategy has none: give it to the reference run too);
