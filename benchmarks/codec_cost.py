@@ -9,7 +9,7 @@ the model's gradients (layout-aware, warm-start state after three untimed calls,
 a fresh copy of the same random gradient each call), next to the floor step
 (forward + backward + optimizer) of the same model in the same process, and the
 codec's wire bytes per rank and step at each world size n (the codec's own
-accounting, ``Codec.wire_bytes``: ring formulas of ``slipstream.link``, e.g.
+accounting, ``Codec.wire_bytes``: ring formulas of ``slipstream.network.link``, e.g.
 2(n-1)/n * S for an all-reduce of S bytes). With one core per rank this time
 adds to every compressed step. Run it on a quiet machine; to compare two
 commits, run it at each.
@@ -158,7 +158,7 @@ def retained(workload: str | workloads.Workload, steps: tuple[int, ...], codecs:
     application keeps, as ``auto``'s convergence gate measures it. One thread, rank 0's batches."""
     import torch
 
-    from slipstream.link import Link
+    from slipstream.network.link import Link
     from slipstream.sync.accounting import StepRecord
     from slipstream.sync.auto import AutoPolicy
     from slipstream.sync.compress.base import layout_from_shapes

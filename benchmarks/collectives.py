@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from slipstream.link import allreduce_bytes, reduce_scatter_bytes
+from slipstream.network.link import allreduce_bytes, reduce_scatter_bytes
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
@@ -52,7 +52,7 @@ def sizes(min_bytes: int, max_bytes: int) -> list[int]:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """busbw / algbw: the wire bytes per rank of one collective over its payload (slipstream.link's ring formulas)."""
+    """busbw / algbw: the wire bytes per rank of one collective over its payload (slipstream.network.link's ring formulas)."""
     return allreduce_bytes(1.0, n) if op == "all_reduce" else reduce_scatter_bytes(1.0, n)
 
 

@@ -3,7 +3,7 @@
 Each trial runs tests/integration/scripts_ddp_plain.py (20 DDP steps, then
 barrier and destroy_process_group) under each launcher in turn, while
 ``--load`` busy loops compete for the cores, which widens torch 2.13's race
-at interpreter teardown (see src/slipstream/gloo_exit.py). A trial fails
+at interpreter teardown (see src/slipstream/process/gloo_exit.py). A trial fails
 when the launcher exits non-zero; the reason is the worker's last words.
 
     python benchmarks/exit_trials.py --trials 60 --load 3

@@ -214,8 +214,8 @@ def run_probe(nodes, timeout_s: float = 300) -> dict:
 # -- prediction --------------------------------------------------------------------------------------
 def link_of(probe: dict, source: str = "sweep"):
     """The link the model uses: the five-size least-squares fit, or probe_link's two-point fit."""
+    from slipstream.network.link import Link
     from slipstream.plan.calibrate import fit_alpha_beta, link_from_probe
-    from slipstream.link import Link
 
     if source == "sweep" and probe.get("sweep"):
         return fit_alpha_beta([tuple(x) for x in probe["sweep"]], probe["ranks"])

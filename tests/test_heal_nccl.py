@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slipstream import heal
+from slipstream.resilience import heal
 
 
 @pytest.fixture

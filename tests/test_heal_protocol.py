@@ -1,4 +1,4 @@
-"""The generation protocol of healing in place (slipstream.heal), on a real TCPStore.
+"""The generation protocol of healing in place (slipstream.resilience.heal), on a real TCPStore.
 
 The process-group creation is replaced by a record of the generation each rank formed, so
 several "processes" (threads) can run the protocol in one test: what is checked is that
@@ -16,8 +16,8 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from slipstream import heal
 from slipstream.errors import TrainingFailed
+from slipstream.resilience import heal
 
 
 class RecordingHealer(heal.Healer):
@@ -230,7 +230,7 @@ def test_healing_is_passed_in_not_read_from_a_global():
     from pathlib import Path
 
     import slipstream
-    from slipstream.runtime import Runtime
+    from slipstream.process.runtime import Runtime
 
     assert "healer" in Runtime.__dataclass_fields__
     assert not hasattr(heal, "current") and not hasattr(heal, "_CURRENT")

@@ -7,7 +7,7 @@ For each launcher style (srun with SLURM_* variables, torchrun with RANK/LOCAL_R
 and each of 2 ranks on one node, a fresh process is started with that rank's
 environment and only the first visible GPU in its ``CUDA_VISIBLE_DEVICES`` (a GPU
 cannot be hidden from a process after CUDA starts). It reads its place with
-``slipstream.runtime.detect_launch_env``, picks its device with ``choose_device``
+``slipstream.process.runtime.detect_launch_env``, picks its device with ``choose_device``
 as ``init()`` does for NCCL, and puts a tensor there. Local rank 1 seeing one GPU
 must land on ``cuda:0``, not be refused or sent to a GPU it cannot see.
 
@@ -25,7 +25,7 @@ import sys
 
 CHILD = r"""
 import json, os, torch
-from slipstream.runtime import choose_device, detect_launch_env
+from slipstream.process.runtime import choose_device, detect_launch_env
 launch = detect_launch_env()
 count = torch.cuda.device_count()
 out = {"rank": launch.rank, "local_rank": launch.local_rank, "local_world_size": launch.local_world_size,

@@ -30,9 +30,9 @@ _LAZY = {
     "ConfigError": ".errors",
     "EXIT_PREEMPTED": ".errors",
     "SlipstreamError": ".errors",
-    "Runtime": ".runtime",
-    "init": ".runtime",
-    "shutdown": ".runtime",
+    "Runtime": ".process.runtime",
+    "init": ".process.runtime",
+    "shutdown": ".process.runtime",
     "LAMB": ".train",
     "Accelerated": ".train",
     "StepResult": ".train",
@@ -61,7 +61,7 @@ __all__ = [
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from .config import TrainConfig
     from .errors import EXIT_PREEMPTED, ConfigError, SlipstreamError
-    from .runtime import Runtime, init, shutdown
+    from .process.runtime import Runtime, init, shutdown
     from .train import LAMB, Accelerated, StepResult, accelerate, scaled_lr, warmup_schedule
 
 

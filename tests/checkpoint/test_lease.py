@@ -16,8 +16,9 @@ import pytest
 from slipstream.checkpoint import CheckpointDirInUse, CheckpointManager
 from slipstream.checkpoint import lease as lease_mod
 from slipstream.checkpoint.lease import LEASE_FILE, Holder, Lease, this_holder
-from slipstream.pids import alive as pid_alive, start_time
 from slipstream.errors import ConfigError
+from slipstream.resilience.pids import alive as pid_alive
+from slipstream.resilience.pids import start_time
 
 from ..data.conftest import s3, s3_endpoint  # noqa: F401 - the moto S3 server fixtures
 

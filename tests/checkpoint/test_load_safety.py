@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch import nn
 
-from slipstream import runtime
 from slipstream.checkpoint import layout, safe_load
 from slipstream.checkpoint.manager import CheckpointManager
 from slipstream.checkpoint.states import CallbackState, RNGState
 from slipstream.errors import ConfigError
+from slipstream.process import runtime
 
 
 class Counter:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import report
-from slipstream.link import allreduce_bytes
+from slipstream.network.link import allreduce_bytes
 
 
 def _figures() -> dict:

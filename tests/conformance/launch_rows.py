@@ -1,8 +1,8 @@
 """The launch-environment axis of the conformance matrix, as crafted environments (pure).
 
 Each launcher is the environment its ranks see, per rank, as the launcher sets it
-(no real srun or mpirun): what :func:`slipstream.runtime.detect_launch_env` must
-read from it, and which device :func:`slipstream.runtime.choose_device` must give
+(no real srun or mpirun): what :func:`slipstream.process.runtime.detect_launch_env` must
+read from it, and which device :func:`slipstream.process.runtime.choose_device` must give
 the rank when each node has ``node_gpus`` GPUs (or only those ``CUDA_VISIBLE_DEVICES``
 lists, when the launcher binds a GPU per rank).
 """

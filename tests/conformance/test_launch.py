@@ -1,7 +1,7 @@
 """The launch-environment axis, crossed with the layouts: every launcher's variables, per rank (pure).
 
 What each launcher sets is crafted in tests/conformance/launch_rows.py; the
-one parser (slipstream.runtime.detect_launch_env), the device choice and the
+one parser (slipstream.process.runtime.detect_launch_env), the device choice and the
 topology the hierarchical sync reads must agree with what the launcher meant.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.config import TrainConfig
-from slipstream.runtime import choose_device, detect_launch_env
+from slipstream.process.runtime import choose_device, detect_launch_env
 from slipstream.sync.topology import detect as detect_topology
 from tests.conformance.launch_rows import launches, visible_gpus
 from tests.conformance.matrix import LAYOUTS

@@ -70,7 +70,7 @@ class Chaos:
     def install_early(self) -> None:
         """Before slipstream.init(): the phases that run inside the product's own functions."""
         if self.wants("heal"):
-            from slipstream import heal
+            from slipstream.resilience import heal
 
             real_join = heal.Healer._join
 

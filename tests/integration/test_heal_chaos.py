@@ -10,7 +10,7 @@ ledger, every death replaced in place, no full restart, nothing left running).
 
 A SIGSTOPped rank never fails by itself: the others' collective times out
 (``--collective-timeout-s``), and the rank that has not left the failed generation one
-collective timeout later is killed by its own supervisor's spare (slipstream.heal: the
+collective timeout later is killed by its own supervisor's spare (slipstream.resilience.heal: the
 eviction), then replaced in place like a dead one.
 
 Two forms:

@@ -101,7 +101,7 @@ def _torchrun(argv: list[str], env: dict | None = None) -> subprocess.CompletedP
         ref = subprocess.run([sys.executable, "-m", "torch.distributed.run", *argv], capture_output=True, text=True,
                              timeout=180, cwd=REPO, env={**os.environ, **(env or {})})
         # The reference itself can die of torch 2.13's gloo abort at exit after
-        # finishing (see slipstream/gloo_exit.py; `slipstream run` guards its
+        # finishing (see slipstream/process/gloo_exit.py; `slipstream run` guards its
         # workers against it, plain torchrun does not): run it again then.
         if "terminate called without an active exception" not in ref.stderr:
             break

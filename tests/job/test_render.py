@@ -263,8 +263,8 @@ def _launched(cmd: list[str], nnodes: int = 3):
 def test_heal_and_spares_round_trip_from_the_spec_to_the_pods_launcher(target, monkeypatch):
     """restarts.heal / restarts.spares reach each pod's `slipstream run` as --no-heal / --spares, and so
     the workers' environment: no SLIPSTREAM_HEAL (no supervisor) under heal: false, 1 spare by default."""
-    from slipstream import heal_env
     from slipstream.launch.heal_setup import NAMES, set_heal_env
+    from slipstream.resilience import heal_env
 
     def workers_env(replicas: int = 1, **restarts) -> dict[str, str]:
         (obj,) = [o for o in render(_spec(gpu_count=2, replicas=replicas, restarts=restarts), target)

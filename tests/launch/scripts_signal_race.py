@@ -4,7 +4,7 @@ Usage: python scripts_signal_race.py (torch|safe) TRIES
 
 Each try starts a child, polls it in a tight loop and has SIGPROF arrive a few
 milliseconds of CPU time later (ITIMER_PROF: SIGALRM is the safe handler's own),
-with torch's agent handler or slipstream.safe_signals' handler raising out of
+with torch's agent handler or slipstream.process.safe_signals' handler raising out of
 the loop. Prints one JSON line: {"orphaned": N, "tries": T, "seconds": S,
 "slowest_try_s": W}; "orphaned" counts the tries after which the Popen's lock
 was still held (every later poll() would say "running").
@@ -19,7 +19,7 @@ import time
 
 from torch.distributed.elastic.multiprocessing import api as mp_api
 
-from slipstream import safe_signals
+from slipstream.process import safe_signals
 
 kind, tries = sys.argv[1], int(sys.argv[2])
 if kind == "torch":

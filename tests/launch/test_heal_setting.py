@@ -9,12 +9,12 @@ import logging
 
 import pytest
 
-from slipstream import heal_env
 from slipstream.cli import build_parser
 from slipstream.errors import UsageError
 from slipstream.launch import api, heal_setup
 from slipstream.launch.api import LaunchOptions
 from slipstream.launch.cli import launch_options_from_args
+from slipstream.resilience import heal_env
 
 
 def options(*flags: str, config: str | None = None) -> LaunchOptions:

@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
 from torch.distributed.elastic.utils import store as store_util
 
-from slipstream import heal_env
 from slipstream.launch import agent, node_rejoin
 from slipstream.launch.parent_death import ENV_AGENT_PID
+from slipstream.resilience import heal_env
 
 
 def test_the_record_holds_a_worker_started_a_moment_ago(tmp_path):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from slipstream.launch import api
-from slipstream.snapshot_dirs import ENV_REJOINS
-from slipstream.launch.api import LaunchOptions
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+from slipstream.launch import api
+from slipstream.launch.api import LaunchOptions
+from slipstream.resilience.snapshot_dirs import ENV_REJOINS
 
 
 def _agent(failures: int):

@@ -1,4 +1,4 @@
-"""A stop signal raises only outside standard-library code (slipstream.safe_signals, launch.agent_signals).
+"""A stop signal raises only outside standard-library code (slipstream.process.safe_signals, launch.agent_signals).
 
 The failure these tests pin down: torch's agent raised SignalException inside
 ``Popen.poll`` of a worker, the Popen's wait lock stayed held, and the agent
@@ -15,7 +15,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from slipstream import safe_signals
+from slipstream.process import safe_signals
 from tests.conftest import cannot_run_here
 
 if not sys.platform.startswith("linux"):
@@ -50,7 +50,7 @@ def test_frames_are_told_apart_by_where_their_code_lives():
     proc = _run("""
         import copy, sys
         import torch.utils._pytree as pytree
-        from slipstream.safe_signals import in_standard_library
+        from slipstream.process.safe_signals import in_standard_library
 
         seen = {}
         class Probe:
@@ -70,7 +70,7 @@ def test_frames_are_told_apart_by_where_their_code_lives():
 def test_a_main_thread_blocked_in_the_standard_library_still_stops_by_the_deadline():
     proc = _run("""
         import os, signal, threading, time
-        from slipstream import safe_signals
+        from slipstream.process import safe_signals
 
         class Stop(Exception):
             pass
@@ -94,7 +94,7 @@ def test_the_agent_registers_the_safe_handler_on_every_start():
     proc = _run("""
         import signal
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-        from slipstream import safe_signals
+        from slipstream.process import safe_signals
         from slipstream.launch import agent_signals
 
         assert agent_signals.install() and agent_signals.install()   # idempotent
@@ -113,7 +113,7 @@ def test_the_agent_registers_the_safe_handler_on_every_start():
 def test_installed_raises_within_its_block_and_restores_the_previous_handler():
     proc = _run("""
         import os, signal, time
-        from slipstream import safe_signals
+        from slipstream.process import safe_signals
 
         before = signal.getsignal(signal.SIGINT)
         try:

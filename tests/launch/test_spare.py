@@ -10,7 +10,7 @@ import sys
 
 import torch.distributed as dist
 
-from slipstream import heal_env
+from slipstream.resilience import heal_env
 
 
 def test_the_eviction_watcher_has_ended_before_the_script_runs(tmp_path):

@@ -1,14 +1,14 @@
-"""The one link model (slipstream.link): ring formulas, spec links, measured links."""
+"""The one link model (slipstream.network.link): ring formulas, spec links, measured links."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from slipstream.network.link import Link, all_gather_bytes, allreduce_bytes, allreduce_steps, reduce_scatter_bytes
 from slipstream.plan.calibrate import link_from_probe
 from slipstream.plan.network import parse_network
 from slipstream.sync.compress import Cast, Codec, PowerSGD, ScaledSign, TopK
-from slipstream.link import Link, all_gather_bytes, allreduce_bytes, allreduce_steps, reduce_scatter_bytes
 
 
 @pytest.mark.parametrize("n,allreduce,reduce_scatter", [(1, 0, 0), (2, 1000, 500), (4, 1500, 750), (8, 1750, 875)])

@@ -1,4 +1,4 @@
-"""The DiLoCo step model and the recommendation rule (slipstream/lowcomm.py), against figures worked by hand."""
+"""The DiLoCo step model and the recommendation rule (slipstream/network/lowcomm.py), against figures worked by hand."""
 
 from __future__ import annotations
 
@@ -7,11 +7,18 @@ import json
 
 import pytest
 
-from slipstream import lowcomm
 from slipstream.errors import ConfigError
-from slipstream.link import Link
-from slipstream.lowcomm import (LOW_UTILISATION, MIN_SPEEDUP, DilocoSetting, advise, choose, estimate,
-                                outer_bytes)
+from slipstream.network import lowcomm
+from slipstream.network.link import Link
+from slipstream.network.lowcomm import (
+    LOW_UTILISATION,
+    MIN_SPEEDUP,
+    DilocoSetting,
+    advise,
+    choose,
+    estimate,
+    outer_bytes,
+)
 
 SLOW = Link(12.5e6, 0.040, 0.8)  # 100 Mbit/s, 40 ms a ring step, 80 % achieved: 1e7 B/s
 GPT = 437_760  # examples/train_gpt.py GPT(): dim 128, 2 layers, context 64, vocab 256

@@ -74,9 +74,9 @@ def test_every_lazy_name_is_defined_where_it_points():
         eager = public - set(pkg._LAZY)  # bound when the package is imported (data: pack, which names its module)
         assert all(name in vars(pkg) for name in eager), sorted(n for n in eager if n not in vars(pkg))
         for name, module in pkg._LAZY.items():
-            tree = ast.parse((root / (module.lstrip(".") + ".py")).read_text()) if (
-                root / (module.lstrip(".") + ".py")).exists() else ast.parse(
-                (root / module.lstrip(".") / "__init__.py").read_text())
+            where = root.joinpath(*module.lstrip(".").split("."))  # ".process.runtime" -> process/runtime
+            tree = ast.parse(where.with_suffix(".py").read_text()) if where.with_suffix(".py").exists() else (
+                ast.parse((where / "__init__.py").read_text()))
             defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
             defined |= {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
             defined |= {t.id for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AnnAssign))

@@ -8,7 +8,7 @@ import shlex
 import pytest
 
 from slipstream.cli import main
-from slipstream.lowcomm import LOW_UTILISATION, DilocoSetting
+from slipstream.network.lowcomm import LOW_UTILISATION, DilocoSetting
 from slipstream.plan.lowcomm import floor_s, low_comm
 from slipstream.plan.planner import plan
 

@@ -4,15 +4,14 @@ checked with fake GPU counts: no GPU is needed to test the logic."""
 from __future__ import annotations
 
 import os
-
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from slipstream import gloo_interface, runtime
 from slipstream.errors import ConfigError
+from slipstream.process import gloo_interface, runtime
 
 
 def test_nccl_gives_each_local_rank_its_own_gpu():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slipstream import gloo_exit
+from slipstream.process import gloo_exit
 from tests.conftest import cannot_run_here
 
 PARKED = "202 0x55d0c5a1 0x189 0x0 0x0 0x0 0xffffffff 0x7f0e 0x7f0f\n"      # cv wait for work

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from slipstream import gloo_interface, runtime
 from slipstream.errors import TrainingFailed
+from slipstream.process import gloo_interface, runtime
 from tests.conftest import require_root
 from tests.runtime.test_device_placement import fake_gpus  # noqa: F401 - the fixture
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream import runtime
 from slipstream.errors import ConfigError
+from slipstream.process import runtime
 from tests.runtime.test_device_placement import fake_gpus  # noqa: F401 - the fixture
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream import runtime
+from slipstream.process import runtime
 from tests.runtime.test_device_placement import fake_gpus  # noqa: F401 - the fixture
 
 LAUNCHES = {

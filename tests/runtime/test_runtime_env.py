@@ -1,7 +1,7 @@
 import pytest
 
 from slipstream.errors import ConfigError
-from slipstream.runtime import _first_slurm_host, detect_launch_env
+from slipstream.process.runtime import _first_slurm_host, detect_launch_env
 
 
 def test_torchrun_environment():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.errors import ConfigError
-from slipstream.runtime import DEFAULT_PORT, detect_launch_env, port_for_job
+from slipstream.process.runtime import DEFAULT_PORT, detect_launch_env, port_for_job
 
 # What Open MPI 4.1's mpirun -np 2 sets for rank 1 on one node (seen here), less the noise.
 OMPI_RANK1 = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "1",

@@ -7,7 +7,7 @@ import sys
 
 SCRIPT = """
 import datetime
-from slipstream import runtime
+from slipstream.process import runtime
 assert runtime.started() is None
 assert runtime.group_timeout() == datetime.timedelta(seconds=42)   # from the environment
 rt = runtime.init(backend="gloo", device="cpu", timeout_s=7)

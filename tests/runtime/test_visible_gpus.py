@@ -11,7 +11,7 @@ import types
 
 import torch
 
-from slipstream.gpu_binding import visible_gpus
+from slipstream.process.gpu_binding import visible_gpus
 
 
 def test_one_identity_per_visible_gpu_in_index_order(monkeypatch):

@@ -29,7 +29,7 @@ def train(strategy: str, dtype: torch.dtype, steps: int, **options) -> dict:
         # A slow link instead of loopback's probe, the plan kept unverified and the
         # convergence gate off: auto compresses from step 3 (on loopback the tiny model's
         # communication is hidden, and it would choose plain all-reduce).
-        from slipstream.link import Link
+        from slipstream.network.link import Link
         from slipstream.sync import probe
 
         real = probe.probe_link

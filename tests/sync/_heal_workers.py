@@ -1,6 +1,6 @@
 """Rank workers of tests/sync/test_heal_rejoin.py: a sync strategy's groups and state across a heal in place.
 
-Each rank forms its default group through :class:`slipstream.heal.Healer` (a real TCPStore), trains
+Each rank forms its default group through :class:`slipstream.resilience.heal.Healer` (a real TCPStore), trains
 an uninterrupted reference, then the same run again with a heal after step ``SNAP``: the state of
 that step is kept (as a snapshot keeps it), one more step is taken (the work a heal undoes), every
 rank leaves the group and joins the next generation as ``train.healing.InPlaceHealing.heal`` and the data
@@ -149,7 +149,7 @@ def _tree_equal(a, b) -> bool:
 
 def heal_cases(rank: int, world: int, store_port: int, cases: list) -> dict:
     """Run each ``(label, strategy, options, two_nodes)`` case; two_nodes: 2 nodes of 1 rank."""
-    from slipstream import heal
+    from slipstream.resilience import heal
     from slipstream.sync import auto as engine_auto
 
     store = dist.TCPStore("127.0.0.1", store_port, world, is_master=rank == 0,

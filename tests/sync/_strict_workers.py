@@ -18,9 +18,8 @@ TIMEOUT_S = 123.0
 
 
 def _train(strategy: str, steps: int, probe_at: int | None = None, **options) -> None:
-    from tests.sync._workers import batch, mlp
-
     from slipstream import sync
+    from tests.sync._workers import batch, mlp
 
     widths = [32, 64, 64, 8]
     model = mlp(widths)
@@ -43,10 +42,9 @@ def _train(strategy: str, steps: int, probe_at: int | None = None, **options) ->
 
 
 def rule(rank: int, world: int, port: int, out_path: str, local_world: int) -> None:
-    from tests.sync.strict_collectives import StrictCollectives, group_timeout_of
-
     import slipstream
-    from slipstream import gloo_exit
+    from slipstream.process import gloo_exit
+    from tests.sync.strict_collectives import StrictCollectives, group_timeout_of
 
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local_world),

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from slipstream import gloo_exit
-from slipstream.link import Link
-from slipstream.timing import duration_s
+from slipstream.network.link import Link
+from slipstream.process import gloo_exit
+from slipstream.process.timing import duration_s
 
 
 def init(rank: int, world: int, port: int, local_world: int) -> None:

@@ -12,7 +12,8 @@ import re
 
 import torch
 
-from slipstream.link import Link
+from slipstream.network.link import Link
+from slipstream.process.timing import HostClock
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import AutoPolicy, codec_label, decision_line
 from slipstream.sync.codec_costs import CodecTiming
@@ -21,7 +22,6 @@ from slipstream.sync.compress.base import layout_from_shapes
 from slipstream.sync.control import ControlWire
 from slipstream.sync.options import SyncOptions
 from slipstream.sync.policy import BucketInfo, decide
-from slipstream.timing import HostClock
 
 SLOW = Link.measured(ranks=2, alpha_s=1e-4, bytes_per_s=12.5e6)  # 100 Mbit/s
 # Three 256x256 matrices (PowerSGD's ground) and one small bias bucket, in backward order.

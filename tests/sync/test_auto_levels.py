@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from slipstream.link import Link
+from slipstream.network.link import Link
 from slipstream.sync.compress import make_codec
 from slipstream.sync.levels import FLAT, HIERARCHICAL, LevelLinks, choose_level, explain_level, has_two_levels
 from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide

@@ -11,14 +11,14 @@ import logging
 
 import pytest
 
-from slipstream.link import Link
-from slipstream.lowcomm import DilocoSetting
+from slipstream.network.link import Link
+from slipstream.network.lowcomm import DilocoSetting
+from slipstream.process.timing import HostClock
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import AutoPolicy, flat_link
 from slipstream.sync.levels import LevelLinks
 from slipstream.sync.options import SyncOptions
 from slipstream.sync.policy import Decision, FlatCost, HierarchicalCost
-from slipstream.timing import HostClock
 
 GPT = 437_760  # examples/train_gpt.py at --dim 128 --layers 2: 1.75 MB of fp32 gradients
 # 100 Mbit/s with a 40 ms round trip as the probe measured it on the emulated cluster: alpha two hops

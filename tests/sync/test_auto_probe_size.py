@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slipstream.link import Link, allreduce_bytes
+from slipstream.network.link import Link, allreduce_bytes
 from slipstream.sync.auto import PROBE_MAX_BYTES, PROBE_MIN_BYTES, PROBE_SMALL_BYTES, flat_prober, probe_sizes
 
 SMALL_MODEL_BYTES = 85_002 * 4  # examples/ddp_torchrun.py --width 256 --depth 2: 0.09M parameters

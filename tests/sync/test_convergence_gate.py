@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from slipstream.link import Link
+from slipstream.network.link import Link
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import AutoPolicy
 from slipstream.sync.compress import make_codec

@@ -16,13 +16,13 @@ import time
 import pytest
 import torch
 
-from slipstream.link import Link
+from slipstream.network.link import Link
+from slipstream.process.timing import CudaClock
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import AutoPolicy
 from slipstream.sync.compress.base import layout_from_shapes
 from slipstream.sync.control import ControlWire
 from slipstream.sync.options import SyncOptions
-from slipstream.timing import CudaClock
 
 CPU = torch.device("cpu")
 

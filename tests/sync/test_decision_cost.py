@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from slipstream.link import Link
-from slipstream.sync import auto as engine_auto, codec_costs
+from slipstream.network.link import Link
+from slipstream.process.timing import clock_for
+from slipstream.sync import auto as engine_auto
+from slipstream.sync import codec_costs
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import COST_RUNS, AutoPolicy
 from slipstream.sync.compress import make_codec
@@ -20,7 +22,6 @@ from slipstream.sync.control import ControlWire
 from slipstream.sync.levels import FLAT, HIERARCHICAL, LevelLinks
 from slipstream.sync.options import SyncOptions
 from slipstream.sync.policy import BucketInfo, HierarchicalCost
-from slipstream.timing import clock_for
 
 CPU = torch.device("cpu")
 SLOW = Link.measured(ranks=4, alpha_s=1e-4, bytes_per_s=25e6)  # 200 Mbit/s: compression pays

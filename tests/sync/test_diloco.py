@@ -7,8 +7,9 @@ ones, and ``slipstream.accelerate`` with checkpoints, stopped and resumed.
 from __future__ import annotations
 
 import pytest
+
 from slipstream.errors import ConfigError
-from slipstream.link import allreduce_bytes
+from slipstream.network.link import allreduce_bytes
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed

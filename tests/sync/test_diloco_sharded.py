@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from slipstream.errors import ConfigError
-from slipstream.link import allreduce_bytes
+from slipstream.network.link import allreduce_bytes
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -90,11 +90,10 @@ def test_predicted_wire_bytes_are_the_bytes_sent_in_every_dtype(dtype_name):
     cast of bf16 gradients looked twice as cheap as their all-reduce)."""
     import torch
 
-    from slipstream.link import all_gather_bytes, allreduce_bytes
+    from slipstream.network.link import Link, all_gather_bytes, allreduce_bytes
     from slipstream.sync.compress import make_codec
     from slipstream.sync.compress.base import Wire, layout_from_shapes
     from slipstream.sync.policy import BucketInfo, FlatCost
-    from slipstream.link import Link
 
     class TwoLikeRanks(Wire):
         """Counts what two ranks holding the same tensors would send; sends nothing."""

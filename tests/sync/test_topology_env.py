@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.runtime import detect_launch_env
+from slipstream.process.runtime import detect_launch_env
 from slipstream.sync.topology import Topology, detect
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",

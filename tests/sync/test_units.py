@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from slipstream import sync
+from slipstream.network.link import Link
 from slipstream.sync.compress import (
     Cast,
     Codec,
@@ -21,7 +22,6 @@ from slipstream.sync.compress.sign import pack_signs, unpack_signs
 from slipstream.sync.guard import ConvergenceGuard
 from slipstream.sync.options import SyncOptions
 from slipstream.sync.policy import BucketInfo, HierarchicalCost, decide, predict, verify_plan
-from slipstream.link import Link
 from slipstream.sync.topology import Topology, detect
 
 SOLO = Wire(None, size=1)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from slipstream.link import Link
+from slipstream.network.link import Link
+from slipstream.process.timing import HostClock
 from slipstream.sync.accounting import StepRecord
 from slipstream.sync.auto import AutoPolicy
 from slipstream.sync.compress import make_codec
@@ -14,7 +15,6 @@ from slipstream.sync.compress.base import layout_from_shapes
 from slipstream.sync.control import ControlWire
 from slipstream.sync.options import SyncOptions
 from slipstream.sync.policy import BucketInfo, Decision, decide
-from slipstream.timing import HostClock
 
 LINK = Link.measured(ranks=2, alpha_s=1e-4, bytes_per_s=125e6)  # 1 Gbit/s
 LOSSY = {0: "powersgd", 1: "allreduce"}

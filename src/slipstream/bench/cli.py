@@ -39,9 +39,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, UsageError, did_you_mean
 from ..names import warn_deprecated
+from ..process import safe_signals
 
 # Options of `slipstream bench` that may also be written after the script's own
 # arguments: (flags, dest, takes a value).

@@ -54,7 +54,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..extras import pip_install_hint
-from ..pids import alive, start_time
+from ..resilience.pids import alive, start_time
 
 log = logging.getLogger("slipstream.checkpoint")
 

@@ -44,9 +44,10 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
-from .. import heal, runtime
 from ..config import CheckpointConfig
 from ..errors import ConfigError
+from ..process import runtime
+from ..resilience import heal
 from . import lease, remote
 from .context import ManagerContext
 from .restoring import NoUsableCheckpoint, Restorer
@@ -152,7 +153,7 @@ class CheckpointManager:
         self.restorer = Restorer(ctx, self.memory, torch.device(device) if device is not None else None)
 
     def _make_groups(self) -> None:
-        # A replacement healing in place (slipstream.heal) runs on a fake default group until it
+        # A replacement healing in place (slipstream.resilience.heal) runs on a fake default group until it
         # joins the survivors: its side groups are fake too until then (see rejoined()).
         backend = heal.side_group_backend()
         self.ctx.group = dist.new_group(backend=backend, timeout=runtime.group_timeout())
@@ -166,7 +167,7 @@ class CheckpointManager:
         self.memory.left()
 
     def rejoined(self) -> None:
-        """After a heal in place (:mod:`slipstream.heal`): new side groups (a collective, every rank in
+        """After a heal in place (:mod:`slipstream.resilience.heal`): new side groups (a collective, every rank in
         one order). A save in flight is let go: it commits only if every rank's part was written."""
         self.saver.let_go()
         self.schedule.restart()  # as a new manager's

@@ -24,7 +24,7 @@ take the newest step held for *every* rank, by itself or by a holder; each rank 
 copy is gone receives it from the holder (:func:`fetch`) before the ranks agree and load.
 When some rank has the step neither way, every rank loads the disk checkpoint.
 
-Under healing in place (:mod:`slipstream.heal`) the copy's group goes with the broken default
+Under healing in place (:mod:`slipstream.resilience.heal`) the copy's group goes with the broken default
 group: :meth:`PeerCopy.left` retires this copy (its thread commits nothing more: a copy that
 was travelling when a rank died may be half received) and the checkpoint manager forms a new
 one on the next generation's group (:meth:`PeerCopy.for_job` again, every rank in the same
@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from .. import runtime
+from ..process import runtime
 
 log = logging.getLogger("slipstream.checkpoint")
 

@@ -29,13 +29,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .. import runtime
 from ..errors import ConfigError
+from ..process import runtime
 
 log = logging.getLogger("slipstream.checkpoint")
 

@@ -14,8 +14,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import heal
 from ..log import CONSOLE
+from ..resilience import heal
 from . import peer, snapshots
 from .context import ManagerContext
 

@@ -29,7 +29,7 @@ Layout: ``ROOT/slipstream-snapshots/<checkpoint dir hash>-ws<W>/launcher<PID>/ra
 the launcher (the worker's parent): the launcher deletes its ranks' snapshots when it
 exits, and those of launchers that no longer run (killed with SIGKILL) at its start
 (:func:`sweep`). A first attempt (``TORCHELASTIC_RESTART_COUNT`` 0, and an agent that never
-joined again after losing the rendezvous store: :func:`~slipstream.snapshot_dirs.restart_count`)
+joined again after losing the rendezvous store: :func:`~slipstream.resilience.snapshot_dirs.restart_count`)
 clears its rank's directory, so a snapshot of an earlier job on the same checkpoint directory
 is never loaded. The index is read as plain data (``weights_only``), like checkpoint files.
 
@@ -64,9 +64,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .. import pids
-from .. import heal
-from ..snapshot_dirs import ENV_ROOT, SUBDIR, owner_pid, restart_count, root_dir, sweep
+from ..resilience import heal, pids
+from ..resilience.snapshot_dirs import ENV_ROOT, SUBDIR, owner_pid, restart_count, root_dir, sweep
 from . import peer as peer_copy
 from .cadence import Agree, Cadence, Choice
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .. import runtime
+from ..process import runtime
 
 log = logging.getLogger("slipstream.checkpoint")
 

@@ -46,7 +46,7 @@ from typing import Any, Callable, Mapping
 from filelock import FileLock
 
 from ..errors import ConfigError
-from ..pids import alive
+from ..resilience.pids import alive
 from .format import INDEX_NAME, DataIntegrityError, Index, ShardInfo, ShardReader, file_sha256
 from .source import Source, SourceUnavailable
 
@@ -396,7 +396,14 @@ def prewarm(
 
     if progress and todo:
         from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
 
         with Progress(
             TextColumn("prewarm"),

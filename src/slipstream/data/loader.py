@@ -42,7 +42,7 @@ import torch.utils.data
 from torch.utils.data import default_collate
 
 from ..errors import ConfigError
-from ..runtime import detect_launch_env
+from ..process.runtime import detect_launch_env
 from .dataset import ShardedDataset, SkippedSample
 from .sampler import DEFAULT_WINDOW_SHARDS, ResumableSampler
 

@@ -171,7 +171,7 @@ def collect_env(environ: Mapping[str, str] | None = None) -> EnvReport:
     """
     from .. import __version__
     from ..extras import extras_installed
-    from ..gloo_interface import interface_addresses
+    from ..process.gloo_interface import interface_addresses
 
     environ = os.environ if environ is None else environ
     version, cuda = torch_build()

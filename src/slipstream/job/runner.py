@@ -42,10 +42,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, ConfigError, UsageError
 from ..launch.proc import stop_processes
 from ..log import CONSOLE
+from ..process import safe_signals
 from .commands import launcher_flags, prewarm_command, resolved_entry_argv, resolved_env
 from .spec import JobSpec
 from .variables import expand
@@ -211,7 +211,7 @@ def _gpu_plan(spec: JobSpec, env: dict[str, str]) -> tuple[list[str | None], str
     """:func:`plan_gpus` for this machine and the workers' environment ``env``."""
     import torch
 
-    from ..runtime import requested_placement
+    from ..process.runtime import requested_placement
 
     try:
         backend, device = requested_placement(env)

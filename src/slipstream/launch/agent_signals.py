@@ -7,7 +7,7 @@ falls inside ``subprocess.Popen.poll`` (the agent polls every worker every
 monitor interval), the exception can leave the Popen's wait lock held, after
 which the agent never sees that worker exit: it waits out its shutdown timeout,
 SIGKILLs a worker that already finished, and waits again (see
-:mod:`slipstream.safe_signals`, which has the reproduction).
+:mod:`slipstream.process.safe_signals`, which has the reproduction).
 
 :func:`install` swaps torch's handler function for one that raises the same
 exception, with the same message, but only outside standard-library code. torch
@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 
-from .. import safe_signals
+from ..process import safe_signals
 
 
 def install() -> bool:

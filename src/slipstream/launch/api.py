@@ -45,6 +45,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -55,19 +56,25 @@ import socket
 import sys
 import time
 import uuid
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..errors import (EXIT_INTERRUPTED, EXIT_OK, EXIT_PREEMPTED, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError,
-                      did_you_mean)
+from ..errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_PREEMPTED,
+    EXIT_TRAINING_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    did_you_mean,
+)
 from ..log import CONSOLE, ENV_LOG_LEVEL, LOG_LEVELS, set_level
-from ..snapshot_dirs import ENV_REJOINS
+from ..resilience.snapshot_dirs import ENV_REJOINS
 from . import agent_signals
 from .agent import patched_agent
 from .heal_setup import healing
-from .summary import read_totals, summary_lines
 from .parent_death import ENV_AGENT_PID
+from .summary import read_totals, summary_lines
 
 log = logging.getLogger(__name__)
 
@@ -417,7 +424,7 @@ def _run_agent(opts: LaunchOptions) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
 
-    from .. import snapshot_dirs as snapshots  # torch-free: not the checkpoint package
+    from ..resilience import snapshot_dirs as snapshots  # torch-free: not the checkpoint package
 
     snapshots.sweep()  # in-memory snapshots of launchers that were killed before they could delete theirs
     # A stop signal must not land inside the agent's Popen.poll (slipstream.launch.agent_signals).
@@ -537,7 +544,7 @@ def _launch_rejoining(opts: LaunchOptions, endpoint: str, run_agent: Callable[[]
             )
             time.sleep(REJOIN_PAUSE_S)
             # The next agent counts its restarts from 0 again: its workers learn they are not a
-            # new job (their in-memory snapshots are kept, slipstream.snapshot_dirs.restart_count).
+            # new job (their in-memory snapshots are kept, slipstream.resilience.snapshot_dirs.restart_count).
             joins += 1
             os.environ[ENV_REJOINS] = str(joins)
 

@@ -595,7 +595,7 @@ def _check_local_dirs(flat: dict[str, object], given: dict[str, object]) -> None
 def _placement_env(backend: str | None, device: str | None) -> dict[str, str]:
     """SLIPSTREAM_BACKEND / SLIPSTREAM_DEVICE for --backend / --device, which runtime.init() reads
     as its defaults."""
-    from ..runtime import BACKENDS, DEVICES
+    from ..process.runtime import BACKENDS, DEVICES
 
     env: dict[str, str] = {}
     if backend is not None:

@@ -81,15 +81,26 @@ from dataclasses import dataclass, field
 
 from ..errors import EXIT_OK, EXIT_TRAINING_FAILED, EXIT_USAGE, UsageError
 from ..log import CONSOLE
-from ..snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
+from ..resilience.snapshot_dirs import ENV_ROOT as SNAPSHOT_ENV_ROOT
 from . import node_rejoin
 from .agent import ENV_WORKERS_FILE
 from .api import LaunchOptions
 from .emulate_net import (  # noqa: F401  (re-exported: emulate.Node, emulate.NETNS_ETC, ... are its public names too)
-    FORWARDER_MTU, NETNS_ETC, ClusterNetwork, Node,
+    FORWARDER_MTU,
+    NETNS_ETC,
+    ClusterNetwork,
+    Node,
 )
 from .linkspec import (  # noqa: F401  (re-exported: emulate.parse_rate, ... are its public names too)
-    LINK_SYNTAX, MAX_RTT_S, LinkSpec, format_link, format_rate, parse_link, parse_rate, split_link_list, tbf_args,
+    LINK_SYNTAX,
+    MAX_RTT_S,
+    LinkSpec,
+    format_link,
+    format_rate,
+    parse_link,
+    parse_rate,
+    split_link_list,
+    tbf_args,
 )
 from .proc import stop_processes
 from .supervisor import DEFAULT_HEAL_LIMIT

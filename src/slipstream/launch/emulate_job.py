@@ -20,11 +20,11 @@ import signal
 import threading
 import time
 
-from .. import safe_signals
 from ..errors import EXIT_INTERRUPTED, UsageError
 from ..log import CONSOLE, set_level
-from .api import LaunchOptions, with_run_dir
+from ..process import safe_signals
 from . import emulate
+from .api import LaunchOptions, with_run_dir
 from .emulate import RDZV_PORT, EmulatedCluster, parse_link
 from .summary import summary_lines
 

@@ -1,7 +1,7 @@
-"""The launcher's side of healing in place (:mod:`slipstream.heal`): the workers' variables and the store.
+"""The launcher's side of healing in place (:mod:`slipstream.resilience.heal`): the workers' variables and the store.
 
 Torch's agent copies the launcher's own environment into every worker, so the launcher sets the
-``SLIPSTREAM_HEAL*`` variables (:mod:`slipstream.heal_env`) in ``os.environ`` for the length of one
+``SLIPSTREAM_HEAL*`` variables (:mod:`slipstream.resilience.heal_env`) in ``os.environ`` for the length of one
 launch, and puts back what was there when it ends: a launch from Python (or a test) must not leave
 ``SLIPSTREAM_HEAL=1`` in its process, where any later worker entry started from it would run as a
 supervisor.
@@ -14,7 +14,7 @@ import datetime
 import os
 from typing import Callable, Iterator, Protocol
 
-from .. import heal_env
+from ..resilience import heal_env
 
 
 class LaunchOptions(Protocol):

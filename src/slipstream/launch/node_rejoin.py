@@ -2,7 +2,7 @@
 
 When every process of an emulated node dies (:meth:`~.emulate.EmulatedCluster.lose_node`: its
 elastic agent, supervisors, training processes and spares), the other nodes' training processes
-see their next collective fail and go into the next heal generation (:mod:`slipstream.heal`),
+see their next collective fail and go into the next heal generation (:mod:`slipstream.resilience.heal`),
 waiting for ``world_size`` ranks. What must not happen is what a new agent would do: join the
 rendezvous. torch's agent restarts its whole worker group when a node is waiting to join
 (``LocalElasticAgent._invoke_run``: ``rdzv_handler.num_nodes_waiting() > 0`` while its workers
@@ -45,8 +45,8 @@ import subprocess
 import sys
 import time
 
-from .. import heal_env, snapshot_dirs
 from ..log import CONSOLE
+from ..resilience import heal_env, snapshot_dirs
 from .parent_death import ENV_AGENT_PID
 
 log = logging.getLogger("slipstream.launch")

@@ -53,7 +53,7 @@ import signal
 import sys
 from collections.abc import MutableMapping
 
-from ..pids import alive
+from ..resilience.pids import alive
 
 ENV_AGENT_PID = "SLIPSTREAM_AGENT_PID"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>

@@ -25,8 +25,8 @@ from __future__ import annotations
 import datetime
 import functools
 import inspect
-import math
 import logging
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -64,7 +64,7 @@ def install(environ: Mapping[str, str]) -> None:
     original = c10d.init_process_group
     if getattr(original, "_slipstream_flags", False):
         return
-    from ..runtime import requested_placement
+    from ..process.runtime import requested_placement
 
     # Checked as slipstream.init() checks them: a bad value set by hand is one line (ConfigError, exit 2).
     backend, device = requested_placement(environ)

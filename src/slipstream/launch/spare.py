@@ -5,9 +5,9 @@ environment. It arms itself to die with the supervisor, imports torch and the tr
 modules (the seconds a replacement would otherwise spend at the failure), then blocks
 on stdin for one line of JSON: ``{"argv": [...], "replacement": bool}``. It then runs
 the script as the worker entry does (:func:`slipstream.launch.worker.main`), as a
-replacement when told so (:mod:`slipstream.heal`). An end of input without a line (the
+replacement when told so (:mod:`slipstream.resilience.heal`). An end of input without a line (the
 supervisor stopping) ends it quietly. While it waits it also watches the heal store for an
-eviction of its rank (:func:`slipstream.heal.watch_for_eviction`): the others found that rank's
+eviction of its rank (:func:`slipstream.resilience.heal.watch_for_eviction`): the others found that rank's
 training process hung, and the spare kills it, so the supervisor replaces it.
 
 ``--now`` (the rank's first training process, or a replacement made at the failure when no
@@ -36,7 +36,6 @@ import threading
 
 from slipstream.launch.proc import set_policy  # stdlib only: the spare starts in milliseconds
 
-
 WATCH_JOIN_S = 5.0
 """The most the spare waits for its eviction watcher to end (one poll and one store call: milliseconds)."""
 
@@ -59,10 +58,10 @@ def main(argv: list[str] | None = None) -> None:
 
     import slipstream.data  # noqa: F401 - the loader and datasets
     import slipstream.train  # noqa: F401 - accelerate() and the checkpoint package
-    from slipstream import heal
+    from slipstream.resilience import heal
 
     # While it waits, the spare kills its rank's training process if that one hangs (the
-    # others found it so: slipstream.heal's eviction); the supervisor then hands over to it.
+    # others found it so: slipstream.resilience.heal's eviction); the supervisor then hands over to it.
     stop_watching = threading.Event()
     watcher = heal.watch_for_eviction(os.environ, stop_watching)
     line = sys.stdin.readline()
@@ -84,8 +83,8 @@ def _run(line: str, idle: bool) -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)  # the script gets no stdin, as under the agent
     os.close(devnull)
-    from slipstream import heal_env
     from slipstream.launch import worker
+    from slipstream.resilience import heal_env
 
     if order.get("replacement"):
         os.environ[heal_env.REPLACEMENT] = "1"

@@ -4,9 +4,9 @@ torch's elastic agent restarts every worker when any one fails. Under ``--heal``
 worker the agent starts (``python -m slipstream.launch.worker ...``) is this small,
 torch-free supervisor, and the training runs in its child. When that child dies by a
 signal (SIGKILL, SIGSEGV, the OOM killer) after it armed itself for healing
-(:meth:`slipstream.heal.Healer.arm`), the supervisor starts a replacement for the same
+(:meth:`slipstream.resilience.heal.Healer.arm`), the supervisor starts a replacement for the same
 rank and the agent sees nothing fail: the other ranks keep their processes and re-form
-the group with it (:mod:`slipstream.heal`).
+the group with it (:mod:`slipstream.resilience.heal`).
 
 The replacement is a *warm spare* (:mod:`slipstream.launch.spare`): a process started
 ahead, Python and torch already imported, blocked on a pipe until it is told to run the
@@ -51,11 +51,11 @@ import time
 from dataclasses import dataclass
 from typing import IO
 
-from .. import heal_env
 from ..log import CONSOLE
-from .proc import set_policy
+from ..resilience import heal_env
+from ..resilience.snapshot_dirs import ENV_OWNER
 from .parent_death import ENV_AGENT_PID, die_with_agent
-from ..snapshot_dirs import ENV_OWNER
+from .proc import set_policy
 
 log = logging.getLogger("slipstream.launch")
 

@@ -5,7 +5,7 @@ SCRIPT ARGS...`` (or ``--module MODULE ARGS...``) instead of ``python -u
 SCRIPT ARGS...``. It runs the script exactly as Python would, as ``__main__``,
 with the same ``sys.argv``, ``sys.path[0]`` and ``__file__``, so unmodified
 torchrun scripts behave the same. The one addition: at exit it waits for
-torch's gloo worker threads to settle (:mod:`slipstream.gloo_exit`), which keeps
+torch's gloo worker threads to settle (:mod:`slipstream.process.gloo_exit`), which keeps
 torch 2.13 from aborting a rank that finished training (SIGABRT in interpreter
 teardown), an abort the elastic agent would otherwise count as a failed
 attempt and restart the job for. ``python -m`` cannot take a hook of its own,
@@ -28,9 +28,10 @@ import signal
 import sys
 from typing import NoReturn
 
-from slipstream import gloo_exit, heal_env
 from slipstream.errors import SlipstreamError, UsageError
 from slipstream.launch.parent_death import die_with_agent
+from slipstream.process import gloo_exit
+from slipstream.resilience import heal_env
 
 USAGE = "usage: python -m slipstream.launch.worker (SCRIPT | --module MODULE) [ARGS...]"
 
@@ -84,7 +85,7 @@ def exit_peer_gone(exc: BaseException) -> NoReturn:
     The rank that left first reported its own error (a configuration error: exit 2, which
     the launcher reports once); this one says where it was (the script's line) and exits 1.
     The line also goes to the error file, so the launcher's report shows it as the reason.
-    ``os._exit``: see :func:`slipstream.runtime.exit_on_error`.
+    ``os._exit``: see :func:`slipstream.process.runtime.exit_on_error`.
     """
     import json
     import time
@@ -144,7 +145,7 @@ def main(argv: list[str]) -> None:
     die_with_agent()
     # Imports torch: after the check, and before install() as it always was,
     # so torch's own exit handlers still run after the gloo wait (LIFO).
-    from slipstream.runtime import exit_on_error
+    from slipstream.process.runtime import exit_on_error
 
     gloo_exit.install()
     adopter = None

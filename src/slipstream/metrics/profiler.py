@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 # Marks are (host seconds, CUDA event or None): the clocks are shared with the sync engine.
-from ..timing import CudaClock, HostClock, duration_s
+from ..process.timing import CudaClock, HostClock, duration_s
 
 # Parameters hooked after the first backward: the first and last gradient to
 # arrive bound the backward compute and the gradient sync; the ones between only

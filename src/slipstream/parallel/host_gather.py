@@ -109,7 +109,7 @@ class HostGather:
         """This rank's gloo group along each shardable dimension, made once (collective)."""
         if self._groups is not None:
             return self._groups
-        from ..runtime import group_timeout
+        from ..process.runtime import group_timeout
 
         root = self._root
         names = tuple(root.mesh_dim_names or ())

@@ -69,7 +69,7 @@ class ParallelDims:
 
     def reform_groups(self) -> None:
         """Make the mesh's process groups again after healing in place formed a new default group
-        (:mod:`slipstream.heal`; the old groups were destroyed with the old default one). A
+        (:mod:`slipstream.resilience.heal`; the old groups were destroyed with the old default one). A
         collective: every rank, in the same order.
 
         Why names: a DeviceMesh keeps its groups by *name* and looks each one up at every use
@@ -151,7 +151,7 @@ def _apply_run_timeout(mesh: DeviceMesh) -> None:
     """
     from torch.distributed import distributed_c10d
 
-    from ..runtime import group_timeout
+    from ..process.runtime import group_timeout
 
     set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is None:  # an older torch: the groups keep the backend default

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..runtime import group_timeout
+from ..process.runtime import group_timeout
 
 
 def pipeline_units(model: nn.Module) -> list[str]:

@@ -25,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..link import Link, allreduce_bytes, allreduce_steps
+from ..network.link import Link, allreduce_bytes, allreduce_steps
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Equations (docs/plan.md has them with their assumptions and validation):
   ready when backward has passed its last layer; each bucket goes through its codec
   (``codec.wire_bytes``) on one channel; the step is
   ``t_fwd + max(t_bwd + codec compute, end of the channel) + t_opt`` (:func:`simulate_dp_step`);
-* collectives: ring alpha-beta (:mod:`slipstream.link`), ``2(n-1) hop + 2(n-1)/n S / bw`` for all-reduce; a group
+* collectives: ring alpha-beta (:mod:`slipstream.network.link`), ``2(n-1) hop + 2(n-1)/n S / bw`` for all-reduce; a group
   spanning nodes gets the node's NIC bandwidth shared by the groups running at once
   (:func:`group_link`); hierarchical = intra reduce-scatter + inter all-reduce of S/g + intra all-gather;
 * FSDP (``dp_shard``): per layer all-gather of parameters before forward (and backward for
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from ..link import Link, allreduce_steps
+from ..network.link import Link, allreduce_steps
 from .network import Network
 from .specs import GIB, GpuSpec, ModelSpec, layer_matrix
 

@@ -1,6 +1,6 @@
 """``slipstream plan``'s low-communication rows: DiLoCo beside the per-step layouts, and when to use it.
 
-The step model and the rule are the core's (:mod:`slipstream.lowcomm`, shared with
+The step model and the rule are the core's (:mod:`slipstream.network.lowcomm`, shared with
 ``auto``); this module applies them to a :class:`~.planner.PlanResult`:
 
 * DiLoCo runs on the plain data-parallel layout only (``ddpN``: DDP replicas, no sharding,
@@ -8,7 +8,7 @@ The step model and the rule are the core's (:mod:`slipstream.lowcomm`, shared wi
   fitting ``ddpN`` candidate with the shortest step without communication
   (``step - exposed comm - codec compute``: forward, backward, optimizer); its link is the one
   that layout's gradient all-reduce crosses (:func:`~.costmodel.group_link`). Each row is that
-  step plus the outer all-reduces per step of one :data:`slipstream.lowcomm.SETTINGS` setting.
+  step plus the outer all-reduces per step of one :data:`slipstream.network.lowcomm.SETTINGS` setting.
 * Memory: the layout's, plus two fp32 copies of the parameters (the outer parameters and the
   outer momentum, docs/sync.md "Costs").
 * The per-step side of the rule is the ranking's #1 (whatever its layout), at its own
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import sync
-from ..lowcomm import SETTINGS, DilocoEstimate, LowCommAdvice, advise, percent
+from ..network.lowcomm import SETTINGS, DilocoEstimate, LowCommAdvice, advise, percent
 from .costmodel import group_link
 from .planner import Candidate, PlanResult, fit_columns, fmt_s
 from .specs import GIB

@@ -1,7 +1,7 @@
-"""Networks: parse a network SPEC into a :class:`~slipstream.link.Link` per node.
+"""Networks: parse a network SPEC into a :class:`~slipstream.network.link.Link` per node.
 
 The link model itself (alpha-beta times of ring collectives) is the core's,
-:mod:`slipstream.link`; ``Link`` is re-exported here for the planner.
+:mod:`slipstream.network.link`; ``Link`` is re-exported here for the planner.
 
 A network SPEC names the link between nodes::
 
@@ -38,7 +38,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..link import Link
+from ..network.link import Link
 
 FABRICS = {
     # name: (one-hop latency s, achieved fraction of line rate)

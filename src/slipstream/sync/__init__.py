@@ -52,10 +52,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..network.link import allreduce_bytes
 from .compress import CODECS, make_codec
-from .strategies import (OptionSet, StrategyInfo, SyncKind, TWO_LEVELS_PREFIX, UnknownStrategy, lookup,
-                         split_two_level, unknown)
-from ..link import allreduce_bytes
+from .strategies import (
+    TWO_LEVELS_PREFIX,
+    OptionSet,
+    StrategyInfo,
+    SyncKind,
+    UnknownStrategy,
+    lookup,
+    split_two_level,
+    unknown,
+)
 
 if TYPE_CHECKING:
     # torch is imported where a strategy is applied, not here: the names above
@@ -250,7 +258,7 @@ class SyncHandle(Protocol):
         ...
 
     def leave(self) -> None:
-        """Healing in place (:mod:`slipstream.heal`), after the default group failed and was
+        """Healing in place (:mod:`slipstream.resilience.heal`), after the default group failed and was
         destroyed: stop what runs on the strategy's groups and let go of every one of them, so
         their sockets close and no peer waits on them. No collective."""
         ...
@@ -371,8 +379,8 @@ def _single_rank(ddp_model: DistributedDataParallel) -> bool:
 
 def _heal_pending() -> bool:
     """Whether this process replaces a dead rank and has not joined the survivors yet (its default
-    group is a fake one: :mod:`slipstream.heal`)."""
-    from .. import heal
+    group is a fake one: :mod:`slipstream.resilience.heal`)."""
+    from ..resilience import heal
 
     return heal.on_fake_group()
 
@@ -466,13 +474,13 @@ def _auto(ddp_model: DistributedDataParallel, hierarchical: bool = False, **opti
 
     import torch.distributed as dist
 
+    from .auto import flat_prober, probe_sizes
     from .control import ControlWire
     from .guard import ConvergenceGuard
     from .hierarchical import FlatReducer, Hierarchical
     from .hooks import HookSync
-    from .options import SyncOptions
     from .levels import FLAT, HIERARCHICAL, has_two_levels
-    from .auto import flat_prober, probe_sizes
+    from .options import SyncOptions
     from .probe import probe_both, probe_levels
     from .topology import groups
 

@@ -21,14 +21,14 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..timing import Mark, duration_s
+from ..process.timing import Mark, duration_s
 
 
 @dataclass
 class StepRecord:
     """Accounting of one synchronising backward.
 
-    Times are marks (:mod:`slipstream.timing`): CUDA events on GPUs, host
+    Times are marks (:mod:`slipstream.process.timing`): CUDA events on GPUs, host
     clock readings on CPU. :meth:`resolve` turns them into seconds once,
     waiting for the events.
     """

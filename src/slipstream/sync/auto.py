@@ -54,6 +54,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..log import CONSOLE
+from ..network.link import Link
+from ..network.lowcomm import LowCommAdvice, advise
+from ..process.timing import clock_for, duration_s
+from . import probe
 from .accounting import StepRecord
 from .codec_costs import COST_RUNS, CodecTiming, shares_kept
 from .compress.base import Codec, Layout
@@ -61,11 +66,6 @@ from .control import ControlWire
 from .levels import FLAT, HIERARCHICAL, LevelLinks, choose_level, explain_level
 from .options import SyncOptions
 from .policy import BucketInfo, Decision, FlatCost, HierarchicalCost, decide, verify_plan
-from . import probe
-from ..link import Link
-from ..log import CONSOLE
-from ..lowcomm import LowCommAdvice, advise
-from ..timing import clock_for, duration_s
 
 log = logging.getLogger("slipstream.sync")
 
@@ -160,7 +160,7 @@ class AutoPolicy:
         self._lossy: set[str] = set()  # the candidates with error feedback (set at the decision)
         # The step before the newest observed (its count and record): the decision's step period.
         self._previous: tuple[int, StepRecord] | None = None
-        # DiLoCo priced against the decision on the measured link (slipstream.lowcomm): a
+        # DiLoCo priced against the decision on the measured link (slipstream.network.lowcomm): a
         # recommendation only, auto never switches to it (it changes the optimisation).
         self.lowcomm: LowCommAdvice | None = None
         self.lowcomm_compute_from = ""  # how the step's compute was found: "measured" or "estimated"

@@ -19,14 +19,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..network.link import Link
+from ..process.timing import duration_s
 from .accounting import StepRecord
 from .compress import make_codec
 from .compress.base import Codec, ErrorFeedback, Layout, Wire, shard_of
 from .control import ControlWire
 from .options import SyncOptions
 from .policy import BucketInfo, FlatCost, HierarchicalCost, as_cost
-from ..link import Link
-from ..timing import duration_s
 
 # Timed runs of each candidate codec per bucket when auto decides (the first one, cold, is
 # dropped; the least of the others is kept, and the ranks agree on the least of theirs). One

@@ -30,7 +30,7 @@ class ControlWire:
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         if group is not None and dist.is_initialized():
             backend = str(dist.get_backend(group))
-            # The fake backend of a replacement healing in place (slipstream.heal) moves nothing
+            # The fake backend of a replacement healing in place (slipstream.resilience.heal) moves nothing
             # until the replacement joins; its control group is a gloo one from then on.
             if backend != "gloo" and not _replacement_pending():
                 raise ValueError(f"the control group must be a gloo group (CPU tensors), got backend {backend!r}")
@@ -54,7 +54,7 @@ class ControlWire:
 
 
 def _replacement_pending() -> bool:
-    from .. import heal
+    from ..resilience import heal
 
     return heal.on_fake_group()
 

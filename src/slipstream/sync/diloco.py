@@ -60,7 +60,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import ConfigError
-from ..link import allreduce_bytes
+from ..network.link import allreduce_bytes
 from .compress import make_codec
 from .compress.base import Wire
 from .compress.cast import Cast

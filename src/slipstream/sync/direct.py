@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..link import allreduce_bytes
-from ..timing import Mark
+from ..network.link import allreduce_bytes
+from ..process.timing import Mark
 from .accounting import StepRecord
 from .compress.base import Codec, Wire
 from .compress.cast import Cast

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..link import Link
+from ..network.link import Link
 from .control import ControlWire
 from .hierarchical import FlatReducer, Hierarchical
 from .levels import FLAT, HIERARCHICAL

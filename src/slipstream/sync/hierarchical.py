@@ -22,8 +22,8 @@ from collections.abc import Hashable
 
 import torch
 
+from ..network.link import allreduce_bytes
 from .compress.base import Codec, Layout, Piece, Wire, shard_of
-from ..link import allreduce_bytes
 from .topology import Groups
 
 

@@ -25,7 +25,7 @@ measurements), :mod:`.options` (every setting and its default).
 On GPUs the comm thread only *enqueues* on its own CUDA stream, after waiting
 on the device for the event the backward recorded when the bucket became ready;
 every time ``auto`` and the stats use comes from CUDA events
-(:mod:`slipstream.timing`), read back only where the host waits anyway.
+(:mod:`slipstream.process.timing`), read back only where the host waits anyway.
 Agreements between ranks go on the gloo control group
 (:class:`~.control.ControlWire`), data on the data groups (rule: :mod:`.topology`).
 
@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ..link import Link
-from ..timing import HostClock, Mark, clock_for
+from ..network.link import Link
+from ..process.timing import HostClock, Mark, clock_for
 from . import hook_state
 from .accounting import Ledger, StepRecord
 from .auto import AutoPolicy
@@ -260,7 +260,7 @@ class HookSync:
             self._queue.close()
             self._queue = None
 
-    # -- healing in place (slipstream.heal) -----------------------------------------------------
+    # -- healing in place (slipstream.resilience.heal) -----------------------------------------------------
     def leave(self) -> None:
         """The default group failed and was destroyed: stop the ordering thread (a job still queued
         fails at once, without a collective) and let go of every group this engine holds

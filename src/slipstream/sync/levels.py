@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..link import Link
+from ..network.link import Link
 from .policy import HierarchicalCost
 
 FLAT = "flat"

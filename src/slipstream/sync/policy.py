@@ -46,13 +46,12 @@ Example::
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..network.link import Link, allreduce_bytes
 from .compress.base import Codec, Layout, shard_of
 from .options import DEFAULTS
-from ..link import Link, allreduce_bytes
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..link import Link, allreduce_bytes
+from ..network.link import Link, allreduce_bytes
 
 
 def probe_link(
@@ -42,7 +42,7 @@ def probe_link(
     ``control``, a :class:`~slipstream.sync.control.ControlWire` (default: one
     over ``group``, which must then be a gloo group).
     """
-    from ..timing import clock_for, duration_s
+    from ..process.timing import clock_for, duration_s
     from .control import ControlWire
 
     device = torch.device(device)
@@ -140,7 +140,7 @@ def probe_both(g: Any, device: torch.device | str = "cpu", sizes_bytes: tuple[in
 
 
 def link_state(model: Any) -> dict[str, Any] | None:
-    """A probed link model (:class:`~slipstream.link.Link`, :class:`~.policy.FlatCost`,
+    """A probed link model (:class:`~slipstream.network.link.Link`, :class:`~.policy.FlatCost`,
     :class:`~.policy.HierarchicalCost`, :class:`~.levels.LevelLinks`) as plain data, for the
     sync state: a replacement healing in place takes its predecessor's figures instead of
     probing alone (every rank must decide from the same ones). None stays None.

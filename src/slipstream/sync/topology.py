@@ -20,11 +20,11 @@ The rule for which group and device every collective of the sync engine uses:
   on a data group fails on GPUs; and a figure computed on the host needs no
   trip to the device and back.
 
-Every group carries the run's collective timeout (:func:`slipstream.runtime.group_timeout`).
+Every group carries the run's collective timeout (:func:`slipstream.process.runtime.group_timeout`).
 
 Example::
 
-    topo = detect()                    # from the launcher's environment (slipstream.runtime)
+    topo = detect()                    # from the launcher's environment (slipstream.process.runtime)
     g = groups(topo)
     g.intra, g.inter                   # this rank's node group and its cross-node peer group
     g.control                          # gloo, CPU tensors: small agreements
@@ -77,7 +77,7 @@ class Topology:
 def detect(env: Mapping[str, str] | None = None) -> Topology:
     """Topology of this process, from the launcher's environment.
 
-    The environment is read by :func:`slipstream.runtime.detect_launch_env`
+    The environment is read by :func:`slipstream.process.runtime.detect_launch_env`
     (torchrun / ``slipstream run``, Slurm, MPI). Without a launcher there, the
     runtime :func:`slipstream.init` started, else the initialised process group
     (one node), else a single process.
@@ -86,7 +86,7 @@ def detect(env: Mapping[str, str] | None = None) -> Topology:
 
         detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}).node_rank  # 1
     """
-    from ..runtime import detect_launch_env, started
+    from ..process.runtime import detect_launch_env, started
 
     launch = detect_launch_env(env)
     if launch.launcher == "single" and dist.is_available() and dist.is_initialized():
@@ -125,7 +125,7 @@ def groups(topo: Topology | None = None) -> Groups:
     key = (id(dist.group.WORLD), topo)
     if key in _CACHE:
         return _CACHE[key]
-    from ..runtime import group_timeout
+    from ..process.runtime import group_timeout
 
     timeout = group_timeout()
     flat = dist.new_group(list(range(topo.world_size)), timeout=timeout)
@@ -147,8 +147,8 @@ def groups(topo: Topology | None = None) -> Groups:
 def _control_backend() -> str | None:
     """gloo; None (the default group's backend) in a replacement healing in place until it joined
     the survivors: its default group is a fake one there, and a gloo group would wait for peers
-    that are not making it (:meth:`slipstream.heal.Healer.side_group_backend`)."""
-    from .. import heal
+    that are not making it (:meth:`slipstream.resilience.heal.Healer.side_group_backend`)."""
+    from ..resilience import heal
 
     return heal.side_group_backend()
 

@@ -196,7 +196,7 @@ ATTRIBUTES = {
     "checkpoints": "the checkpoint manager when `checkpoint_dir` is set, else None",
     "healer": "under `slipstream run` with healing in place on (its default; `--no-heal` turns it off), when "
               "this run heals in place: the rank's "
-              "`slipstream.heal.Healer` (`heals`, `last_heal_s`, `generation`); else None",
+              "`slipstream.resilience.heal.Healer` (`heals`, `last_heal_s`, `generation`); else None",
 }
 
 
@@ -228,7 +228,7 @@ def render() -> str:
 
         Path("docs/reference.md").write_text(render())
     """
-    from .. import runtime
+    from ..process import runtime
     from ..train import accelerate
 
     lines = [

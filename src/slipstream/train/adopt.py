@@ -59,8 +59,8 @@ from .. import sync
 from ..config import TrainConfig, env_text, options_in_env
 from ..errors import ConfigError, SlipstreamError
 from ..fault import progress
-from ..log import CONSOLE
 from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_failure
+from ..log import CONSOLE
 from ..metrics import StepRecorder
 from ..parallel.activation_checkpointing import apply_activation_checkpointing
 from .bucket_order import fix_bucket_order
@@ -373,7 +373,7 @@ class Adopter:
         """The hang report for a collective that failed in the script (None when not one)."""
         if self.progress is None or self.recorder is None or not is_collective_failure(exc):
             return None
-        from ..runtime import group_timeout
+        from ..process.runtime import group_timeout
 
         return diagnose_hang(self.progress, exc, group_timeout().total_seconds(), self.recorder.run_dir)
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import heal
 from ..checkpoint import CheckpointManager
 from ..checkpoint.states import CallbackState, ModelOptimizerState, RNGState
 from ..config import TrainConfig
 from ..metrics import StepRecorder
-from ..runtime import Runtime
+from ..process.runtime import Runtime
+from ..resilience import heal
 from ..sync import SyncHandle
 
 

@@ -22,7 +22,7 @@ import torch
 from ..checkpoint import CheckpointManager
 from ..errors import EXIT_PREEMPTED
 from ..metrics import StepRecorder
-from ..runtime import Runtime
+from ..process.runtime import Runtime
 from . import resume
 
 

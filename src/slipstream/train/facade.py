@@ -44,8 +44,8 @@ from ..fault.progress import ProgressReporter, diagnose_hang, is_collective_fail
 from ..log import CONSOLE
 from ..metrics import StepRecorder
 from ..metrics.sinks import Sink
-from .. import heal
-from ..runtime import Runtime, current
+from ..process.runtime import Runtime, current
+from ..resilience import heal
 from ..sync import SyncHandle
 from . import adopt, healing, resume
 from .bookkeeping import new_recorder, open_checkpoints
@@ -396,7 +396,7 @@ class Accelerated:
         if self.progress is not None:
             self.progress.mark(phase, step)
 
-    # --- healing in place (slipstream run --heal; slipstream.heal) -------------------------------
+    # --- healing in place (slipstream run --heal; slipstream.resilience.heal) -------------------------------
     def _heal_or_raise(self, exc: BaseException) -> None:
         """Heal in place after a failed collective, or raise ``exc`` (diagnosed) when this run
         does not heal or ``exc`` is not a lost peer. After a heal the micro-step in hand is
@@ -568,7 +568,7 @@ def accelerate(
     adopt.mark_accelerate_called()  # under `slipstream run`, the options reach this loop
     # Healing in place goes back to the last in-memory snapshot: unless the user chose a cadence, it is
     # measured so that snapshots take under 1% of the step time (slipstream.checkpoint.cadence).
-    healer = runtime.healer  # the healing collaborator (slipstream.heal), when the launcher supervises this rank
+    healer = runtime.healer  # the healing collaborator (slipstream.resilience.heal), when the launcher supervises this rank
     snapshot_auto = healer is not None and config.checkpoint.snapshot_every_steps is None
     plain = config.is_plain_data_parallel(runtime.world_size)
     _check_inputs(model, optimizer, scheduler, extra_state, config, plain, healing=healer is not None)

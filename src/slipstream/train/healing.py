@@ -1,6 +1,6 @@
 """Healing in place, the training side: whether a run can, and the heal itself.
 
-Under ``slipstream run`` with healing on, a rank's :class:`~slipstream.heal.Healer` forms the
+Under ``slipstream run`` with healing on, a rank's :class:`~slipstream.resilience.heal.Healer` forms the
 default group again when a peer is lost; what holds the old group (the layout and its sync
 strategy, the metrics recorder, the snapshots' peer copy) must let go of it and take the new one,
 and every rank goes back to the last snapshot they all hold. :func:`heal_refusal` says why a run
@@ -22,12 +22,13 @@ import re
 import traceback
 from typing import Protocol
 
-from .. import heal, sync
+from .. import sync
 from ..checkpoint import CheckpointManager
 from ..config import TrainConfig
 from ..errors import ConfigError, TrainingFailed
 from ..metrics import StepRecorder
-from ..runtime import Runtime
+from ..process.runtime import Runtime
+from ..resilience import heal
 from .layout import Layout
 from .microsteps import MicroSteps
 

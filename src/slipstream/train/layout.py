@@ -65,7 +65,7 @@ class Layout(Protocol):
     dp_size: int
     """How many data-parallel ranks there are (global batch = per-rank batch * dp_size)."""
 
-    # --- healing in place (slipstream.heal): the facade calls these, in this order ------------
+    # --- healing in place (slipstream.resilience.heal): the facade calls these, in this order ------------
     def heal_refusal(self) -> str | None:
         """Why this layout cannot heal in place, in one line (None: it can). Deterministic:
         a replacement decides as its predecessor did."""

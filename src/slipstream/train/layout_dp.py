@@ -23,13 +23,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import heal, sync
+from .. import sync
 from ..checkpoint.states import ModelOptimizerState
 from ..config import TrainConfig
 from ..errors import ConfigError
 from ..fault import progress
 from ..parallel.activation_checkpointing import apply_activation_checkpointing
-from ..runtime import Runtime
+from ..process.runtime import Runtime
+from ..resilience import heal
 from .bucket_order import fix_bucket_order, fix_bucket_order_again
 from .layout import Pipeline
 from .microsteps import ForwardContext, count_inputs
@@ -135,14 +136,14 @@ class DataParallelLayout:
         """Nothing: DDP holds the default group alone, which the healer destroys (then :meth:`leave`)."""
 
     def leave(self) -> None:
-        """After the broken group was destroyed (healing in place, :meth:`slipstream.heal.Healer.leave`):
+        """After the broken group was destroyed (healing in place, :meth:`slipstream.resilience.heal.Healer.leave`):
         DDP lets go of it for the fake default group, so its sockets close and no peer waits on them."""
         self.model._update_process_group(dist.group.WORLD)
         if self.sync is not None:
             self.sync.leave()  # the strategy's own groups (sync.SyncHandle.leave)
 
     def rejoined(self) -> None:
-        """After the default group was formed again (healing in place, :mod:`slipstream.heal`):
+        """After the default group was formed again (healing in place, :mod:`slipstream.resilience.heal`):
         DDP moves onto the new group and rebuilds its buckets in the run's order. Collective."""
         self.model._update_process_group(dist.group.WORLD)  # DDP's own hook for this; the comm hook stays
         if self.sync is not None:

@@ -53,7 +53,7 @@ from ..log import CONSOLE
 from ..parallel import ParallelDims, Parallelized, build_schedule, parallelize
 from ..parallel.fully_shard import release_groups, repoint_groups, reset_after_failure
 from ..parallel.host_gather import HostGather
-from ..runtime import Runtime
+from ..process.runtime import Runtime
 from ..sync import SyncHandle
 from .layout import LossFn
 from .mesh_norm import GRAD_DIMS, local_square_sums, sharded_dims
@@ -263,7 +263,7 @@ class MeshLayout:
         return sync.apply_to_replicas(config.sync.strategy, self.module, dims.mesh.get_group("dp_replicate"),
                                       **config.sync.options)
 
-    # --- healing in place (slipstream.heal; the Layout protocol's healing interface) ------------
+    # --- healing in place (slipstream.resilience.heal; the Layout protocol's healing interface) ------------
     def heal_refusal(self) -> str | None:
         """Why this layout cannot heal in place (None: it can): pipeline parallelism (its schedule
         and stages keep point-to-point groups of their own, not formed again yet), and ``diloco``

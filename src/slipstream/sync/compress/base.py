@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...link import all_gather_bytes, allreduce_bytes, reduce_scatter_bytes
+from ...network.link import all_gather_bytes, allreduce_bytes, reduce_scatter_bytes
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ class Wire:
     """Collectives on one process group that count the bytes this rank sends.
 
     Byte counts are the payload a bandwidth-optimal algorithm sends per rank
-    (the ring formulas of :mod:`slipstream.link`): all-reduce 2(n-1)/n * S,
+    (the ring formulas of :mod:`slipstream.network.link`): all-reduce 2(n-1)/n * S,
     all-gather (n-1) * S_local, reduce-scatter (n-1)/n * S. Protocol headers (TCP/IP) come on top; the accounting test
     compares these figures with the interface counters.
     """

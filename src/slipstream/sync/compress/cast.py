@@ -16,7 +16,7 @@ from collections.abc import Hashable
 
 import torch
 
-from ...link import allreduce_bytes
+from ...network.link import allreduce_bytes
 from .base import Codec, Layout, Wire
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ...link import allreduce_bytes
+from ...network.link import allreduce_bytes
 from .base import ErrorFeedback, Layout, Piece, Wire, all_finite, host_reads_flags, key_parse, key_str, param_units
 
 

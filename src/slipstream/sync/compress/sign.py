@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...link import all_gather_bytes
+from ...network.link import all_gather_bytes
 from .base import ErrorFeedback, Layout, Wire, all_finite
 
 _SHIFTS = torch.arange(8, dtype=torch.uint8)

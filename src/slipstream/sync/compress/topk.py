@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from ...link import all_gather_bytes
+from ...network.link import all_gather_bytes
 from .base import ErrorFeedback, Layout, Wire, all_finite
-
 
 # Device types where select() may take the sampled threshold: there the count check reads
 # a value on the host, which stalls nothing. Elsewhere (CUDA) torch.topk is fast, and

@@ -32,10 +32,11 @@ from typing import Mapping, NoReturn
 import torch
 import torch.distributed as dist
 
-from . import gloo_exit, gloo_interface, heal
-from .errors import ConfigError, SlipstreamError, TrainingFailed
+from ..errors import ConfigError, SlipstreamError, TrainingFailed
+from ..resilience import heal
+from ..resilience.snapshot_dirs import restart_count
+from . import gloo_exit, gloo_interface
 from .gpu_binding import GpuClaim, agree_gpu_binding, refuse_shared_gpus, visible_gpus  # noqa: F401 - re-exported
-from .snapshot_dirs import restart_count
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class Runtime:
     device: torch.device
     timeout_s: float = 600.0
     healer: heal.Healer | None = None
-    """This rank's side of healing in place (:mod:`slipstream.heal`) when the launcher supervises it
+    """This rank's side of healing in place (:mod:`slipstream.resilience.heal`) when the launcher supervises it
     (``slipstream run``, on by default): ``accelerate()`` hands it to what must take part in a
     heal. None when the run cannot heal (one rank, another launcher, ``--no-heal``)."""
 
@@ -387,7 +388,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
         # On NCCL a hung collective ends in the watchdog's SIGABRT, never in Python:
         # torch's flight recorder dumps every rank's last collectives instead, into
         # the run directory, where the launcher names the stalled rank.
-        from .fault.flight_recorder import configure_flight_recorder
+        from ..fault.flight_recorder import configure_flight_recorder
 
         os.environ.update(configure_flight_recorder(os.environ.get("SLIPSTREAM_RUN_DIR")))
     healer = None
@@ -414,7 +415,7 @@ def init(backend: str | None = None, timeout_s: float | None = None, device: str
 
 def _form_healing_group(launch: LaunchEnv, backend: str, where: torch.device,
                         timeout: datetime.timedelta) -> heal.Healer:
-    """The first default group under ``slipstream run --heal`` (:mod:`slipstream.heal`): generation 0
+    """The first default group under ``slipstream run --heal`` (:mod:`slipstream.resilience.heal`): generation 0
     through the launcher's store, or, in a replacement, the fake group until ``accelerate()``."""
     try:
         healer = heal.from_env(launch.rank, launch.world_size, backend, timeout, restart_count(), device=where)
@@ -486,7 +487,7 @@ def exit_on_error(exc: SlipstreamError) -> NoReturn:
     (TORCHELASTIC_ERROR_FILE), which the elastic agent reads back: that is how
     the launcher repeats it in its final report. ``os._exit``: the
     interpreter's teardown can abort a gloo rank (see
-    :mod:`slipstream.gloo_exit`) and turn exit 2 into SIGABRT.
+    :mod:`slipstream.process.gloo_exit`) and turn exit 2 into SIGABRT.
 
     Example::
 
@@ -575,7 +576,7 @@ def shutdown(exit_code: int | None = None) -> None:
     ``exit_code``: end the process right after, with that status, without the
     interpreter's teardown. A script's last line may use it; scripts that
     exit normally are covered too, by the exit wait :func:`init` installs
-    for gloo (:mod:`slipstream.gloo_exit`, where torch 2.13 can abort a
+    for gloo (:mod:`slipstream.process.gloo_exit`, where torch 2.13 can abort a
     finished rank in teardown).
 
     Example::

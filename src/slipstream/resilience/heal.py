@@ -58,9 +58,9 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError, TrainingFailed
+from ..log import CONSOLE
 from . import heal_env
-from .errors import ConfigError, TrainingFailed
-from .log import CONSOLE
 from .snapshot_dirs import restart_count
 
 ENV_HEAL = heal_env.HEAL

@@ -23,7 +23,7 @@ import os
 import socket
 from typing import Mapping, Sequence
 
-from .log import CONSOLE
+from ..log import CONSOLE
 
 log = logging.getLogger(__name__)
 

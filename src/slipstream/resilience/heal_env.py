@@ -1,7 +1,7 @@
 """The environment of healing in place (``slipstream run --heal``): torch-free, for the supervisor.
 
 The supervisor (:mod:`slipstream.launch.supervisor`) must start in milliseconds and never
-import torch; the training side (:mod:`slipstream.heal`) reads the same names.
+import torch; the training side (:mod:`slipstream.resilience.heal`) reads the same names.
 """
 
 HEAL = "SLIPSTREAM_HEAL"

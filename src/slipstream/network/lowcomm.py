@@ -48,7 +48,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .link import Link
 
 LOW_UTILISATION = 0.5
@@ -172,7 +172,7 @@ def outer_bytes(numel: int, itemsize: int, setting: DilocoSetting) -> float:
 def estimate(compute_s: float, numel: int, itemsize: int, link: Link, ranks: int,
              setting: DilocoSetting) -> DilocoEstimate:
     """The step of ``setting`` for a model of ``numel`` parameters of ``itemsize`` bytes over
-    ``ranks`` replicas on ``link`` (a measured :class:`~slipstream.link.Link` or one from a network
+    ``ranks`` replicas on ``link`` (a measured :class:`~slipstream.network.link.Link` or one from a network
     SPEC), with ``compute_s`` the step's own compute. Pure.
 
     >>> e = estimate(0.1, 1_000_000, 4, Link(12.5e6, 0.04, 0.8), 2, DilocoSetting(10))

@@ -1,6 +1,6 @@
 """One GPU per rank under NCCL: which GPUs a process sees, and two ranks on one device refused.
 
-Split from runtime.py: :func:`slipstream.runtime.init` reads the visible GPUs through
+Split from runtime.py: :func:`slipstream.process.runtime.init` reads the visible GPUs through
 :func:`visible_gpus` (tests replace it to fake a machine) and, after the group starts,
 exchanges each rank's :class:`GpuClaim` with :func:`agree_gpu_binding`, so per-task
 binding (``srun --gpus-per-task=1``, a CUDA_VISIBLE_DEVICES per rank) is accepted and
@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def visible_gpus() -> tuple[str, ...]:

@@ -4,7 +4,7 @@ The snapshots themselves are :mod:`slipstream.checkpoint.snapshots` (which impor
 DCP). The launcher deletes its workers' snapshots at exit and those of launchers that are gone
 at start, and must not pay for importing the checkpoint package to do so (measured: 1.5 s
 more per ``slipstream run`` on this machine, 4.6 s under load), so the directory layout's root
-and the sweep live here, at the bottom of the layers with :mod:`slipstream.pids`.
+and the sweep live here, at the bottom of the layers with :mod:`slipstream.resilience.pids`.
 
 Example::
 
