@@ -5,8 +5,10 @@ environment is set (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR/PORT), so ``slipstream.init()`` inside it joins the group. With
 ``local_world_size`` smaller than the world, ranks are laid out as several
 "nodes" of that many ranks each (what the hierarchical sync tests need).
-Processes are started with ``spawn``, so ``fn`` must be importable at the top
-level of a module under ``tests/`` (``tests.<package>.<module>``).
+Processes are forked from a ``forkserver`` that imported torch once (see
+``PRELOAD``), so a rank starts without paying torch's import again; ``fn`` must be
+importable at the top level of a module under ``tests/`` (``tests.<package>.<module>``).
+Each rank gets the caller's environment as it is at the call, as under ``spawn``.
 
 Example::
 
@@ -32,7 +34,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, local_world_size, port, extra_env, args, results) -> None:
+# What the forkserver imports once, before it forks any rank: torch and what every rank of
+# these tests imports next (DistributedDataParallel imports torch._dynamo in its constructor,
+# 1.9 s of CPU; the checkpoint package imports DCP). Measured on 2 cores: a spawned rank spent
+# 3-6 s of CPU before its first line, most of it these imports, and the suite starts hundreds.
+# No slipstream module: one that read the environment at import would read the server's.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "numpy", "pytest"]
+
+
+def _context() -> Any:
+    """A forkserver context with PRELOAD imported in the server. The server forks before any
+    rank has run a thread pool or a collective, so the forked ranks start clean."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+class _CallersFd:
+    """The caller's stdout or stderr, sent to the rank (a forked rank holds the forkserver's,
+    from its start; a test that reads its ranks' output with capfd needs the caller's)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return (_detach, (reduction.DupFd(self.fd),))
+
+
+def _detach(dup: Any) -> int:
+    return dup.detach()
+
+
+def _entry(fn, rank, world_size, local_world_size, port, caller, extra_env, args, results) -> None:
+    caller_env, caller_out, caller_err = caller
+    os.dup2(caller_out, 1)
+    os.dup2(caller_err, 2)
+    os.close(caller_out)
+    os.close(caller_err)
+    # A forked rank holds the forkserver's environment (from its start); give it the caller's.
+    os.environ.clear()
+    os.environ.update(caller_env)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -93,11 +136,13 @@ def run_ranks(
     local_world_size = local_world_size or world_size
     if world_size % local_world_size:
         raise ValueError(f"world_size({world_size}) is not a multiple of local_world_size({local_world_size})")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
+    caller = (dict(os.environ), _CallersFd(1), _CallersFd(2))
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, local_world_size, port, env or {}, args, results), daemon=True)
+        ctx.Process(target=_entry, args=(fn, r, world_size, local_world_size, port, caller, env or {}, args, results),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
