@@ -119,7 +119,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem):  # noqa: ANN001, ANN20
     yield
     if state is None:
         return
-    left = {pid: cmd for pid, cmd in _marked_processes(state.marker).items() if pid not in state.before}
+    # The harness's forkserver and multiprocessing's resource tracker live for the session: the
+    # first test that starts them did not leak them.
+    left = {pid: cmd for pid, cmd in _marked_processes(state.marker).items()
+            if pid not in state.before and not OWN_HELPERS.search(cmd)}
     if left:
         state.leftover_tests += 1
         with open(state.root / "leftovers.txt", "a") as f:
